@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+""":"
+# titanlike launcher. This file is valid bash *and* valid Python:
+#   ./run_train.sh [--section.key value ...]          bash: starts torchrun on this very file
+#   torchrun --nproc_per_node=8 run_train.sh [...]    torchrun runs it with Python: trains
+# Environment (bash mode): NGPU (default: visible GPUs, or 1), CONFIG_FILE (default
+# train_configs/debug_model.toml), NNODES, NODE_RANK, RDZV_ENDPOINT, RDZV_ID for several nodes,
+# LOG_RANK (which rank logs, default 0), PYTHON (default python3).
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PYTHON="${PYTHON:-python3}"
+if [ -z "${NGPU:-}" ]; then
+  NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  [ "${NGPU:-0}" -ge 1 ] 2>/dev/null || NGPU=1
+fi
+CONFIG_FILE="${CONFIG_FILE:-$here/train_configs/debug_model.toml}"
+NNODES="${NNODES:-1}"
+if [ "$NNODES" -gt 1 ]; then
+  rdzv=(--nnodes="$NNODES" --rdzv_backend=c10d --rdzv_endpoint="${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port of node 0}" --rdzv_id="${RDZV_ID:-titanlike}")
+else
+  rdzv=(--standalone --nnodes=1)
+fi
+export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$([ "$NGPU" -gt 1 ] && echo 1 || nproc)}"
+exec "$PYTHON" -m torch.distributed.run "${rdzv[@]}" --nproc_per_node="$NGPU" \
+  "$here/run_train.sh" --job.config_file "$CONFIG_FILE" "$@"
+":"""
+# Python mode (under torchrun): the repository root is this file's folder, so the package imports.
+import sys
+
+from titanlike.train import main
+
+sys.exit(main())

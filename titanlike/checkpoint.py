@@ -1,0 +1,337 @@
+"""Distributed checkpoints you can trust: save, async save, exact resume, resharding, preemption.
+
+Layout under the checkpoint folder:
+
+    step-200/        a complete checkpoint (DCP files + model_args.json)
+    step-300.tmp/    a save in progress, or one a crash interrupted: never loaded, reported
+
+A save writes into `step-N.tmp` and becomes `step-N` by one atomic rename, done by rank 0 only
+after DCP has written the metadata, which it does after every rank has finished writing. So a
+`step-N` folder is always complete, and an interrupted save cannot touch older checkpoints.
+
+What a checkpoint holds: the model and optimizer (sharded, through DCP's get_state_dict, so
+any world size can load them: DCP reshards on load), the LR scheduler, the step and tokens
+seen, and per rank the data-loader position and the RNG states. When the data-parallel world
+size changes on resume, the per-rank parts cannot apply; the data position is then derived from
+the step, which gives the same samples (see data.py: a step's samples do not depend on ranks).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pickle
+import random
+import re
+import shutil
+import signal
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from titanlike.errors import UserError
+
+logger = logging.getLogger("titanlike")
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+TMP_DIR = re.compile(r"^step-(\d+)\.tmp$")
+
+
+class CheckpointError(UserError):
+    pass
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    tokens_seen: int = 0
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _plain_tensors(sd: dict) -> dict:
+    """Float8 all-gather wraps weights in a tensor subclass; checkpoints hold plain tensors."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, DTensor) and type(v._local_tensor) is not torch.Tensor and hasattr(v._local_tensor, "_tensor"):
+            v = DTensor.from_local(v._local_tensor._tensor, v.device_mesh, v.placements,
+                                   shape=v.shape, stride=v.stride(), run_check=False)
+        elif type(v) is not torch.Tensor and isinstance(v, torch.Tensor) and hasattr(v, "_tensor"):
+            v = v._tensor
+        out[k] = v
+    return out
+
+
+class Checkpointer:
+    """Saves and restores the trainer's state; the trainer calls it, it never calls the trainer."""
+
+    def __init__(self, cfg, dump_folder: str, trainer, is_main: bool):
+        self.cfg = cfg
+        self.trainer = trainer
+        self.is_main = is_main
+        self.folder = cfg.folder if os.path.isabs(cfg.folder) else os.path.join(dump_folder, cfg.folder)
+        self.sharded = dist.is_initialized()
+        self.rank = dist.get_rank() if self.sharded else 0
+        self.pending: tuple[int, object] | None = None  # (step, future) of an async save in flight
+        self._preempt_signal: int | None = None
+        # Background saves and the preemption vote run their collectives on a CPU group, so they
+        # never queue behind (or block) the training step's NCCL work.
+        self.cpu_group = dist.new_group(backend="gloo") if self.sharded else None
+
+    # ---- paths --------------------------------------------------------------------------------
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.folder, f"step-{step}")
+
+    def complete_steps(self) -> list[int]:
+        if not os.path.isdir(self.folder):
+            return []
+        return sorted(int(m.group(1)) for m in map(STEP_DIR.match, os.listdir(self.folder)) if m)
+
+    def incomplete_steps(self) -> list[int]:
+        if not os.path.isdir(self.folder):
+            return []
+        return sorted(int(m.group(1)) for m in map(TMP_DIR.match, os.listdir(self.folder)) if m)
+
+    # ---- what is saved ------------------------------------------------------------------------------
+
+    def _model_sd(self) -> dict:
+        return _plain_tensors(get_model_state_dict(self.trainer.model))
+
+    def _state_dict(self) -> dict:
+        t = self.trainer
+        per_rank = {"dataloader": t.loader.state_dict(), "rng": _rng_state()}
+        return {
+            "model": self._model_sd(),
+            "optimizer": get_optimizer_state_dict(t.model, t.optimizer),
+            "lr_scheduler": t.scheduler.state_dict(),
+            "train_state": {**asdict(t.state), "dp_world": t.dims.dp, "global_batch": t.global_batch},
+            # Unique per rank; pickled to bytes so DCP stores them as opaque objects.
+            f"rank{self.rank}": pickle.dumps(per_rank),
+        }
+
+    # ---- saving ----------------------------------------------------------------------------------
+
+    def due(self, step: int, last: bool) -> bool:
+        return self.cfg.enable and (step % self.cfg.interval == 0 or last)
+
+    def save(self, step: int, final: bool = False) -> None:
+        self._complete_pending()  # one save in flight at a time
+        tmp = self.step_dir(step) + ".tmp"
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt at this step that died
+            os.makedirs(tmp)
+            with open(os.path.join(tmp, "model_args.json"), "w") as f:
+                json.dump(asdict(self.trainer.margs), f)
+        self._barrier()
+        state = self._state_dict()
+        use_async = self.cfg.async_mode != "disabled" and not final
+        try:
+            if use_async:
+                self.pending = (step, self._async_save(state, tmp))
+            else:
+                dcp.save(state, checkpoint_id=tmp, process_group=self.cpu_group)
+                self._publish(step)
+        except Exception as e:
+            self._fail(step, e)
+
+    def _async_save(self, state: dict, tmp: str):
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        kwargs: dict = {"checkpoint_id": tmp, "process_group": self.cpu_group}
+        if self.cfg.async_mode == "async_with_pinned_mem":
+            # A separate process writes from pinned host buffers: the step only waits for the copy
+            # from GPU to host, which runs at PCIe speed.
+            kwargs["async_checkpointer_type"] = AsyncCheckpointerType.PROCESS
+            try:
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+                kwargs["async_stager"] = DefaultStager(StagingOptions(True, True, True, True))
+            except ImportError:
+                pass
+        result = dcp.async_save(state, **kwargs)
+        # Newer torch returns a response holding both the staging and the upload futures.
+        return getattr(result, "upload_completion", result)
+
+    def _complete_pending(self) -> None:
+        if self.pending is None:
+            return
+        step, future = self.pending
+        self.pending = None
+        try:
+            future.result()
+        except Exception as e:
+            self._fail(step, e)
+        self._publish(step)
+
+
+    def _publish(self, step: int) -> None:
+        """All ranks have written: make the checkpoint visible, then prune old ones."""
+        self._barrier()
+        if self.is_main:
+            final = self.step_dir(step)
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.replace(final + ".tmp", final)
+            logger.info(f"checkpoint saved: {final}")
+            if self.cfg.keep_latest_k:
+                for old in self.complete_steps()[: -self.cfg.keep_latest_k]:
+                    shutil.rmtree(self.step_dir(old), ignore_errors=True)
+        self._barrier()
+
+    def _fail(self, step: int, e: Exception) -> None:
+        if self.is_main:
+            shutil.rmtree(self.step_dir(step) + ".tmp", ignore_errors=True)
+        previous = [s for s in self.complete_steps() if s != step]
+        kept = f"the previous checkpoint {self.step_dir(previous[-1])} is intact" if previous else "no earlier checkpoint exists"
+        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "No space left" in str(e):
+            cause = "No space left on device"
+        raise CheckpointError(f"saving the checkpoint of step {step} to {self.folder} failed ({cause}); {kept}") from None
+
+    def finish(self) -> None:
+        """Wait for a background save to land (end of run, preemption)."""
+        self._complete_pending()
+
+    def _barrier(self) -> None:
+        if self.sharded:
+            dist.barrier(group=self.cpu_group)
+
+    # ---- loading -----------------------------------------------------------------------------------
+
+    def load_or_initialize(self) -> None:
+        """Resume from a checkpoint if there is one; else start from checkpoint.initial_load_path, if set."""
+        if not self.cfg.enable:
+            if self.cfg.initial_load_path:
+                self.load_weights(self.cfg.initial_load_path)
+            return
+        for step in self.incomplete_steps():
+            if self.is_main:
+                logger.warning(f"ignoring {self.step_dir(step)}.tmp: a save that never completed")
+        steps = self.complete_steps()
+        if self.cfg.load_step >= 0:
+            if self.cfg.load_step not in steps:
+                have = ", ".join(map(str, steps)) or "none"
+                raise CheckpointError(
+                    f"checkpoint.load_step = {self.cfg.load_step}: no complete checkpoint {self.step_dir(self.cfg.load_step)} "
+                    f"(complete steps in {self.folder}: {have})"
+                )
+            self.load(self.cfg.load_step)
+        elif steps:
+            self.load(steps[-1])
+        elif self.cfg.initial_load_path:
+            self.load_weights(self.cfg.initial_load_path)
+
+    def _check_model_shape(self, path: str) -> None:
+        """Name the first mismatching parameter rather than let DCP fail deep inside."""
+        meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        for name, tensor in get_model_state_dict(self.trainer.model).items():
+            saved = meta.get(f"model.{name}")
+            if saved is None:
+                raise CheckpointError(f"{path} has no parameter {name}: it was saved from a different model")
+            if tuple(saved.size) != tuple(tensor.shape):
+                raise CheckpointError(
+                    f"{path} was saved from a different model shape: {name} is {tuple(saved.size)} there, "
+                    f"{tuple(tensor.shape)} here (check --model.flavor / --model.vocab_size)"
+                )
+
+    def load(self, step: int) -> None:
+        t = self.trainer
+        path = self.step_dir(step)
+        self._check_model_shape(path)
+        state = {
+            "model": self._model_sd(),
+            "optimizer": get_optimizer_state_dict(t.model, t.optimizer),
+            "lr_scheduler": t.scheduler.state_dict(),
+            "train_state": {**asdict(t.state), "dp_world": 0, "global_batch": 0},
+        }
+        dcp.load(state, checkpoint_id=path, process_group=self.cpu_group)
+        set_model_state_dict(t.model, state["model"])
+        set_optimizer_state_dict(t.model, t.optimizer, state["optimizer"])
+        t.scheduler.load_state_dict(state["lr_scheduler"])
+        ts = state["train_state"]
+        t.state.step, t.state.tokens_seen = int(ts["step"]), int(ts["tokens_seen"])
+        if int(ts["global_batch"]) != t.global_batch:
+            raise CheckpointError(
+                f"{path} was trained with global batch {ts['global_batch']}, this run has {t.global_batch}: "
+                f"resume with --training.global_batch_size {ts['global_batch']} (the LR schedule and data order depend on it)"
+            )
+        if int(ts["dp_world"]) == t.dims.dp:
+            per_rank = {f"rank{self.rank}": b""}
+            dcp.load(per_rank, checkpoint_id=path, process_group=self.cpu_group)
+            restored = pickle.loads(per_rank[f"rank{self.rank}"])
+            t.loader.load_state_dict(restored["dataloader"])
+            _set_rng_state(restored["rng"])
+            how = "data position and RNG restored"
+        else:
+            # Another world size: the per-rank states do not map; the step fixes the data position.
+            t.loader.batch_sampler.start_step = t.state.step
+            how = f"saved on {ts['dp_world']} data-parallel ranks, now {t.dims.dp}: data position from the step"
+        if self.is_main:
+            logger.info(f"resumed from {path} at step {t.state.step} ({how})")
+
+    def load_weights(self, path: str) -> None:
+        """Model weights only, for a new run: from a checkpoint step folder or a safetensors export."""
+        t = self.trainer
+        if os.path.isfile(os.path.join(path, ".metadata")):
+            self._check_model_shape(path)
+            state = {"model": self._model_sd()}
+            dcp.load(state, checkpoint_id=path, process_group=self.cpu_group)
+            set_model_state_dict(t.model, state["model"])
+        else:
+            from titanlike.interchange import read_hf_folder
+
+            full = read_hf_folder(path, t.margs)
+            set_model_state_dict(t.model, full, options=StateDictOptions(full_state_dict=True))
+        if self.is_main:
+            logger.info(f"initial weights loaded from {path}")
+
+    # ---- preemption ---------------------------------------------------------------------------------
+
+    def install_preemption_handlers(self) -> None:
+        def handler(signum, frame):
+            self._preempt_signal = signum
+
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, handler)
+
+    def preemption_requested(self) -> bool:
+        """True on every rank once any rank got SIGTERM/SIGUSR1: they must stop at the same step.
+
+        One small all-reduce on the CPU group per step also tells whether every rank has finished
+        writing a background save, so that all of them publish it at the same step.
+        """
+        writing = self.pending is not None and not self.pending[1].done()
+        flags = torch.tensor([int(self._preempt_signal is not None), int(writing)])
+        if self.sharded:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        if self.pending is not None and not flags[1]:
+            self._complete_pending()
+        return bool(flags[0])

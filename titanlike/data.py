@@ -1,0 +1,259 @@
+"""Tokens in, batches out: the byte tokenizer, the token-shard format, sampling and loading.
+
+Shard format (little-endian), one file per shard, read by memory map:
+
+    offset  size  field
+    0       8     magic b"TLSHARD\\0"
+    8       4     version (uint32) = 1
+    12      4     bytes per token (uint32): 2 (uint16) or 4 (uint32)
+    16      8     token count (uint64)
+    24      8     largest token id in the shard (uint64), so a vocabulary check is O(1)
+    32      ...   the tokens
+
+Sampling is defined on the *global* sample sequence: optimizer step s consumes global positions
+[s·B, (s+1)·B) of a per-epoch pseudo-random permutation of all windows (B = global batch).
+Each data-parallel rank takes its own slice of every micro-batch. The samples of a step are
+therefore the same whatever the number of ranks, which is what lets a checkpoint resume at a
+different world size with the data order of the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Iterator
+
+import warnings
+
+import numpy as np
+import torch
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+# torchdata calls an API that torch deprecated; the warning says nothing to our users.
+warnings.filterwarnings("ignore", message=".*set_vital.*")
+
+from titanlike.errors import UserError
+
+MAGIC = b"TLSHARD\0"
+VERSION = 1
+HEADER = struct.Struct("<8sIIQQ")  # magic, version, bytes/token, count, max token id
+assert HEADER.size == 32
+
+
+class DataError(UserError):
+    pass
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are tokens 0..255; 256 begins and 257 ends a document. Needs no download."""
+
+    bos_id, eos_id, vocab_size = 256, 257, 258
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+
+# ---- shards -------------------------------------------------------------------------------
+
+
+def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
+    """Write tokens as one shard, atomically (a reader never sees a half-written file)."""
+    tokens = np.asarray(tokens)
+    max_id = int(tokens.max()) if tokens.size else 0
+    dtype = np.uint16 if max_id < 2**16 else np.uint32
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(HEADER.pack(MAGIC, VERSION, np.dtype(dtype).itemsize, tokens.size, max_id))
+        f.write(tokens.astype(dtype, copy=False).tobytes())
+    os.replace(tmp, path)
+
+
+class Shard:
+    """A memory-mapped token shard with its header checked."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        try:
+            size = os.path.getsize(self.path)
+            with open(self.path, "rb") as f:
+                head = f.read(HEADER.size)
+        except OSError as e:
+            raise DataError(f"cannot read token shard {self.path}: {e.strerror}") from None
+        if len(head) < HEADER.size or head[:8] != MAGIC:
+            raise DataError(
+                f"{self.path} is not a token shard (bad magic); make shards with scripts/prepare_data.py"
+            )
+        _, version, width, count, max_id = HEADER.unpack(head)
+        if version != VERSION:
+            raise DataError(f"{self.path}: shard format version {version}, this titanlike reads version {VERSION}")
+        if width not in (2, 4):
+            raise DataError(f"{self.path}: {width} bytes per token in the header; valid: 2 (uint16) or 4 (uint32)")
+        if size < HEADER.size + width * count:
+            raise DataError(
+                f"{self.path} is truncated: the header promises {count} tokens "
+                f"({HEADER.size + width * count} bytes), the file has {size} bytes"
+            )
+        if width == 2 and max_id >= 2**16:
+            raise DataError(f"{self.path}: largest token id {max_id} does not fit the shard's uint16 tokens")
+        self.count, self.max_id = count, max_id
+        self.tokens = np.memmap(self.path, dtype=np.uint16 if width == 2 else np.uint32, mode="r",
+                                offset=HEADER.size, shape=(count,))
+
+
+def find_shards(path: str) -> list[Shard]:
+    p = Path(path)
+    files = sorted(p.glob("*.bin")) if p.is_dir() else [p]
+    if not files:
+        raise DataError(f"data folder {path} holds no *.bin token shards; make them with scripts/prepare_data.py")
+    return [Shard(f) for f in files]
+
+
+# ---- the embedded default corpus ------------------------------------------------------------
+
+
+def stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
+
+
+def build_default_corpus(cache_dir: str) -> tuple[str, str]:
+    """Shards made once from this Python's standard library sources: (train, validation).
+
+    Every 50th file is held out for validation, so validation text was never trained on.
+    The cache is keyed by the Python version, whose standard library it reads.
+    """
+    tag = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    train, val = Path(cache_dir) / f"stdlib-{tag}-train.bin", Path(cache_dir) / f"stdlib-{tag}-val.bin"
+    if train.exists() and val.exists():
+        return str(train), str(val)
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    tok = ByteTokenizer()
+    parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
+    sep = np.array([tok.eos_id, tok.bos_id], dtype=np.uint16)
+    for i, f in enumerate(stdlib_files()):
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        parts["val" if i % 50 == 0 else "train"] += [tok.encode(text), sep]
+    # Ranks may race here; each writes the same bytes and renames atomically, so any winner is right.
+    write_shard(train, np.concatenate(parts["train"]))
+    write_shard(val, np.concatenate(parts["val"]))
+    return str(train), str(val)
+
+
+# ---- datasets and sampling --------------------------------------------------------------------
+
+
+class TokenWindows(torch.utils.data.Dataset):
+    """Non-overlapping windows of seq_len + 1 tokens (inputs and next-token targets) over shards."""
+
+    def __init__(self, shards: list[Shard], seq_len: int):
+        self.shards, self.seq_len = shards, seq_len
+        per_shard = [max(0, (s.count - 1) // seq_len) for s in shards]
+        self.offsets = np.cumsum([0] + per_shard)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        shard = int(np.searchsorted(self.offsets, index, side="right")) - 1
+        start = (index - int(self.offsets[shard])) * self.seq_len
+        window = self.shards[shard].tokens[start : start + self.seq_len + 1]
+        return torch.from_numpy(window.astype(np.int64))
+
+
+class GlobalBatchSampler:
+    """Yields this rank's micro-batches of window indices, forever, epoch after epoch.
+
+    Global position p maps to window perm_e(p mod N) with e = p div N; the permutation of an
+    epoch is the affine map i -> (a·i + c) mod N with a coprime to N, drawn from (seed, epoch):
+    O(1) memory for any corpus size, and neighbouring positions land far apart.
+    """
+
+    def __init__(self, num_windows: int, local_batch: int, global_batch: int, dp_rank: int,
+                 dp_world: int, seed: int, start_step: int = 0):
+        self.n, self.local, self.global_batch = num_windows, local_batch, global_batch
+        self.rank, self.world, self.seed, self.start_step = dp_rank, dp_world, seed, start_step
+        self.accum = global_batch // (local_batch * dp_world)
+        self._epoch_maps: dict[int, tuple[int, int]] = {}
+
+    def _affine(self, epoch: int) -> tuple[int, int]:
+        if epoch not in self._epoch_maps:
+            rng = np.random.default_rng([self.seed, epoch])
+            while True:
+                a = int(rng.integers(1, max(2, self.n)))
+                if math.gcd(a, self.n) == 1:
+                    break
+            self._epoch_maps = {epoch: (a, int(rng.integers(0, self.n)))}
+        return self._epoch_maps[epoch]
+
+    def window(self, position: int) -> int:
+        epoch, i = divmod(position, self.n)
+        a, c = self._affine(epoch)
+        return (a * i + c) % self.n
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.start_step
+        while True:
+            for micro in range(self.accum):
+                base = step * self.global_batch + (micro * self.world + self.rank) * self.local
+                yield [self.window(base + j) for j in range(self.local)]
+            step += 1
+
+
+def validation_batches(dataset: TokenWindows, local_batch: int, dp_rank: int, dp_world: int,
+                       steps: int) -> Iterator[torch.Tensor]:
+    """The same leading windows every time, split across ranks; wraps around a small set."""
+    for micro in range(steps):
+        base = (micro * dp_world + dp_rank) * local_batch
+        yield torch.stack([dataset[(base + j) % len(dataset)] for j in range(local_batch)])
+
+
+# ---- building it all from the config ------------------------------------------------------------
+
+
+def resolve_paths(data_path: str, val_path: str, dump_folder: str) -> tuple[str, str]:
+    """(train, validation) shard paths; the embedded corpus when data.path is empty."""
+    if not data_path:
+        return build_default_corpus(os.path.join(dump_folder, "corpus"))
+    return data_path, val_path
+
+
+def open_dataset(path: str, seq_len: int, vocab_size: int, what: str) -> TokenWindows:
+    if not os.path.exists(path):
+        raise DataError(f"{what} = {path!r}: no such file or folder")
+    shards = find_shards(path)
+    for s in shards:
+        if s.max_id >= vocab_size:
+            raise DataError(
+                f"{s.path} holds token id {s.max_id} but the model's vocabulary has {vocab_size} ids; "
+                f"set --model.vocab_size {s.max_id + 1} or more, or re-tokenize"
+            )
+    ds = TokenWindows(shards, seq_len)
+    if len(ds) == 0:
+        total = sum(s.count for s in shards)
+        raise DataError(f"{what} = {path!r} holds {total} tokens, fewer than one sample of data.seq_len + 1 = {seq_len + 1}")
+    return ds
+
+
+def build_train_loader(dataset: TokenWindows, local_batch: int, global_batch: int, dp_rank: int,
+                       dp_world: int, seed: int, num_workers: int, pin_memory: bool,
+                       start_step: int = 0) -> StatefulDataLoader:
+    if len(dataset) < global_batch:
+        raise DataError(
+            f"the training data has {len(dataset)} samples of data.seq_len + 1 tokens, fewer than one "
+            f"global batch of {global_batch}; use more data, a shorter data.seq_len or a smaller batch"
+        )
+    sampler = GlobalBatchSampler(len(dataset), local_batch, global_batch, dp_rank, dp_world, seed, start_step)
+    return StatefulDataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory)

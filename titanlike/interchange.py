@@ -1,0 +1,132 @@
+"""Hugging Face Llama folders: our parameter names ↔ theirs, config.json, safetensors shards.
+
+Our rotary embedding pairs dimension i with i + head_dim/2 ("rotate half"), as Hugging Face's
+Llama does, so q and k projections map across unchanged: no permutation either way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+
+from titanlike.errors import UserError
+from titanlike.model import ModelArgs
+
+_LAYER_NAMES = {
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+
+
+def to_hf_name(name: str) -> str:
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    m = re.match(r"layers\.(\d+)\.(.+)\.weight$", name)
+    if not m or m.group(2) not in _LAYER_NAMES:
+        raise KeyError(name)
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+
+
+def from_hf_name(name: str) -> str:
+    inverse_top = {v: k for k, v in _TOP_NAMES.items()}
+    if name in inverse_top:
+        return inverse_top[name]
+    m = re.match(r"model\.layers\.(\d+)\.(.+)\.weight$", name)
+    inverse = {v: k for k, v in _LAYER_NAMES.items()}
+    if not m or m.group(2) not in inverse:
+        raise KeyError(name)
+    return f"layers.{m.group(1)}.{inverse[m.group(2)]}.weight"
+
+
+def hf_config(a: ModelArgs, dtype: torch.dtype) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": a.dim,
+        "intermediate_size": a.ffn_dim,
+        "num_hidden_layers": a.n_layers,
+        "num_attention_heads": a.n_heads,
+        "num_key_value_heads": a.n_kv_heads,
+        "head_dim": a.head_dim,
+        "vocab_size": a.vocab_size,
+        "rms_norm_eps": a.norm_eps,
+        "rope_theta": a.rope_theta,
+        "max_position_embeddings": a.max_seq_len,
+        "tie_word_embeddings": a.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def write_hf_folder(state: dict[str, torch.Tensor], a: ModelArgs, folder: str, dtype: torch.dtype,
+                    max_shard_bytes: int = 5 * 1024**3) -> list[str]:
+    """Write model*.safetensors (+ index when sharded) and config.json; returns the files written."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    hf = {}
+    for name, tensor in state.items():
+        if a.tie_embeddings and name == "output.weight":
+            continue  # Hugging Face re-ties it from the embedding
+        hf[to_hf_name(name)] = tensor.detach().to("cpu", dtype).contiguous()
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in hf.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    files = []
+    if len(shards) == 1:
+        files.append("model.safetensors")
+        save_file(shards[0], os.path.join(folder, files[0]), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(folder, fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in shard})
+            files.append(fname)
+        total = sum(t.numel() * t.element_size() for t in hf.values())
+        with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf_config(a, dtype), f, indent=1)
+    return files + ["config.json"]
+
+
+def read_hf_folder(folder: str, a: ModelArgs) -> dict[str, torch.Tensor]:
+    """Full (unsharded) fp32 tensors under our names, checked against the model's shape."""
+    from safetensors.torch import load_file
+
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")) if os.path.isdir(folder) else []
+    if not files:
+        raise UserError(f"{folder} is neither a checkpoint step folder (no .metadata) nor a safetensors folder")
+    out: dict[str, torch.Tensor] = {}
+    for fname in files:
+        for name, tensor in load_file(os.path.join(folder, fname)).items():
+            try:
+                out[from_hf_name(name)] = tensor.float()
+            except KeyError:
+                raise UserError(f"{folder}/{fname}: parameter {name} is not part of a Llama model") from None
+    if a.tie_embeddings:
+        out.pop("output.weight", None)
+    elif "output.weight" not in out and "tok_embeddings.weight" in out:
+        raise UserError(f"{folder} has tied embeddings (no lm_head.weight); run with --model.tie_embeddings")
+    return out

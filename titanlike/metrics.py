@@ -1,0 +1,147 @@
+"""What a run reports: one console line, one metrics.jsonl record and TensorBoard scalars per log step.
+
+Throughput is measured over the steps between two log points, after the first step (which
+pays for compilation and warm-up), with one device synchronisation per log point and none in
+between: per-step timing would put a host sync in every step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+
+import torch
+
+logger = logging.getLogger("titanlike")
+
+# Dense bf16 tensor-core peak with fp32 accumulation, FLOP/s, from each vendor datasheet.
+# Matched against torch.cuda.get_device_name(); the first matching entry wins, so the more
+# specific names come first.
+PEAK_BF16_FLOPS: list[tuple[str, float]] = [
+    ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # SXM5 ("NVIDIA H100 80GB HBM3")
+    ("H200", 989e12),
+    ("GH200", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("RTX 4090", 165.2e12),
+    ("RTX 5090", 209.5e12),
+]
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    """The GPU's dense bf16 peak, or None (MFU is then reported as n/a, never guessed)."""
+    for key, flops in PEAK_BF16_FLOPS:
+        if key in device_name:
+            return flops
+    return None
+
+
+class MetricsLogger:
+    def __init__(self, folder: str, *, is_writer: bool, tensorboard: bool, device: torch.device,
+                 flops_per_token: int, float8_matmul_share: float):
+        self.is_writer = is_writer
+        self.device = device
+        self.flops_per_token = flops_per_token
+        self.float8_share = float8_matmul_share
+        self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        self.peak = peak_bf16_flops(self.device_name) if device.type == "cuda" else None
+        if device.type == "cuda" and self.peak is None and is_writer:
+            logger.warning(f"no bf16 peak known for GPU {self.device_name!r}: MFU will show as n/a")
+        self.jsonl = None
+        self.tb = None
+        if is_writer:
+            os.makedirs(folder, exist_ok=True)
+            self.jsonl = open(os.path.join(folder, "metrics.jsonl"), "a")
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(os.path.join(folder, "tb"))
+        self._window_start: float | None = None
+        self._window_tokens = 0
+        self._window_data_s = 0.0
+        self.start_time = time.perf_counter()
+
+    # ---- accounting called from the training loop ----------------------------------------
+
+    def add_tokens(self, tokens_per_device: int, data_wait_s: float) -> None:
+        self._window_tokens += tokens_per_device
+        self._window_data_s += data_wait_s
+
+    def start_window(self) -> None:
+        """Begin a throughput window now (after the first step, and after each log point)."""
+        self._sync()
+        self._window_start = time.perf_counter()
+        self._window_tokens = 0
+        self._window_data_s = 0.0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def throughput(self) -> dict:
+        """Tokens/s per device, TFLOPS, MFU and data-wait share over the window; then restart it."""
+        self._sync()
+        now = time.perf_counter()
+        out: dict = {}
+        if self._window_start is not None and self._window_tokens:
+            elapsed = now - self._window_start
+            tps = self._window_tokens / elapsed
+            tflops = tps * self.flops_per_token / 1e12
+            out = {"tps": tps, "tflops": tflops, "data_share": self._window_data_s / elapsed}
+            out["mfu"] = 100 * tflops * 1e12 / self.peak if self.peak else None
+        self._window_start, self._window_tokens, self._window_data_s = now, 0, 0.0
+        return out
+
+    def memory(self) -> dict:
+        if self.device.type != "cuda":
+            return {}
+        stats = torch.cuda.memory_stats(self.device)
+        gib = 1024**3
+        return {
+            "mem_active_gib": stats.get("active_bytes.all.peak", 0) / gib,
+            "mem_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / gib,
+            "mem_pct": 100 * stats.get("reserved_bytes.all.peak", 0) / torch.cuda.get_device_properties(self.device).total_memory,
+        }
+
+    # ---- output ---------------------------------------------------------------------------
+
+    def log(self, step: int, record: dict, prefix: str = "train") -> None:
+        """Write one record (console, jsonl, TensorBoard); only the writer rank does."""
+        if not self.is_writer:
+            return
+        record = {"step": step, **record}
+        if self.jsonl:
+            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+            self.jsonl.write(json.dumps({"kind": prefix, **clean}) + "\n")
+            self.jsonl.flush()
+        if self.tb:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and v is not None:
+                    self.tb.add_scalar(f"{prefix}/{k}", v, step)
+        logger.info(format_line(prefix, record))
+
+    def close(self) -> None:
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tb:
+            self.tb.close()
+
+
+def format_line(prefix: str, r: dict) -> str:
+    parts = [f"{prefix} step {r['step']:>6}"]
+    fmt = {
+        "loss": "loss {:.4f}", "ppl": "ppl {:.2f}", "grad_norm": "grad {:.3f}", "lr": "lr {:.2e}",
+        "tps": "{:,.0f} tok/s/dev", "tflops": "{:.1f} TFLOPS", "mfu": "MFU {:.1f}%",
+        "mem_reserved_gib": "mem {:.1f} GiB", "data_share": "data {:.0%}", "first_step_s": "first step {:.1f}s",
+    }
+    for key, f in fmt.items():
+        if r.get(key) is not None:
+            parts.append(f.format(r[key]))
+    if "mfu" in r and r["mfu"] is None and r.get("mem_reserved_gib") is not None:  # a GPU without a known peak
+        parts.append("MFU n/a")
+    return " | ".join(parts)

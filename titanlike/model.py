@@ -1,0 +1,228 @@
+"""A Llama 3 style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+
+Built on the meta device (no memory), then materialised and initialised with `init_weights()`,
+which is deterministic in the seed and independent of how the parameters are sharded: every
+parameter is drawn whole from its own generator and each rank keeps its slice. One seed gives
+the same model on 1 GPU, on 8, or on a CPU test with 2 ranks.
+
+Rotary embeddings use real arithmetic and the "rotate half" pairing (dimension i with i + d/2),
+which is what Hugging Face's Llama uses, so exported weights need no permutation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    max_seq_len: int = 131072
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+PRESETS: dict[str, ModelArgs] = {
+    # A few million parameters: trains visibly in a minute on a laptop CPU. Its vocabulary
+    # covers the built-in byte tokenizer (258 ids) rounded up to a multiple of 64.
+    "debug": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=320, rope_theta=10000.0),
+    "1b": ModelArgs(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, ffn_dim=8192, vocab_size=128256),
+    "3b": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192, vocab_size=128256),
+    "8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256),
+    "70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256),
+}
+
+
+def model_args(flavor: str, vocab_size: int = 0, tie_embeddings: bool | None = None) -> ModelArgs:
+    args = PRESETS[flavor]
+    if vocab_size:
+        args = replace(args, vocab_size=vocab_size)
+    if tie_embeddings is not None:
+        args = replace(args, tie_embeddings=tie_embeddings)
+    return args
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the compute dtype: bf16 sums of squares lose too much.
+        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).type_as(x)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (seq_len, head_dim), each half repeated for the rotate-half pairing."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, S, H, D) by position: pairs (i, i + D/2) turn by angle pos·θ^(-2i/D)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return (x.float() * cos + rotated.float() * sin).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
+        self.wq = nn.Linear(a.dim, a.n_heads * a.head_dim, bias=False)
+        self.wk = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=False)
+        self.wv = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=False)
+        self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)
+        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads.
+        # Repeating kv explicitly keeps every SDPA backend available (flash included).
+        rep = self.n_heads // self.n_kv_heads
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=2)
+            v = v.repeat_interleave(rep, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(a.dim, a.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(a.dim, a.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(a.ffn_dim, a.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(a.dim, a.norm_eps)
+        self.attention = Attention(a)
+        self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
+        self.feed_forward = FeedForward(a)
+        # Set by activation checkpointing (parallel.py): runs the body so that its activations
+        # are recomputed in backward. A hook rather than a wrapper module keeps parameter names.
+        self.checkpoint_fn = None
+
+    def body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint_fn is not None:
+            return self.checkpoint_fn(self.body, x, cos, sin)
+        return self.body(x, cos, sin)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Rotary tables are derived state: rebuilt by init_weights(), never checkpointed.
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+    # ---- initialisation ------------------------------------------------------------------
+
+    def init_rope(self, seq_len: int) -> None:
+        device = self.tok_embeddings.weight.device
+        self.rope_cos, self.rope_sin = rope_tables(self.args.head_dim, seq_len, self.args.rope_theta, device)
+
+    def init_std(self, name: str) -> float:
+        """Per-parameter init scale (0 means 'ones', for norm gains)."""
+        a = self.args
+        if name.endswith("norm.weight"):
+            return 0.0
+        if name == "tok_embeddings.weight":
+            return a.dim**-0.5 if a.tie_embeddings else 1.0
+        if name == "output.weight":
+            return a.dim**-0.5
+        if name.endswith(("wo.weight", "w2.weight")):
+            # Residual-branch outputs shrink with depth so the residual stream keeps its scale.
+            return 0.02 / math.sqrt(2 * a.n_layers)
+        return 0.02
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, seq_len: int) -> None:
+        """Deterministic, sharding-independent init: each full parameter from its own generator."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        for index, (name, param) in enumerate(self.named_parameters()):
+            std = self.init_std(name)
+            device = param.device
+            gen = torch.Generator(device=device).manual_seed(seed * 100_003 + index)
+            full = torch.empty(param.shape, dtype=torch.float32, device=device)
+            if std == 0.0:
+                full.fill_(1.0)
+            else:
+                nn.init.trunc_normal_(full, std=std, a=-3 * std, b=3 * std, generator=gen)
+            if isinstance(param, DTensor):
+                # Every rank drew the same full tensor; keep the local slice, no communication.
+                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.copy_(full.to(param.dtype))
+        self.init_rope(seq_len)
+
+
+def count_params(args: ModelArgs) -> tuple[int, int]:
+    """(all parameters, embedding parameters), computed from the shape alone."""
+    d, hd = args.dim, args.head_dim
+    attn = d * args.n_heads * hd * 2 + d * args.n_kv_heads * hd * 2
+    ffn = 3 * d * args.ffn_dim
+    block = attn + ffn + 2 * d
+    embed = args.vocab_size * d
+    output = 0 if args.tie_embeddings else args.vocab_size * d
+    return args.n_layers * block + embed + output + d, embed
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> int:
+    """Training FLOPs per token: 6 × matmul parameters + 12 × layers × heads × head_dim × seq_len.
+
+    The embedding lookup does no matmul, so its parameters are left out; a tied output layer
+    still does its matmul, so it is counted back in.
+    """
+    total, embed = count_params(args)
+    matmul_params = total - embed + (args.vocab_size * args.dim if args.tie_embeddings else 0)
+    return 6 * matmul_params + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+

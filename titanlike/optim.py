@@ -1,0 +1,64 @@
+"""AdamW, the warmup-stable-decay learning-rate schedule, and gradient clipping over DTensors."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: list[float], eps: float,
+                    device_type: str) -> torch.optim.AdamW:
+    # Norm gains (1-D) take no weight decay: shrinking them toward zero only fights the norm.
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # Fused AdamW is one kernel for all parameters on CUDA; foreach is the fast path on CPU.
+    fused = device_type == "cuda"
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused, foreach=not fused)
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, decay_ratio: float, decay_type: str,
+              min_lr_factor: float) -> float:
+    """Multiplier of the peak LR for the update of `step` (1-based): warmup, stable, then decay."""
+    if warmup_steps and step <= warmup_steps:
+        return step / (warmup_steps + 1)
+    decay_steps = int(decay_ratio * total_steps)
+    decay_start = total_steps - decay_steps
+    if step <= decay_start or decay_steps == 0:
+        return 1.0
+    progress = min(1.0, (step - decay_start) / decay_steps)  # in (0, 1]; past the end, stay at the floor
+    if decay_type == "cosine":
+        shape = 0.5 * (1 + math.cos(math.pi * progress))
+    else:
+        shape = 1 - progress
+    return min_lr_factor + (1 - min_lr_factor) * shape
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int, decay_ratio: float,
+                    decay_type: str, min_lr_factor: float) -> torch.optim.lr_scheduler.LambdaLR:
+    # LambdaLR calls the function with the number of scheduler.step() calls so far (0 at
+    # construction), i.e. the update about to happen is step count + 1.
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda done: lr_factor(done + 1, total_steps, warmup_steps, decay_ratio, decay_type, min_lr_factor),
+    )
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Global L2 norm of all gradients (over every shard and rank), clipping to max_norm if > 0.
+
+    With FSDP the gradients are sharded DTensors: their norm is a partial value that
+    `full_tensor()` completes with one all-reduce, so every rank clips by the same factor.
+    """
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total

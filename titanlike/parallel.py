@@ -1,0 +1,166 @@
+"""Process group, device mesh, and the model transforms, applied in this order:
+
+    float8 conversion (float8.py) → activation checkpointing → per-block torch.compile → FSDP2
+
+Float8 comes first so compile sees the float8 casts and fuses them; AC before compile so the
+recomputation is part of each compiled block; FSDP last so it shards the final modules. With
+one rank no FSDP is applied: the plain model trains under bf16 autocast (single-GPU mode).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titanlike.config import ConfigError
+from titanlike.model import Transformer
+
+logger = logging.getLogger("titanlike")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    world_size: int
+    rank: int
+    local_rank: int
+    dp_replicate: int
+    dp_shard: int
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def sharded(self) -> bool:
+        return self.world_size > 1
+
+
+def resolve_dims(world_size: int, dp_shard: int, dp_replicate: int) -> tuple[int, int]:
+    """Check the data-parallel degrees against the world size; -1 takes what is left."""
+    if dp_replicate == -1:
+        if dp_shard == -1 or world_size % dp_shard:
+            raise ConfigError(
+                f"parallel.dp_replicate = -1 needs parallel.dp_shard to be a divisor of the {world_size} ranks (got {dp_shard})"
+            )
+        dp_replicate = world_size // dp_shard
+    if world_size % dp_replicate:
+        raise ConfigError(f"parallel.dp_replicate = {dp_replicate} does not divide the {world_size} ranks")
+    if dp_shard == -1:
+        dp_shard = world_size // dp_replicate
+    if dp_shard * dp_replicate != world_size:
+        raise ConfigError(
+            f"parallel.dp_replicate × parallel.dp_shard = {dp_replicate} × {dp_shard} must equal the "
+            f"{world_size} ranks (set parallel.dp_shard = -1 to use all of them)"
+        )
+    return dp_replicate, dp_shard
+
+
+def world_from_env() -> tuple[int, int, int]:
+    """(world size, rank, local rank) as torchrun sets them; a plain `python` run is 1, 0, 0."""
+    return int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("training.device = cuda but no CUDA GPU is visible; use --training.device cpu or auto")
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible; lower --nproc_per_node / NGPU"
+            )
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: int):
+    """Start the process group and build the mesh; None with one rank (no process group at all)."""
+    if not dims.sharded:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    if dims.dp_replicate > 1:
+        return init_device_mesh(device.type, (dims.dp_replicate, dims.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    return init_device_mesh(device.type, (dims.dp_shard,), mesh_dim_names=("dp_shard",))
+
+
+# ---- activation checkpointing ------------------------------------------------------------------
+
+
+def _save_matmuls_policy():
+    """Op-level selective AC: keep matmul, attention and float8 amax outputs; recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    save = {aten.mm.default, aten._scaled_mm.default, aten.max.default, aten.amax.default,
+            aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_efficient_attention.default}
+    if hasattr(aten, "_scaled_dot_product_cudnn_attention"):
+        save.add(aten._scaled_dot_product_cudnn_attention.default)
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _checkpointed(body, *args, context_fn=None):
+    from torch.utils.checkpoint import checkpoint
+
+    if context_fn is None:
+        return checkpoint(body, *args, use_reentrant=False)
+    return checkpoint(body, *args, use_reentrant=False, context_fn=context_fn)
+
+
+def apply_activation_checkpointing(model: Transformer, mode: str, option: str) -> None:
+    if mode == "none":
+        return
+    if mode == "selective" and option == "op":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        policy = _save_matmuls_policy()
+        runner = partial(_checkpointed, context_fn=partial(create_selective_checkpoint_contexts, policy))
+        for block in model.layers:
+            block.checkpoint_fn = runner
+        return
+    every = 1 if mode == "full" else int(option)
+    for i, block in enumerate(model.layers):
+        if i % every == 0:
+            block.checkpoint_fn = _checkpointed
+
+
+# ---- compile and FSDP ----------------------------------------------------------------------------
+
+
+def apply_compile(model: Transformer) -> None:
+    # Per block rather than whole-model: blocks are identical, so inductor compiles one graph
+    # and reuses it, and FSDP's per-block hooks stay outside the graphs.
+    for block in model.layers:
+        block.compile(fullgraph=True)
+
+
+def apply_fsdp(model: Transformer, mesh, param_dtype: torch.dtype | None, reshard: str) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    blocks_reshard = reshard != "never"
+    shard = partial(fully_shard, mesh=mesh, mp_policy=mp)
+    for block in model.layers:
+        shard(block, reshard_after_forward=blocks_reshard)
+    if not model.args.tie_embeddings:
+        # A tied weight lives in both modules, so then the root group owns it instead.
+        shard(model.tok_embeddings, reshard_after_forward=blocks_reshard)
+        # Backward starts right at the output layer: resharding it after forward only to
+        # gather it again at once would waste an all-gather.
+        shard([model.norm, model.output], reshard_after_forward=reshard == "always")
+    shard(model, reshard_after_forward=reshard == "always")
