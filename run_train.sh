@@ -21,6 +21,12 @@ else
   rdzv=(--standalone --nnodes=1)
 fi
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
+# Check the config (and data headers) for this world size before torchrun starts any worker:
+# one clear line and exit code 2 on a mistake; --job.print_config prints and stops here.
+rc=0
+TITANLIKE_PREFLIGHT_WORLD=$((NGPU * NNODES)) "$PYTHON" -m titanlike.train --job.config_file "$CONFIG_FILE" "$@" || rc=$?
+[ "$rc" -eq 3 ] && exit 0
+[ "$rc" -ne 0 ] && exit "$rc"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$([ "$NGPU" -gt 1 ] && echo 1 || nproc)}"
 exec "$PYTHON" -m torch.distributed.run "${rdzv[@]}" --nproc_per_node="$NGPU" \
   "$here/run_train.sh" --job.config_file "$CONFIG_FILE" "$@"

@@ -32,6 +32,8 @@ from titanlike.errors import UserError
 class ConfigError(UserError):
     """A mistake in the job configuration; its message is one line meant for the user."""
 
+    same_on_all_ranks = True
+
 
 @dataclass
 class Job:
@@ -429,11 +431,6 @@ def validate(cfg: JobConfig) -> None:
     need(s.warmup_steps >= 0, f"lr_scheduler.warmup_steps = {s.warmup_steps} must be >= 0")
     need(0 <= s.decay_ratio <= 1, f"lr_scheduler.decay_ratio = {s.decay_ratio} must be in [0, 1]")
     need(0 <= s.min_lr_factor <= 1, f"lr_scheduler.min_lr_factor = {s.min_lr_factor} must be in [0, 1]")
-    need(
-        s.warmup_steps + int(s.decay_ratio * t.steps) <= t.steps,
-        f"lr_scheduler.warmup_steps = {s.warmup_steps} plus the decay phase "
-        f"({s.decay_ratio} × {t.steps} steps) exceeds training.steps = {t.steps}",
-    )
     p = cfg.parallel
     need(p.dp_shard == -1 or p.dp_shard >= 1, f"parallel.dp_shard = {p.dp_shard} must be -1 (all ranks) or >= 1")
     need(p.dp_replicate == -1 or p.dp_replicate >= 1, f"parallel.dp_replicate = {p.dp_replicate} must be -1 (the rest) or >= 1")

@@ -48,7 +48,7 @@ assert HEADER.size == 32
 
 
 class DataError(UserError):
-    pass
+    same_on_all_ranks = True
 
 
 class ByteTokenizer:

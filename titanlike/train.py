@@ -32,6 +32,10 @@ from titanlike.optim import build_optimizer, build_scheduler, clip_grad_norm
 logger = logging.getLogger("titanlike")
 
 
+# Exit code of a preflight (run_train.sh, before torchrun) that printed the config: stop, no error.
+PRINTED_CONFIG = 3
+
+
 class NonFiniteLoss(UserError):
     pass
 
@@ -42,6 +46,26 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
+def preflight(cfg: JobConfig, world_size: int) -> tuple[int, int, int, int]:
+    """Checks that need the world size but no GPU: (dp_replicate, dp_shard, global batch, micro-batches).
+
+    run_train.sh runs this before starting torchrun, so a typo costs a second, not a queue slot.
+    """
+    t = cfg.training
+    dp_replicate, dp_shard = parallel.resolve_dims(world_size, cfg.parallel.dp_shard, cfg.parallel.dp_replicate)
+    dp = dp_replicate * dp_shard
+    global_batch = t.global_batch_size or t.local_batch_size * dp
+    if global_batch % (t.local_batch_size * dp):
+        raise ConfigError(
+            f"training.global_batch_size = {global_batch} must be a multiple of training.local_batch_size × "
+            f"data-parallel degree = {t.local_batch_size} × {dp} = {t.local_batch_size * dp}"
+        )
+    if cfg.data.path:  # headers only: cheap, and catches wrong files before any GPU is touched
+        vocab = model_args(cfg.model.flavor, cfg.model.vocab_size, cfg.model.tie_embeddings).vocab_size
+        open_dataset(cfg.data.path, cfg.data.seq_len, vocab, "data.path")
+    return dp_replicate, dp_shard, global_batch, global_batch // (t.local_batch_size * dp)
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
@@ -49,16 +73,9 @@ class Trainer:
 
         # ---- 1. Where we run: ranks, device, mesh -------------------------------------------
         world, rank, local_rank = parallel.world_from_env()
-        dp_replicate, dp_shard = parallel.resolve_dims(world, cfg.parallel.dp_shard, cfg.parallel.dp_replicate)
+        dp_replicate, dp_shard, self.global_batch, self.accum_steps = preflight(cfg, world)
         self.dims = parallel.ParallelDims(world, rank, local_rank, dp_replicate, dp_shard)
         self.is_main = rank == 0
-        self.global_batch = t.global_batch_size or t.local_batch_size * self.dims.dp
-        if self.global_batch % (t.local_batch_size * self.dims.dp):
-            raise ConfigError(
-                f"training.global_batch_size = {self.global_batch} must be a multiple of training.local_batch_size × "
-                f"data-parallel degree = {t.local_batch_size} × {self.dims.dp} = {t.local_batch_size * self.dims.dp}"
-            )
-        self.accum_steps = self.global_batch // (t.local_batch_size * self.dims.dp)
         self.device = parallel.pick_device(t.device, local_rank)
         self.fp8 = float8.resolve(cfg.fp8, dp_shard)
         float8.check_device(self.fp8, self.device)  # before the process group: fail fast, alone
@@ -277,12 +294,15 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.job.print_config:
             if rank == 0:
                 print(to_toml(cfg), end="")
+            return PRINTED_CONFIG if os.environ.get("TITANLIKE_PREFLIGHT_WORLD") else 0
+        if os.environ.get("TITANLIKE_PREFLIGHT_WORLD"):
+            preflight(cfg, int(os.environ["TITANLIKE_PREFLIGHT_WORLD"]))
             return 0
         trainer = Trainer(cfg)
         trainer.train()
         return 0
     except UserError as e:
-        if rank == 0 or not isinstance(e, ConfigError):
+        if rank == 0 or not e.same_on_all_ranks:
             print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
@@ -292,5 +312,10 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The `titanlike-train` console script: same as `python -m titanlike.train`."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

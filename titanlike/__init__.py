@@ -1,0 +1,1 @@
+"""titanlike: a readable PyTorch-native pretraining stack for Llama models."""
