@@ -122,8 +122,12 @@ def find_shards(path: str) -> list[Shard]:
 
 
 def stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
+    """The standard library's .py files; installed packages (site-packages) are pruned, not walked."""
+    files = []
+    for folder, subdirs, names in os.walk(sysconfig.get_paths()["stdlib"]):
+        subdirs[:] = sorted(d for d in subdirs if d not in ("site-packages", "dist-packages", "__pycache__"))
+        files += [Path(folder) / n for n in names if n.endswith(".py")]
+    return sorted(files)
 
 
 def build_default_corpus(cache_dir: str) -> tuple[str, str]:

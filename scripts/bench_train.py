@@ -1,0 +1,119 @@
+"""Run the real trainer over a list of variants and print one table of steady-state numbers.
+
+    python scripts/bench_train.py --config train_configs/llama3_1b.toml --steps 30 --ngpu 1 \\
+        --variant "bf16=--fp8.recipe none" --variant "tensorwise=--fp8.recipe tensorwise" \\
+        -- --data.seq_len 4096 --training.local_batch_size 6
+
+Each variant is `name=overrides` (overrides split like a shell would); arguments after `--` apply
+to every variant. Each run is `torchrun --nproc_per_node=N run_train.sh ...`, one after the
+other on the same machine. Tokens/s is the median over the logged windows after the first
+window (the first step, with compilation, is reported separately as "first step").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_variant(name: str, overrides: list[str], args, workdir: Path) -> dict:
+    dump = workdir / name
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ngpu}",
+           str(ROOT / "run_train.sh"), "--job.config_file", args.config, "--job.dump_folder", str(dump),
+           "--training.steps", str(args.steps), "--metrics.log_freq", str(args.log_freq),
+           "--validation.enable", "false", "--checkpoint.enable", "false", *args.common, *overrides]
+    if args.corpus:
+        # Share one corpus cache between variants instead of rebuilding it in each run folder.
+        os.makedirs(dump, exist_ok=True)
+        link = dump / "corpus"
+        if not link.exists():
+            link.symlink_to(Path(args.corpus).resolve(), target_is_directory=True)
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    log = proc.stdout + proc.stderr
+    (workdir / f"{name}.log").write_text(" ".join(map(shlex.quote, cmd)) + "\n\n" + log)
+    result = {"variant": name, "overrides": " ".join(overrides), "rc": proc.returncode, "wall_s": wall}
+    records = []
+    metrics_file = dump / "metrics.jsonl"
+    if metrics_file.exists():
+        records = [r for r in map(json.loads, metrics_file.read_text().splitlines()) if r.get("kind") == "train"]
+    if proc.returncode != 0 or not records:
+        errors = [line for line in log.splitlines() if line.startswith("error:") or "Error" in line]
+        result["error"] = (errors[-1] if errors else log.strip().splitlines()[-1] if log.strip() else "no output")[:200]
+        return result
+    steady = [r for r in records[2:] if r.get("tps")] or [r for r in records[1:] if r.get("tps")]
+    result.update(
+        tps=statistics.median(r["tps"] for r in steady) if steady else None,
+        mfu=statistics.median(r["mfu"] for r in steady) if steady and steady[0].get("mfu") is not None else None,
+        tflops=statistics.median(r["tflops"] for r in steady) if steady else None,
+        mem_gib=max((r.get("mem_reserved_gib") or 0) for r in records),
+        first_step_s=records[0].get("first_step_s"),
+        loss=records[-1]["loss"],
+        float8_share=records[-1].get("float8_matmul_share"),
+    )
+    return result
+
+
+def table(results: list[dict]) -> str:
+    base = next((r["tps"] for r in results if r.get("tps")), None)
+    head = f"{'variant':<24} {'tok/s/GPU':>10} {'vs first':>8} {'MFU%':>6} {'TFLOPS':>7} {'fp8 share':>9} {'mem GiB':>8} {'first step s':>12} {'loss':>7}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        if r.get("tps") is None:
+            lines.append(f"{r['variant']:<24} FAILED rc={r['rc']}: {r.get('error', '')}")
+            continue
+        ratio = f"{r['tps'] / base:.2f}x" if base else "-"
+        mfu = f"{r['mfu']:.1f}" if r.get("mfu") is not None else "n/a"
+        share = f"{r['float8_share']:.0%}" if r.get("float8_share") is not None else "-"
+        lines.append(
+            f"{r['variant']:<24} {r['tps']:>10,.0f} {ratio:>8} {mfu:>6} {r['tflops']:>7.1f} {share:>9} "
+            f"{r['mem_gib']:>8.1f} {r['first_step_s']:>12.1f} {r['loss']:>7.3f}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    common: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, common = argv[:i], argv[i + 1 :]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(ROOT / "train_configs" / "llama3_1b.toml"))
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--log-freq", type=int, default=5)
+    p.add_argument("--ngpu", type=int, default=1)
+    p.add_argument("--variant", action="append", required=True, help="name=overrides")
+    p.add_argument("--corpus", default="", help="a folder holding an already-built corpus cache to reuse")
+    p.add_argument("--out", default="", help="write the results as JSON here")
+    p.add_argument("--workdir", default="", help="keep run folders and logs here (default: a temp dir)")
+    args = p.parse_args(argv)
+    args.common = common
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_train_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for spec in args.variant:
+        name, _, overrides = spec.partition("=")
+        results.append(run_variant(name, shlex.split(overrides), args, workdir))
+        print(table(results[-1:]).splitlines()[-1], flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"config": args.config, "steps": args.steps, "ngpu": args.ngpu,
+                                              "common": common, "results": results}, indent=1))
+    print()
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
