@@ -27,6 +27,7 @@ import random
 import re
 import shutil
 import signal
+import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -143,6 +144,7 @@ class Checkpointer:
         return self.cfg.enable and (step % self.cfg.interval == 0 or last)
 
     def save(self, step: int, final: bool = False) -> None:
+        start = time.perf_counter()
         self._complete_pending()  # one save in flight at a time
         tmp = self.step_dir(step) + ".tmp"
         if self.is_main:
@@ -161,6 +163,10 @@ class Checkpointer:
                 self._publish(step)
         except Exception as e:
             self._fail(step, e)
+        self.last_stall_s = time.perf_counter() - start
+        if self.is_main:
+            how = "background save started" if use_async else "saved"
+            logger.info(f"checkpoint step {step}: {how}; training stalled {self.last_stall_s:.2f}s")
 
     def _async_save(self, state: dict, tmp: str):
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
