@@ -28,6 +28,7 @@ import re
 import shutil
 import signal
 import time
+import warnings
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -45,6 +46,8 @@ from torch.distributed.checkpoint.state_dict import (
 from titanlike.errors import UserError
 
 logger = logging.getLogger("titanlike")
+# DCP warns that a single-process save is single-process (its background thread ignores no_dist).
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_DIR = re.compile(r"^step-(\d+)\.tmp$")
@@ -101,6 +104,8 @@ class Checkpointer:
         self.sharded = dist.is_initialized()
         self.rank = dist.get_rank() if self.sharded else 0
         self.pending: tuple[int, object] | None = None  # (step, future) of an async save in flight
+        self.staging = None  # future of the host copy of an async_with_pinned_mem save
+        self.stager = None  # keeps the pinned host buffers from one save to the next
         self._preempt_signal: int | None = None
         # Background saves and the preemption vote run their collectives on a CPU group, so they
         # never queue behind (or block) the training step's NCCL work.
@@ -159,7 +164,7 @@ class Checkpointer:
             if use_async:
                 self.pending = (step, self._async_save(state, tmp))
             else:
-                dcp.save(state, checkpoint_id=tmp, process_group=self.cpu_group)
+                dcp.save(state, checkpoint_id=tmp, process_group=self.cpu_group, no_dist=not self.sharded)
                 self._publish(step)
         except Exception as e:
             self._fail(step, e)
@@ -169,22 +174,34 @@ class Checkpointer:
             logger.info(f"checkpoint step {step}: {how}; training stalled {self.last_stall_s:.2f}s")
 
     def _async_save(self, state: dict, tmp: str):
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-        kwargs: dict = {"checkpoint_id": tmp, "process_group": self.cpu_group}
+        """Start a background save; returns the future of the upload (the files written)."""
+        kwargs: dict = {"checkpoint_id": tmp, "process_group": self.cpu_group, "no_dist": not self.sharded}
         if self.cfg.async_mode == "async_with_pinned_mem":
-            # A separate process writes from pinned host buffers: the step only waits for the copy
-            # from GPU to host, which runs at PCIe speed.
-            kwargs["async_checkpointer_type"] = AsyncCheckpointerType.PROCESS
-            try:
-                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            # The GPU→host copy runs on a side stream into pinned buffers that are kept between
+            # saves, in a background thread, overlapping the next forward and backward. Only the
+            # next optimizer step must wait for it (before_update), as it overwrites the weights.
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-                kwargs["async_stager"] = DefaultStager(StagingOptions(True, True, True, True))
-            except ImportError:
-                pass
+            if self.stager is None:
+                cuda = self.trainer.device.type == "cuda"
+                self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                           use_async_staging=cuda, use_non_blocking_copy=cuda))
+            if self.trainer.device.type == "cuda":
+                torch.cuda.synchronize()  # the step that produced these weights has finished
+            kwargs["async_stager"] = self.stager
         result = dcp.async_save(state, **kwargs)
-        # Newer torch returns a response holding both the staging and the upload futures.
+        # With async staging, torch returns both the staging and the upload futures.
+        self.staging = getattr(result, "staging_completion", None)
         return getattr(result, "upload_completion", result)
+
+    def before_update(self) -> None:
+        """Called before each optimizer step: a background copy of the weights must be complete."""
+        if self.staging is not None:
+            start = time.perf_counter()
+            self.staging.result()
+            self.staging = None
+            if self.is_main:
+                logger.info(f"checkpoint staging to host memory done; the update waited {time.perf_counter() - start:.2f}s")
 
     def _complete_pending(self) -> None:
         if self.pending is None:
@@ -225,6 +242,9 @@ class Checkpointer:
     def finish(self) -> None:
         """Wait for a background save to land (end of run, preemption)."""
         self._complete_pending()
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
 
     def _barrier(self) -> None:
         if self.sharded:
@@ -278,7 +298,7 @@ class Checkpointer:
             "lr_scheduler": t.scheduler.state_dict(),
             "train_state": {**asdict(t.state), "dp_world": 0, "global_batch": 0},
         }
-        dcp.load(state, checkpoint_id=path, process_group=self.cpu_group)
+        dcp.load(state, checkpoint_id=path, process_group=self.cpu_group, no_dist=not self.sharded)
         set_model_state_dict(t.model, state["model"])
         set_optimizer_state_dict(t.model, t.optimizer, state["optimizer"])
         t.scheduler.load_state_dict(state["lr_scheduler"])
@@ -291,7 +311,7 @@ class Checkpointer:
             )
         if int(ts["dp_world"]) == t.dims.dp:
             per_rank = {f"rank{self.rank}": b""}
-            dcp.load(per_rank, checkpoint_id=path, process_group=self.cpu_group)
+            dcp.load(per_rank, checkpoint_id=path, process_group=self.cpu_group, no_dist=not self.sharded)
             restored = pickle.loads(per_rank[f"rank{self.rank}"])
             t.loader.load_state_dict(restored["dataloader"])
             _set_rng_state(restored["rng"])
@@ -309,7 +329,7 @@ class Checkpointer:
         if os.path.isfile(os.path.join(path, ".metadata")):
             self._check_model_shape(path)
             state = {"model": self._model_sd()}
-            dcp.load(state, checkpoint_id=path, process_group=self.cpu_group)
+            dcp.load(state, checkpoint_id=path, process_group=self.cpu_group, no_dist=not self.sharded)
             set_model_state_dict(t.model, state["model"])
         else:
             from titanlike.interchange import read_hf_folder

@@ -189,6 +189,10 @@ class Transformer(nn.Module):
         """Deterministic, sharding-independent init: each full parameter from its own generator."""
         from torch.distributed.tensor import DTensor, distribute_tensor
 
+        if self.args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            # Module.to_empty() materialises a meta model module by module, which unties a shared
+            # weight on a plain (unsharded) model; FSDP keeps it tied. Tie it again before init.
+            self.output.weight = self.tok_embeddings.weight
         for index, (name, param) in enumerate(self.named_parameters()):
             std = self.init_std(name)
             device = param.device

@@ -25,7 +25,8 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, decay_ratio: float
     """Multiplier of the peak LR for the update of `step` (1-based): warmup, stable, then decay."""
     if warmup_steps and step <= warmup_steps:
         return step / (warmup_steps + 1)
-    decay_steps = int(decay_ratio * total_steps)
+    # Decay never eats into warmup: with decay_ratio = 1.0 it starts right after warmup, at the peak.
+    decay_steps = min(int(decay_ratio * total_steps), max(0, total_steps - warmup_steps))
     decay_start = total_steps - decay_steps
     if step <= decay_start or decay_steps == 0:
         return 1.0

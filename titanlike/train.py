@@ -184,6 +184,7 @@ class Trainer:
             step_loss += loss.detach() / self.accum_steps
         grad_norm = clip_grad_norm([p for p in self.model.parameters()], self.cfg.training.max_norm)
         self.lr = self.optimizer.param_groups[0]["lr"]  # the LR this update used, for the log
+        self.checkpointer.before_update()  # a background save may still be copying the weights
         self.optimizer.step()
         self.scheduler.step()
         float8.post_optimizer_step(self.model, self.fp8)
