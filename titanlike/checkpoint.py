@@ -43,6 +43,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from titanlike.errors import UserError
 
 logger = logging.getLogger("titanlike")
@@ -166,7 +168,7 @@ class Checkpointer:
             else:
                 dcp.save(state, checkpoint_id=tmp, process_group=self.cpu_group, no_dist=not self.sharded)
                 self._publish(step)
-        except Exception as e:
+        except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
             self._fail(step, e)
         self.last_stall_s = time.perf_counter() - start
         if self.is_main:
@@ -210,7 +212,7 @@ class Checkpointer:
         self.pending = None
         try:
             future.result()
-        except Exception as e:
+        except (Exception, CheckpointException) as e:
             self._fail(step, e)
         self._publish(step)
 
@@ -229,14 +231,21 @@ class Checkpointer:
                     shutil.rmtree(self.step_dir(old), ignore_errors=True)
         self._barrier()
 
-    def _fail(self, step: int, e: Exception) -> None:
+    def _fail(self, step: int, e: BaseException) -> None:
+        free_mb = shutil.disk_usage(self.folder).free / 2**20 if os.path.isdir(self.folder) else float("inf")
         if self.is_main:
             shutil.rmtree(self.step_dir(step) + ".tmp", ignore_errors=True)
         previous = [s for s in self.complete_steps() if s != step]
         kept = f"the previous checkpoint {self.step_dir(previous[-1])} is intact" if previous else "no earlier checkpoint exists"
-        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if "No space left" in str(e):
-            cause = "No space left on device"
+        # DCP wraps each rank's error; a full disk often surfaces as a short write deep in the
+        # serializer, so ask the file system rather than trust the message.
+        failures = getattr(e, "failures", None) or {}
+        inner = next(iter(failures.values()), e)
+        text = str(getattr(inner, "exc", inner)) or type(inner).__name__
+        if "No space left" in str(e) or free_mb < 64:
+            cause = f"No space left on device: {free_mb:.0f} MB free"
+        else:
+            cause = text.strip().splitlines()[0][:200]
         raise CheckpointError(f"saving the checkpoint of step {step} to {self.folder} failed ({cause}); {kept}") from None
 
     def finish(self) -> None:

@@ -1,0 +1,44 @@
+"""A full disk during a save: the run stops with one clear line, the previous checkpoint stays loadable."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import losses, run_train
+
+
+@pytest.mark.slow
+def test_disk_full_keeps_previous_checkpoint(tmp_path, corpus):
+    small = tmp_path / "small_disk"
+    small.mkdir()
+    # 60 MB holds one checkpoint of the debug model (weights + two AdamW moments, ~40 MB), not two.
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=60M", "tmpfs", str(small)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root; cannot simulate a full disk here")
+    try:
+        ckpt = small / "ckpt"
+        proc = run_train(tmp_path / "run", "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2",
+                         "--checkpoint.folder", str(ckpt), "--metrics.log_freq", "1", corpus=corpus, check=False)
+        assert proc.returncode != 0
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1, proc.stderr[-3000:]
+        assert "No space left on device" in errors[0] and "step-2 is intact" in errors[0], errors[0]
+        assert "Traceback" not in proc.stderr.split(errors[0])[0]
+        assert (ckpt / "step-2").is_dir()
+        assert not (ckpt / "step-4").exists() and not (ckpt / "step-4.tmp").exists()
+        saved = tmp_path / "saved"
+        shutil.copytree(ckpt, saved)
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+    # The surviving checkpoint loads, and the run continues to the end on a disk with room.
+    resumed = run_train(tmp_path / "resume", "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2",
+                        "--checkpoint.folder", str(saved), "--metrics.log_freq", "1", corpus=corpus)
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    first = losses(tmp_path / "run")
+    after = losses(tmp_path / "resume")
+    assert sorted(after) == [3, 4]
+    assert 2 in first and after[3] > 0
