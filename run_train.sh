@@ -28,6 +28,11 @@ TITANLIKE_PREFLIGHT_WORLD=$((NGPU * NNODES)) "$PYTHON" -m titanlike.train --job.
 [ "$rc" -eq 3 ] && exit 0
 [ "$rc" -ne 0 ] && exit "$rc"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$([ "$NGPU" -gt 1 ] && echo 1 || nproc)}"
+if [ "$((NGPU * NNODES))" -eq 1 ]; then
+  # One process needs no torchrun, and without it the exit code (2 for a mistake the user can
+  # fix) and the one-line message reach the caller as they are, not as exit 1 and a traceback.
+  exec "$PYTHON" -m titanlike.train --job.config_file "$CONFIG_FILE" "$@"
+fi
 exec "$PYTHON" -m torch.distributed.run "${rdzv[@]}" --nproc_per_node="$NGPU" \
   "$here/run_train.sh" --job.config_file "$CONFIG_FILE" "$@"
 ":"""

@@ -333,7 +333,9 @@ def _set(cfg: JobConfig, section: str, key: str, raw: object, source: str) -> No
     if key not in types:
         full = [f"{section}.{k}" for k in types]
         everything = [f"{s}.{k}" for s, c in secs.items() for k in _field_types(c)]
-        near = difflib.get_close_matches(f"{section}.{key}", everything, n=1, cutoff=0.6)
+        # The same key in another section (--training.lr → optimizer.lr) beats a look-alike spelling.
+        same_key = [f"{s}.{key}" for s, c in secs.items() if key in _field_types(c)]
+        near = same_key or difflib.get_close_matches(f"{section}.{key}", everything, n=1, cutoff=0.6)
         hint = f"; did you mean {near[0]}?" if near else f"; valid: {', '.join(full)}"
         raise ConfigError(f"unknown config key {section}.{key} in {source}{hint}")
     setattr(getattr(cfg, section), key, _coerce(f"{section}.{key}", raw, types[key]))

@@ -1,0 +1,151 @@
+"""Worker for tests/test_float8.py: what does FSDP really all-gather with float8 all-gather on?
+
+Run as `torchrun --nproc_per_node=2 tests/float8_fsdp_probe.py OUT.json` (CPU, gloo). Builds a
+small Llama twice, with torchao tensorwise float8 + float8 all-gather and without, each through
+titanlike's own float8.convert and parallel.apply_fsdp, and records during a forward pass:
+every all-gather collective (dtype, bytes sent by this rank), and every float8 weight's
+fsdp_pre_all_gather (dtype and element count of what it hands to FSDP, and whether a
+precomputed scale was used). Rank 0 writes the records as JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from titanlike import float8, parallel
+from titanlike.config import Fp8
+from titanlike.model import ModelArgs, Transformer
+
+ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=64)
+SEQ = 16
+
+
+class Recorder:
+    def __init__(self):
+        self.collectives: list[dict] = []
+        self.pre_all_gather: list[dict] = []
+        self.active = False
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def patch(self):
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+        originals = {name: getattr(dist, name) for name in ("all_gather_single", "all_gather_into_tensor")
+                     if hasattr(dist, name)}
+        pre = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
+
+        def wrap(name, fn):
+            def recorded(output_tensor, input_tensor, *args, **kwargs):
+                outer = self._depth == 0
+                self._depth += 1
+                try:
+                    if outer and self.active:
+                        self.collectives.append({"op": name, "dtype": str(input_tensor.dtype),
+                                                 "numel": input_tensor.numel(),
+                                                 "bytes": input_tensor.numel() * input_tensor.element_size()})
+                    return fn(output_tensor, input_tensor, *args, **kwargs)
+                finally:
+                    self._depth -= 1
+            return recorded
+
+        def recorded_pre(weight, mesh):  # FSDP reads this signature: keep it (self, mesh)
+            used_precomputed = weight._precomputed_scale is not None
+            out, meta = pre(weight, mesh)
+            if self.active:
+                self.pre_all_gather.append({"dtypes": [str(t.dtype) for t in out], "numel": sum(t.numel() for t in out),
+                                            "bytes": sum(t.numel() * t.element_size() for t in out),
+                                            "shard_numel": weight.numel(), "precomputed": used_precomputed,
+                                            "scale": float(meta[0])})
+            return out, meta
+
+        for name, fn in originals.items():
+            setattr(dist, name, wrap(name, fn))
+        WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = recorded_pre
+        try:
+            yield self
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+            WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = pre
+
+
+def build(fp8: bool, mesh):
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    cfg = Fp8(recipe="tensorwise" if fp8 else "none", emulate=True, auto_filter=False, filter_fqns=["output"])
+    plan = float8.resolve(cfg, dp_shard=mesh.size())  # all-gather and precompute left to their defaults
+    float8.convert(model, plan)
+    parallel.apply_fsdp(model, mesh, None, "default")
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0, seq_len=SEQ)
+    return model, plan
+
+
+def full_amax(weight) -> float:
+    local = weight._local_tensor
+    hp = getattr(local, "_tensor", local)
+    amax = hp.detach().abs().max().float()
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+    return float(amax)
+
+
+def case(fp8: bool, mesh, rec: Recorder) -> dict:
+    model, plan = build(fp8, mesh)
+    params = {name: (p.shape.numel(), p.to_local().numel(), type(p.to_local()).__name__)
+              for name, p in model.named_parameters()}
+    torch.manual_seed(1)
+    tokens = torch.randint(0, ARGS.vocab_size, (2, SEQ))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    rec.collectives, rec.pre_all_gather, rec.active = [], [], True
+    logits = model(tokens)
+    rec.active = False
+    first = {"collectives": rec.collectives, "pre_all_gather": rec.pre_all_gather}
+    logits.float().pow(2).mean().backward()
+    optimizer.step()
+    float8.post_optimizer_step(model, plan)
+
+    precomputed = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        # torchao sets the scale on the DTensor's own local tensor (to_local() may return a fresh view).
+        local = getattr(weight, "_local_tensor", None)
+        if local is not None and hasattr(local, "_precomputed_scale"):
+            scale = local._precomputed_scale
+            precomputed[name] = {"scale": None if scale is None else float(scale),
+                                 "expected": float(torch.finfo(torch.float8_e4m3fn).max / torch.tensor(full_amax(weight), dtype=torch.float64))}
+
+    rec.collectives, rec.pre_all_gather, rec.active = [], [], True
+    with torch.no_grad():
+        model(tokens)
+    rec.active = False
+    second = {"collectives": rec.collectives, "pre_all_gather": rec.pre_all_gather}
+    return {"plan": {"fsdp_float8_all_gather": plan.fsdp_float8_all_gather, "precompute_scales": plan.precompute_scales,
+                     "converted": plan.converted, "skipped": plan.skipped},
+            "params": params, "first": first, "second": second, "precomputed": precomputed,
+            "logits": logits.detach().flatten()[:512].tolist()}
+
+
+def main() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+    rec = Recorder()
+    with rec.patch():
+        out = {"world": dist.get_world_size(), "fp8": case(True, mesh, rec), "plain": case(False, mesh, rec)}
+    if dist.get_rank() == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,431 @@
+"""The job configuration: TOML + `--section.key value` overrides, validation, and the launcher's checks."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import os
+import subprocess
+import sys
+import tomllib
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, _env
+from titanlike import config as config_mod
+from titanlike.config import ConfigError, JobConfig, field_docs, load_config, sections, to_toml, validate
+from titanlike.data import DataError, write_shard
+from titanlike.parallel import resolve_dims
+from titanlike.train import preflight
+
+DEBUG_TOML = str(ROOT / "train_configs" / "debug_model.toml")
+
+
+def error_of(argv: list[str]) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(argv)
+    msg = str(e.value)
+    assert "\n" not in msg, f"a config error must be one line: {msg!r}"
+    return msg
+
+
+# ---- parsing the command line -------------------------------------------------------------------
+
+
+def test_defaults_without_arguments():
+    cfg = load_config([])
+    assert cfg == JobConfig()
+
+
+def test_space_and_equals_forms():
+    a = load_config(["--training.steps", "7", "--optimizer.lr", "0.01", "--job.dump_folder", "/tmp/x"])
+    b = load_config(["--training.steps=7", "--optimizer.lr=0.01", "--job.dump_folder=/tmp/x"])
+    assert a == b
+    assert a.training.steps == 7 and isinstance(a.training.steps, int)
+    assert a.optimizer.lr == 0.01 and isinstance(a.optimizer.lr, float)
+    assert a.job.dump_folder == "/tmp/x"
+
+
+def test_negative_numbers_are_values_not_options():
+    cfg = load_config(["--parallel.dp_shard", "-1", "--checkpoint.load_step", "-1", "--training.steps", "3"])
+    assert cfg.parallel.dp_shard == -1 and cfg.checkpoint.load_step == -1 and cfg.training.steps == 3
+
+
+def test_dashes_in_names_mean_underscores():
+    assert load_config(["--training.local-batch-size", "3"]).training.local_batch_size == 3
+
+
+def test_boolean_flags():
+    assert JobConfig().compile.enable is False
+    assert load_config(["--compile.enable"]).compile.enable is True
+    # A bare flag followed by another option is still a bare flag.
+    cfg = load_config(["--compile.enable", "--training.steps", "5"])
+    assert cfg.compile.enable is True and cfg.training.steps == 5
+    assert load_config(["--compile.enable", "false"]).compile.enable is False
+    assert load_config(["--compile.enable=false"]).compile.enable is False
+    assert load_config(["--compile.enable", "true"]).compile.enable is True
+    assert load_config(["--metrics.enable_tensorboard", "false"]).metrics.enable_tensorboard is False
+    # Optional booleans: unset means "decide for me"; none/auto unset them again.
+    assert load_config(["--model.tie_embeddings"]).model.tie_embeddings is True
+    assert load_config(["--model.tie_embeddings", "false"]).model.tie_embeddings is False
+    assert load_config(["--model.tie_embeddings", "none"]).model.tie_embeddings is None
+
+
+def test_comma_lists():
+    cfg = load_config(["--optimizer.betas", "0.8,0.99", "--fp8.filter_fqns", "output,wq"])
+    assert cfg.optimizer.betas == [0.8, 0.99] and all(isinstance(b, float) for b in cfg.optimizer.betas)
+    assert cfg.fp8.filter_fqns == ["output", "wq"]
+    assert load_config(["--fp8.filter_fqns", " output , wq "]).fp8.filter_fqns == ["output", "wq"]
+    assert load_config(["--fp8.filter_fqns", ""]).fp8.filter_fqns == []
+    assert "expected a number" in error_of(["--optimizer.betas", "0.9,x"])
+
+
+def test_defaults_are_not_shared_between_instances():
+    a, b = JobConfig(), JobConfig()
+    a.optimizer.betas.append(0.5)
+    a.fp8.filter_fqns.append("wq")
+    assert b.optimizer.betas == [0.9, 0.95] and b.fp8.filter_fqns == ["output"]
+
+
+# ---- TOML and precedence --------------------------------------------------------------------------
+
+
+def write_toml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_precedence_default_toml_cli(tmp_path):
+    path = write_toml(tmp_path, '[training]\nsteps = 7\nlocal_batch_size = 3\n[optimizer]\nbetas = [0.5, 0.6]\n')
+    cfg = load_config(["--job.config_file", path, "--training.steps", "9"])
+    assert cfg.training.steps == 9  # CLI over TOML
+    assert cfg.training.local_batch_size == 3  # TOML over default
+    assert cfg.optimizer.betas == [0.5, 0.6]
+    assert cfg.training.max_norm == JobConfig().training.max_norm  # default where neither says
+    # The CLI wins whatever its position relative to --job.config_file.
+    cfg = load_config(["--training.steps", "9", "--job.config_file", path])
+    assert cfg.training.steps == 9 and cfg.training.local_batch_size == 3
+
+
+def test_debug_model_toml_loads():
+    cfg = load_config(["--job.config_file", DEBUG_TOML])
+    raw = tomllib.loads(Path(DEBUG_TOML).read_text())
+    for section, table in raw.items():
+        for key, value in table.items():
+            assert getattr(getattr(cfg, section), key) == value, f"{section}.{key}"
+
+
+def test_toml_errors(tmp_path):
+    assert "no such file" in error_of(["--job.config_file", str(tmp_path / "missing.toml")])
+    bad = write_toml(tmp_path, "[training\nsteps = 3\n")
+    assert "not valid TOML" in error_of(["--job.config_file", bad])
+    top = write_toml(tmp_path, "steps = 3\n")
+    assert "must be a [section] table" in error_of(["--job.config_file", top])
+    msg = error_of(["--job.config_file", write_toml(tmp_path, "[training]\nstepz = 3\n")])
+    assert "training.stepz" in msg and "job.toml" in msg and "did you mean training.steps" in msg
+    assert "expected an integer" in error_of(["--job.config_file", write_toml(tmp_path, "[training]\nsteps = 7.5\n")])
+    assert "expected a number" in error_of(["--job.config_file", write_toml(tmp_path, "[optimizer]\nlr = true\n")])
+    assert "comma-separated list" in error_of(["--job.config_file", write_toml(tmp_path, "[optimizer]\nbetas = 0.9\n")])
+
+
+# ---- what a mistake looks like ---------------------------------------------------------------------
+
+
+def test_unknown_key_names_the_closest():
+    msg = error_of(["--training.stepz", "1"])
+    assert msg.startswith("unknown config key training.stepz") and "did you mean training.steps?" in msg
+    # The same key in another section is the likeliest intent.
+    assert "did you mean optimizer.lr?" in error_of(["--training.lr", "1e-3"])
+    # Nothing close: list the section's valid keys.
+    msg = error_of(["--training.zzzzzzzz", "1"])
+    assert "valid:" in msg and "training.steps" in msg and "training.local_batch_size" in msg
+
+
+def test_unknown_section():
+    msg = error_of(["--trainig.steps", "3"])
+    assert "unknown config section [trainig]" in msg and "did you mean training?" in msg
+    msg = error_of(["--zzz.steps", "3"])
+    assert "valid:" in msg and "optimizer" in msg
+
+
+def test_malformed_arguments():
+    assert "unexpected argument 'steps'" in error_of(["steps"])
+    assert "needs a section" in error_of(["--steps", "3"])
+
+
+def test_wrong_types():
+    assert error_of(["--training.steps", "abc"]) == "training.steps = 'abc' is not valid: expected an integer"
+    assert "expected a number" in error_of(["--optimizer.lr", "fast"])
+    assert "expected true or false" in error_of(["--compile.enable", "maybe"])
+    assert "expected an integer" in error_of(["--training.steps", "2.5"])
+    assert "training.steps" in error_of(["--training.steps"])  # a bare flag on an integer
+    assert load_config(["--training.steps", "1_000"]).training.steps == 1000
+
+
+def test_literal_choices():
+    msg = error_of(["--fp8.recipe", "rowwse"])
+    assert msg.startswith("fp8.recipe = 'rowwse' is not one of none, tensorwise, rowwise, rowwise_with_gw_hp")
+    assert "did you mean 'rowwise'?" in msg
+    msg = error_of(["--training.device", "gpu"])
+    assert "auto, cuda, cpu" in msg
+    assert "linear, cosine" in error_of(["--lr_scheduler.decay_type", "exp"])
+    for recipe in ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp"):
+        assert load_config(["--fp8.recipe", recipe]).fp8.recipe == recipe
+
+
+# ---- every validation in validate() -----------------------------------------------------------------
+
+# (overrides, a piece of the message); together they trip every need(...) in validate().
+INVALID = [
+    (["--model.flavor", "9b"], "model.flavor = '9b' is not a preset"),
+    (["--model.vocab_size", "-1"], "model.vocab_size = -1 must be >= 0"),
+    (["--data.seq_len", "4"], "data.seq_len = 4 must be at least 8"),
+    (["--data.num_workers", "-1"], "data.num_workers = -1 must be >= 0"),
+    (["--data.path", "/nonexistent/shards"], "data.path = '/nonexistent/shards': no such file or folder"),
+    (["--data.val_path", "/nonexistent/val.bin"], "data.val_path = '/nonexistent/val.bin': no such file"),
+    (["--training.local_batch_size", "0"], "training.local_batch_size = 0 must be >= 1"),
+    (["--training.global_batch_size", "-4"], "training.global_batch_size = -4 must be >= 0"),
+    (["--training.local_batch_size", "4", "--training.global_batch_size", "6"],
+     "training.global_batch_size = 6 must be a multiple of training.local_batch_size = 4"),
+    (["--training.steps", "0"], "training.steps = 0 must be >= 1"),
+    (["--training.max_norm", "-1"], "training.max_norm = -1.0 must be >= 0"),
+    (["--optimizer.lr", "0"], "optimizer.lr = 0.0 must be > 0"),
+    (["--optimizer.weight_decay", "-0.1"], "optimizer.weight_decay = -0.1 must be >= 0"),
+    (["--optimizer.betas", "0.9"], "optimizer.betas = [0.9] must be two numbers in [0, 1)"),
+    (["--optimizer.betas", "0.9,1.0"], "optimizer.betas = [0.9, 1.0] must be two numbers"),
+    (["--optimizer.eps", "0"], "optimizer.eps = 0.0 must be > 0"),
+    (["--lr_scheduler.warmup_steps", "-1"], "lr_scheduler.warmup_steps = -1 must be >= 0"),
+    (["--lr_scheduler.decay_ratio", "1.5"], "lr_scheduler.decay_ratio = 1.5 must be in [0, 1]"),
+    (["--lr_scheduler.min_lr_factor", "2"], "lr_scheduler.min_lr_factor = 2.0 must be in [0, 1]"),
+    (["--parallel.dp_shard", "0"], "parallel.dp_shard = 0 must be -1 (all ranks) or >= 1"),
+    (["--parallel.dp_replicate", "-2"], "parallel.dp_replicate = -2 must be -1 (the rest) or >= 1"),
+    (["--parallel.backend_timeout_s", "0"], "parallel.backend_timeout_s = 0 must be >= 1"),
+    (["--fp8.recipe", "rowwise", "--fp8.enable_fsdp_float8_all_gather"],
+     "fp8.enable_fsdp_float8_all_gather needs fp8.recipe = tensorwise (got 'rowwise')"),
+    (["--fp8.recipe", "rowwise_with_gw_hp", "--fp8.enable_fsdp_float8_all_gather", "true"],
+     "needs fp8.recipe = tensorwise (got 'rowwise_with_gw_hp')"),
+    (["--fp8.enable_fsdp_float8_all_gather"], "needs fp8.recipe = tensorwise (got 'none')"),
+    (["--fp8.recipe", "tensorwise", "--fp8.enable_fsdp_float8_all_gather", "false",
+      "--fp8.precompute_float8_dynamic_scale_for_fsdp"],
+     "fp8.precompute_float8_dynamic_scale_for_fsdp needs fp8.enable_fsdp_float8_all_gather"),
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "ops"],
+     "activation_checkpoint.selective_ac_option = 'ops' must be 'op' or a positive integer"),
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "0"],
+     "selective_ac_option = '0' must be 'op' or a positive integer"),
+    (["--checkpoint.interval", "0"], "checkpoint.interval = 0 must be >= 1"),
+    (["--checkpoint.keep_latest_k", "-1"], "checkpoint.keep_latest_k = -1 must be >= 0"),
+    (["--checkpoint.load_step", "-2"], "checkpoint.load_step = -2 must be -1 (newest) or a step"),
+    (["--checkpoint.initial_load_path", "/nonexistent/ckpt"], "checkpoint.initial_load_path = '/nonexistent/ckpt': no such"),
+    (["--metrics.log_freq", "0"], "metrics.log_freq = 0 must be >= 1"),
+    (["--validation.freq", "0"], "validation.freq and validation.steps must be >= 1 (got 0, 4)"),
+    (["--validation.steps", "0"], "validation.freq and validation.steps must be >= 1 (got 50, 0)"),
+    (["--profiling.freq", "0"], "profiling: need freq >= 1"),
+    (["--profiling.warmup", "-1"], "profiling: need"),
+    (["--profiling.active", "0"], "profiling: need"),
+    (["--profiling.freq", "3", "--profiling.warmup", "3", "--profiling.active", "1"], "(got 3, 3, 1)"),
+]
+
+
+@pytest.mark.parametrize("argv,expected", INVALID, ids=[" ".join(a) for a, _ in INVALID])
+def test_validation_rejects(argv, expected):
+    assert expected in error_of(argv)
+
+
+def _need_call_lines() -> list[range]:
+    """Line ranges of every need(...) call in validate()."""
+    source, start = inspect.getsourcelines(validate)
+    tree = ast.parse("".join(source))
+    return [range(n.lineno + start - 1, n.end_lineno + start)
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "need"]
+
+
+def test_every_validation_is_exercised():
+    """Each need(...) in validate() is tripped by at least one case of INVALID (and no other line raises)."""
+    calls = _need_call_lines()
+    assert len(calls) >= 25  # the test below would pass vacuously if the AST walk found nothing
+    hit = set()
+    for argv, _ in INVALID:
+        with pytest.raises(ConfigError) as e:
+            load_config(argv)
+        frames = [f for f in traceback.extract_tb(e.value.__traceback__) if f.name == "validate"]
+        if not frames:
+            continue  # a parse-time error, not a validation (none expected, checked below)
+        line = frames[-1].lineno
+        owner = [i for i, r in enumerate(calls) if line in r]
+        assert owner, f"{argv} raised from validate() line {line}, outside any need(...)"
+        hit.add(owner[0])
+    missed = [calls[i].start for i in range(len(calls)) if i not in hit]
+    assert not missed, f"need(...) calls at lines {missed} of config.py have no failing case in INVALID"
+
+
+def test_valid_edge_values_pass():
+    load_config(["--data.seq_len", "8", "--lr_scheduler.decay_ratio", "1", "--lr_scheduler.min_lr_factor", "0",
+                 "--training.max_norm", "0", "--activation_checkpoint.mode", "selective",
+                 "--activation_checkpoint.selective_ac_option", "2", "--profiling.freq", "4",
+                 "--profiling.warmup", "3", "--profiling.active", "1"])
+    # The selective option only matters in selective mode.
+    load_config(["--activation_checkpoint.mode", "full", "--activation_checkpoint.selective_ac_option", "junk"])
+    load_config(["--fp8.recipe", "tensorwise", "--fp8.enable_fsdp_float8_all_gather",
+                 "--fp8.precompute_float8_dynamic_scale_for_fsdp"])
+
+
+# ---- world-size checks: parallel.resolve_dims and train.preflight ----------------------------------
+
+
+@pytest.mark.parametrize("world,shard,replicate,expected", [
+    (1, -1, 1, (1, 1)),
+    (8, -1, 1, (1, 8)),
+    (8, -1, 2, (2, 4)),
+    (8, 4, -1, (2, 4)),
+    (8, 2, 4, (4, 2)),
+    (2, 1, 2, (2, 1)),
+    (2, 2, 1, (1, 2)),
+])
+def test_resolve_dims_valid(world, shard, replicate, expected):
+    assert resolve_dims(world, shard, replicate) == expected
+
+
+@pytest.mark.parametrize("world,shard,replicate,expected", [
+    (4, 3, 1, "parallel.dp_replicate × parallel.dp_shard = 1 × 3 must equal the 4 ranks"),
+    (4, 4, 2, "parallel.dp_replicate × parallel.dp_shard = 2 × 4 must equal the 4 ranks"),
+    (2, 2, 2, "parallel.dp_replicate × parallel.dp_shard = 2 × 2 must equal the 2 ranks"),
+    (4, -1, 3, "parallel.dp_replicate = 3 does not divide the 4 ranks"),
+    (4, 3, -1, "parallel.dp_replicate = -1 needs parallel.dp_shard to be a divisor of the 4 ranks (got 3)"),
+    (4, -1, -1, "parallel.dp_replicate = -1 needs parallel.dp_shard to be a divisor"),
+])
+def test_resolve_dims_invalid(world, shard, replicate, expected):
+    with pytest.raises(ConfigError) as e:
+        resolve_dims(world, shard, replicate)
+    assert expected in str(e.value)
+
+
+def test_preflight_batch_arithmetic():
+    cfg = load_config(["--training.local_batch_size", "2", "--training.global_batch_size", "8"])
+    assert preflight(cfg, 2) == (1, 2, 8, 2)  # 8 = 2 local × 2 ranks × 2 micro-batches
+    assert preflight(cfg, 1) == (1, 1, 8, 4)
+    assert preflight(cfg, 4) == (1, 4, 8, 1)
+    cfg = load_config(["--training.local_batch_size", "2"])  # global 0 = local × DP
+    assert preflight(cfg, 4) == (1, 4, 8, 1)
+    cfg = load_config(["--training.local_batch_size", "2", "--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"])
+    assert preflight(cfg, 4) == (2, 2, 8, 1)
+
+
+def test_preflight_global_batch_not_divisible_by_local_times_dp():
+    # 12 is a multiple of the local batch 4 (validate passes) but not of 4 × 2 ranks.
+    cfg = load_config(["--training.local_batch_size", "4", "--training.global_batch_size", "12"])
+    assert preflight(cfg, 1)[3] == 3
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg, 2)
+    assert "training.global_batch_size = 12 must be a multiple of training.local_batch_size × data-parallel degree = 4 × 2 = 8" == str(e.value)
+
+
+def test_preflight_world_size_mismatch():
+    cfg = load_config(["--parallel.dp_shard", "3"])
+    with pytest.raises(ConfigError, match="must equal the 2 ranks"):
+        preflight(cfg, 2)
+
+
+def test_preflight_reads_data_headers(tmp_path):
+    shard = tmp_path / "big_ids.bin"
+    write_shard(shard, np.array([1, 2, 400, 3] * 100))
+    cfg = load_config(["--data.path", str(shard)])
+    with pytest.raises(DataError, match="token id 400 .* vocabulary has 320 ids; set --model.vocab_size 401"):
+        preflight(cfg, 1)
+    cfg = load_config(["--data.path", str(shard), "--model.vocab_size", "401"])
+    assert preflight(cfg, 1)[0:2] == (1, 1)
+
+
+# ---- output: TOML round trip, print_config, docstrings --------------------------------------------
+
+
+def _without_none(d):
+    if isinstance(d, dict):
+        return {k: _without_none(v) for k, v in d.items() if v is not None}
+    return d
+
+
+def test_to_toml_round_trip(tmp_path):
+    argv = ["--job.config_file", DEBUG_TOML, "--optimizer.betas", "0.85,0.97", "--fp8.filter_fqns", "output,wq",
+            "--job.dump_folder", 'odd "name" \\ path', "--optimizer.lr", "1e-30", "--model.tie_embeddings", "false",
+            "--fp8.recipe", "tensorwise", "--compile.enable"]
+    cfg = load_config(argv)
+    text = to_toml(cfg)
+    parsed = tomllib.loads(text)
+    assert parsed == _without_none(dataclasses.asdict(cfg))
+    again = load_config(["--job.config_file", write_toml(tmp_path, text)])
+    again.job.config_file = cfg.job.config_file
+    assert again == cfg
+
+
+def test_unset_optionals_round_trip(tmp_path):
+    cfg = load_config([])
+    assert cfg.model.tie_embeddings is None and cfg.fp8.enable_fsdp_float8_all_gather is None
+    assert "tie_embeddings" not in to_toml(cfg)
+    again = load_config(["--job.config_file", write_toml(tmp_path, to_toml(cfg))])
+    again.job.config_file = ""
+    assert again == cfg
+
+
+def test_every_field_has_a_docstring():
+    assert set(sections()) == {f.name for f in dataclasses.fields(JobConfig)}
+    for name, cls in sections().items():
+        docs = field_docs(cls)
+        fields = [f.name for f in dataclasses.fields(cls)]
+        missing = [f for f in fields if not docs.get(f, "").strip()]
+        assert not missing, f"[{name}] fields without a docstring: {missing}"
+        assert set(docs) == set(fields)
+
+
+def test_help_lists_every_key(capsys):
+    with pytest.raises(SystemExit) as e:
+        load_config(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for name, cls in sections().items():
+        for f in dataclasses.fields(cls):
+            assert f"--{name}.{f.name} " in out
+
+
+# ---- the launcher ---------------------------------------------------------------------------------
+
+
+def launcher(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = _env()
+    env.pop("CONFIG_FILE", None)
+    env["NGPU"] = "1"
+    env.update(env_extra or {})
+    return subprocess.run([str(ROOT / "run_train.sh"), *args], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+
+
+def test_launcher_typo_is_one_line_and_exit_2():
+    proc = launcher("--training.stepz", "1")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error:") and "training.stepz" in lines[0] and "training.steps" in lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_launcher_world_size_error_is_one_line():
+    proc = launcher("--parallel.dp_shard", "2", env_extra={"NGPU": "4"})
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "must equal the 4 ranks" in lines[0], proc.stderr
+
+
+def test_launcher_print_config(tmp_path):
+    proc = launcher("--job.print_config", "--training.steps", "5", "--fp8.filter_fqns", "output,wq")
+    assert proc.returncode == 0, proc.stderr
+    printed = tomllib.loads(proc.stdout)
+    expected = load_config(["--job.config_file", DEBUG_TOML, "--job.print_config", "--training.steps", "5",
+                            "--fp8.filter_fqns", "output,wq"])
+    assert printed == _without_none(dataclasses.asdict(expected))
+    assert printed["training"]["steps"] == 5 and printed["data"]["seq_len"] == 256  # CLI and debug TOML
+    assert "train step" not in proc.stdout + proc.stderr  # printed, not trained

@@ -1,0 +1,309 @@
+"""Float8 through torchao: which Linears convert and why, recipes, the device check, FSDP float8 all-gather.
+
+On CPU the float8 matmuls are emulated (--fp8.emulate); the casts to float8_e4m3fn, the scales
+and what FSDP puts on the wire are the real ones.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import ROOT, _env, losses, metrics, run_train
+from titanlike import float8
+from titanlike.config import Fp8
+from titanlike.errors import UserError
+from titanlike.float8 import Float8Plan, resolve, skip_reason
+from titanlike.model import PRESETS, Transformer, flops_per_token
+
+
+def plan(recipe="tensorwise", *, emulate=True, filter_fqns=("output",), auto_filter=True, all_gather=False,
+         precompute=False) -> Float8Plan:
+    return Float8Plan(recipe, emulate, all_gather, precompute, list(filter_fqns), auto_filter)
+
+
+def linear(k: int, n: int) -> nn.Linear:
+    with torch.device("meta"):
+        return nn.Linear(k, n, bias=False)
+
+
+# ---- which layers, and why not ---------------------------------------------------------------------
+
+
+def test_skip_reason_filter_fqns():
+    p = plan(filter_fqns=["output", "wq", ""], auto_filter=False)
+    assert skip_reason("output", linear(256, 256), p) == "name matches fp8.filter_fqns entry 'output'"
+    assert skip_reason("layers.3.attention.wq", linear(256, 256), p) == "name matches fp8.filter_fqns entry 'wq'"
+    assert skip_reason("layers.3.attention.wk", linear(256, 256), p) is None  # "" matches nothing
+
+
+def test_skip_reason_multiple_of_16():
+    p = plan(filter_fqns=[], auto_filter=False)
+    assert "100×64 is not a multiple of 16" in skip_reason("a", linear(100, 64), p)
+    assert "64×72 is not a multiple of 16" in skip_reason("a", linear(64, 72), p)
+    assert skip_reason("a", linear(64, 80), p) is None
+    # Checked before the size filter, which would also have skipped it.
+    assert "multiple of 16" in skip_reason("a", linear(4100, 8192), plan(filter_fqns=[], auto_filter=True))
+
+
+def test_skip_reason_auto_filter_sizes():
+    tw = plan("tensorwise", filter_fqns=[])
+    # Big enough to pay: Llama 8B's projections.
+    for k, n in [(4096, 4096), (4096, 14336), (14336, 4096), (2048, 8192), (8192, 2048)]:
+        assert skip_reason("x", linear(k, n), tw) is None, (k, n)
+    # Too small: small products, or one side below 1024 however long the other.
+    for k, n in [(2048, 2048), (256, 768), (512, 65536), (65536, 512), (1008, 1 << 20)]:
+        assert skip_reason("x", linear(k, n), tw) == f"{k}×{n} is too small for float8 to pay (fp8.auto_filter)"
+    # Without auto_filter the same small layers convert.
+    assert skip_reason("x", linear(256, 768), plan("tensorwise", filter_fqns=[], auto_filter=False)) is None
+    # Rowwise scaling costs more, so it is never less strict than tensorwise.
+    shapes = [(k, n) for k in (512, 1024, 2048, 4096, 8192, 16384) for n in (512, 1024, 2048, 4096, 8192, 16384)]
+    for recipe in ("rowwise", "rowwise_with_gw_hp"):
+        rw = plan(recipe, filter_fqns=[])
+        for k, n in shapes:
+            if skip_reason("x", linear(k, n), rw) is None:
+                assert skip_reason("x", linear(k, n), tw) is None, (recipe, k, n)
+        assert skip_reason("x", linear(8192, 8192), rw) is None
+        assert skip_reason("x", linear(1024, 1024), rw) is not None
+
+
+def test_convert_debug_model():
+    with torch.device("meta"):
+        model = Transformer(PRESETS["debug"])
+    p = plan("tensorwise", auto_filter=False)
+    float8.convert(model, p)
+    from torchao.float8.float8_linear import Float8Linear
+
+    expected = [f"layers.{i}.{m}" for i in range(4) for m in
+                ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                 "feed_forward.w1", "feed_forward.w3", "feed_forward.w2")]
+    assert sorted(p.converted) == sorted(expected)
+    assert p.skipped == {"output": "name matches fp8.filter_fqns entry 'output'"}
+    modules = dict(model.named_modules())
+    assert all(isinstance(modules[n], Float8Linear) for n in expected)
+    assert type(modules["output"]) is nn.Linear
+    # Matmul FLOPs share, counted by hand: 6 per weight per token over the model's training FLOPs.
+    a, seq = PRESETS["debug"], 64
+    per_block = 2 * a.dim * a.dim + 2 * a.dim * (a.dim // 2) + 3 * a.dim * a.ffn_dim
+    share = 6 * a.n_layers * per_block / flops_per_token(a, seq)
+    assert float8.float8_matmul_share(model, flops_per_token(a, seq)) == pytest.approx(share)
+
+
+def test_convert_with_auto_filter_keeps_small_model_high_precision():
+    with torch.device("meta"):
+        model = Transformer(PRESETS["debug"])
+    p = plan("tensorwise")
+    float8.convert(model, p)
+    assert p.converted == [] and len(p.skipped) == 29
+    assert p.skipped["layers.0.feed_forward.w1"] == "256×768 is too small for float8 to pay (fp8.auto_filter)"
+
+
+def test_convert_none_is_a_no_op():
+    with torch.device("meta"):
+        model = Transformer(PRESETS["debug"])
+    before = [type(m) for m in model.modules()]
+    p = plan("none")
+    float8.convert(model, p)
+    assert [type(m) for m in model.modules()] == before and not p.converted and not p.skipped
+
+
+def test_log_plan_says_what_and_why(caplog):
+    p = plan("tensorwise")
+    with torch.device("meta"):
+        model = Transformer(PRESETS["debug"])
+    float8.convert(model, p)
+    with caplog.at_level(logging.INFO, logger="titanlike"):
+        float8.log_plan(p, 0.0)
+    text = caplog.text
+    assert "float8 tensorwise (emulated): 0 Linears converted, 29 kept in high precision" in text
+    assert "0% of matmul FLOPs in float8" in text and "float8 all-gather off" in text
+    assert "256×768 is too small for float8 to pay" in text and "(8 in all)" in text
+    assert "kept high precision: output: name matches fp8.filter_fqns entry 'output'" in text
+
+
+# ---- options ---------------------------------------------------------------------------------------
+
+
+def test_resolve_defaults():
+    tw = Fp8(recipe="tensorwise")
+    p = resolve(tw, dp_shard=2)
+    assert p.fsdp_float8_all_gather and p.precompute_scales
+    p = resolve(tw, dp_shard=1)  # nothing to gather with one shard
+    assert not p.fsdp_float8_all_gather and not p.precompute_scales
+    p = resolve(Fp8(recipe="rowwise"), dp_shard=8)
+    assert not p.fsdp_float8_all_gather and not p.precompute_scales
+    p = resolve(Fp8(recipe="tensorwise", enable_fsdp_float8_all_gather=False), dp_shard=8)
+    assert not p.fsdp_float8_all_gather and not p.precompute_scales
+    p = resolve(Fp8(recipe="tensorwise", precompute_float8_dynamic_scale_for_fsdp=False), dp_shard=8)
+    assert p.fsdp_float8_all_gather and not p.precompute_scales
+    p = resolve(Fp8(recipe="rowwise", filter_fqns=["output", "wq"], auto_filter=False, emulate=True), dp_shard=1)
+    assert (p.recipe, p.filter_fqns, p.auto_filter, p.emulate) == ("rowwise", ["output", "wq"], False, True)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+@pytest.mark.parametrize("emulate", [False, True])
+def test_torchao_config(recipe, emulate):
+    from torchao.float8.config import ScalingGranularity
+
+    config = float8._torchao_config(plan(recipe, emulate=emulate, all_gather=recipe == "tensorwise"))
+    assert config.emulate is emulate
+    assert config.enable_fsdp_float8_all_gather is (recipe == "tensorwise")
+    expected = ScalingGranularity.TENSORWISE if recipe == "tensorwise" else ScalingGranularity.AXISWISE
+    assert config.cast_config_input.scaling_granularity == expected
+
+
+# ---- the device check -------------------------------------------------------------------------------
+
+
+def test_check_device_skips_when_emulated_or_off(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("no probe expected")
+
+    monkeypatch.setattr(float8, "convert", boom)
+    float8.check_device(plan("tensorwise", emulate=True), torch.device("cpu"))
+    float8.check_device(plan("none", emulate=False), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_check_device_runs_a_real_float8_matmul_on_cpu(monkeypatch, recipe):
+    calls = []
+    real = torch._scaled_mm
+
+    def counting(*a, **k):
+        calls.append(a[0].dtype)
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch, "_scaled_mm", counting)
+    float8.check_device(plan(recipe, emulate=False), torch.device("cpu"))  # this torch has CPU float8 kernels
+    assert calls and set(calls) <= {torch.float8_e4m3fn, torch.float8_e5m2}
+
+
+@pytest.mark.parametrize("recipe,other", [("tensorwise", "none"), ("rowwise", "tensorwise")])
+def test_check_device_failure_is_one_clear_line(monkeypatch, recipe, other):
+    def unsupported(*a, **k):
+        raise RuntimeError("_scaled_mm is not supported on this device\nmore detail")
+
+    monkeypatch.setattr(torch, "_scaled_mm", unsupported)
+    with pytest.raises(UserError) as e:
+        float8.check_device(plan(recipe, emulate=False), torch.device("cpu"))
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"fp8.recipe = {recipe} cannot run on CPU with torch {torch.__version__}")
+    assert "(_scaled_mm is not supported on this device)" in msg
+    assert f"use --fp8.recipe {other} or --fp8.emulate" in msg
+
+
+# ---- training runs ----------------------------------------------------------------------------------
+
+STEPS = 10
+COMMON = ("--training.steps", str(STEPS), "--metrics.log_freq", "1", "--data.seq_len", "64",
+          "--training.local_batch_size", "4", "--validation.enable", "false")
+FP8 = ("--fp8.emulate", "--fp8.auto_filter", "false")
+
+
+@pytest.fixture(scope="module")
+def high_precision(tmp_path_factory, corpus):
+    dump = tmp_path_factory.mktemp("hp")
+    run_train(dump, *COMMON, corpus=corpus)
+    return losses(dump)
+
+
+def assert_tracks(fp8_losses: dict, reference: dict) -> None:
+    assert fp8_losses.keys() == reference.keys() == set(range(1, STEPS + 1))
+    for step, value in fp8_losses.items():
+        assert math.isfinite(value) and abs(value - reference[step]) < 0.03 * reference[step], (step, value, reference[step])
+    assert fp8_losses != reference  # float8 really changed the arithmetic
+    assert fp8_losses[STEPS] < fp8_losses[1] - 1.0  # and it trains
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_trains_and_tracks_high_precision(tmp_path, corpus, high_precision, recipe):
+    proc = run_train(tmp_path, *COMMON, "--fp8.recipe", recipe, *FP8, corpus=corpus)
+    assert_tracks(losses(tmp_path), high_precision)
+    log = proc.stdout + proc.stderr
+    assert f"float8 {recipe} (emulated): 28 Linears converted, 1 kept in high precision" in log
+    assert "kept high precision: output: name matches fp8.filter_fqns entry 'output'" in log
+    assert "float8 all-gather off" in log  # one rank: nothing to gather
+    a = PRESETS["debug"]
+    per_block = 2 * a.dim * a.dim + 2 * a.dim * (a.dim // 2) + 3 * a.dim * a.ffn_dim
+    share = 6 * a.n_layers * per_block / flops_per_token(a, 64)
+    assert f"{share:.0%} of matmul FLOPs in float8" in log
+    assert all(r["float8_matmul_share"] == pytest.approx(share) for r in metrics(tmp_path)[1:])
+
+
+@pytest.mark.slow
+def test_float8_two_ranks_all_gather_on_by_default(tmp_path, corpus, high_precision):
+    # 2 ranks × local 2 = the same global batch of 4 as the single-process reference.
+    proc = run_train(tmp_path, *COMMON, "--training.local_batch_size", "2", "--fp8.recipe", "tensorwise", *FP8, nproc=2, corpus=corpus)
+    log = proc.stdout + proc.stderr
+    assert "dp_shard 2" in log and "float8 all-gather on" in log
+    assert_tracks(losses(tmp_path), high_precision)
+
+
+@pytest.mark.slow
+def test_fsdp_all_gather_carries_float8_bytes(tmp_path):
+    """What FSDP puts on the wire, recorded inside 2 gloo ranks by tests/float8_fsdp_probe.py."""
+    out = tmp_path / "probe.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(ROOT / "tests" / "float8_fsdp_probe.py"), str(out)],
+                          env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    result = json.loads(out.read_text())
+    world = result["world"]
+    fp8, plain = result["fp8"], result["plain"]
+
+    # The defaults with 2 shards and tensorwise: float8 all-gather and precomputed scales on.
+    assert fp8["plan"]["fsdp_float8_all_gather"] and fp8["plan"]["precompute_scales"]
+    converted = set(fp8["plan"]["converted"])
+    assert len(converted) == 14 and "output" in fp8["plan"]["skipped"]
+    weights = {f"{name}.weight" for name in converted}
+    for name, (numel, local, kind) in fp8["params"].items():
+        assert local * world == numel  # evenly sharded, no padding: byte counts below are exact
+        assert kind == ("WeightWithDynamicFloat8CastTensor" if name in weights else "Tensor"), name
+
+    # 1. Each float8 weight hands FSDP its shard as float8_e4m3fn: one byte per element.
+    pre = fp8["first"]["pre_all_gather"]
+    assert len(pre) == len(converted)
+    for rec in pre:
+        assert rec["dtypes"] == ["torch.float8_e4m3fn"]
+        assert rec["numel"] == rec["shard_numel"] and rec["bytes"] == rec["shard_numel"]
+    assert sorted(r["numel"] for r in pre) == sorted(fp8["params"][w][1] for w in weights)
+
+    # 2. The collectives carry exactly those bytes: float8 weights at 1 byte, the rest at 4 (fp32).
+    def expected_bytes(case, fp8_names):
+        return sum(local * (1 if name in fp8_names else 4) for name, (_, local, _) in case["params"].items())
+
+    sent_fp8 = sum(c["bytes"] for c in fp8["first"]["collectives"])
+    sent_plain = sum(c["bytes"] for c in plain["first"]["collectives"])
+    assert sent_fp8 == expected_bytes(fp8, weights)
+    assert sent_plain == expected_bytes(plain, set())
+    assert all(c["dtype"] == "torch.float32" for c in plain["first"]["collectives"])
+    # Groups mixing float8 weights and fp32 norm gains travel as raw bytes (uint8).
+    assert any(c["dtype"] == "torch.uint8" for c in fp8["first"]["collectives"])
+    converted_fp32_bytes = 4 * sum(fp8["params"][w][1] for w in weights)
+    assert sent_plain - sent_fp8 == converted_fp32_bytes * 3 // 4  # 4 bytes → 1 byte per weight element
+    assert plain["first"]["pre_all_gather"] == []
+
+    # 3. After the optimizer step, post_optimizer_step precomputed every weight's scale
+    #    (float8 max / amax of the full weight), and the next all-gather used it.
+    assert set(fp8["precomputed"]) == converted
+    for name, rec in fp8["precomputed"].items():
+        assert rec["scale"] is not None, name
+        assert rec["scale"] == pytest.approx(rec["expected"], rel=1e-6), name
+    second = fp8["second"]["pre_all_gather"]
+    assert len(second) == len(converted) and all(r["precomputed"] for r in second)
+    assert sorted(r["scale"] for r in second) == pytest.approx(sorted(r["scale"] for r in fp8["precomputed"].values()))
+    assert not any(r["precomputed"] for r in pre)  # before the first step: computed on the fly
+
+    # 4. Same init, float8 forward close to the fp32 one but not identical.
+    a, b = torch.tensor(fp8["logits"]), torch.tensor(plain["logits"])
+    rel = float((a - b).norm() / b.norm())
+    assert 0 < rel < 0.05

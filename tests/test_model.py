@@ -1,0 +1,240 @@
+"""The Llama model: sizes, FLOPs, rotary embeddings, causality, GQA, tied embeddings, init."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from titanlike.model import (
+    PRESETS,
+    Attention,
+    ModelArgs,
+    Transformer,
+    apply_rope,
+    count_params,
+    flops_per_token,
+    model_args,
+    rope_tables,
+)
+
+SMALL = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97, rope_theta=10000.0)
+
+
+def meta_numel(args: ModelArgs) -> int:
+    with torch.device("meta"):
+        model = Transformer(args)
+    return sum(p.numel() for p in model.parameters())  # shared (tied) parameters count once
+
+
+def build(args: ModelArgs, seed: int = 0, seq_len: int = 32) -> Transformer:
+    """As the trainer does it: on the meta device, materialised, then initialised."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed, seq_len)
+    return model
+
+
+# ---- sizes and FLOPs ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flavor", list(PRESETS))
+@pytest.mark.parametrize("tie", [False, True])
+def test_count_params_matches_the_module(flavor, tie):
+    args = model_args(flavor, tie_embeddings=tie)
+    total, embed = count_params(args)
+    assert total == meta_numel(args)
+    assert embed == args.vocab_size * args.dim
+
+
+@pytest.mark.parametrize("flavor,published", [("8b", 8.03e9), ("70b", 70.55e9)])
+def test_llama3_sizes(flavor, published):
+    # Meta's published sizes of Llama 3 8B (8,030,261,248) and 70B (70,553,706,496).
+    total, _ = count_params(PRESETS[flavor])
+    assert abs(total - published) / published < 0.005, total
+
+
+def test_flops_per_token_by_hand():
+    a, seq = PRESETS["debug"], 256
+    assert not a.tie_embeddings
+    hd = a.dim // a.n_heads
+    # Parameters counted from the architecture, independently of count_params:
+    attention = a.dim * (a.n_heads * hd) + 2 * a.dim * (a.n_kv_heads * hd) + (a.n_heads * hd) * a.dim
+    ffn = 3 * a.dim * a.ffn_dim
+    norms = 2 * a.dim
+    params = a.n_layers * (attention + ffn + norms) + a.dim + 2 * a.vocab_size * a.dim
+    embedding = a.vocab_size * a.dim
+    expected = 6 * (params - embedding) + 12 * a.n_layers * a.n_heads * hd * seq
+    assert flops_per_token(a, seq) == expected
+    # The attention term grows linearly with the sequence.
+    assert flops_per_token(a, 2 * seq) - flops_per_token(a, seq) == 12 * a.n_layers * a.n_heads * hd * seq
+
+
+def test_flops_8b():
+    a = PRESETS["8b"]
+    # 6 × (8.03e9 - 128256·4096 embedding) + 12·32·32·128·8192
+    expected = 6 * (8_030_261_248 - 128256 * 4096) + 12 * 32 * 32 * 128 * 8192
+    assert flops_per_token(a, 8192) == expected
+
+
+def test_tied_output_still_does_its_matmul():
+    a = PRESETS["debug"]
+    tied = replace(a, tie_embeddings=True)
+    assert count_params(tied)[0] == count_params(a)[0] - a.vocab_size * a.dim
+    assert flops_per_token(tied, 128) == flops_per_token(a, 128)
+
+
+# ---- rotary embeddings -----------------------------------------------------------------------------
+
+
+def rope_reference(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Complex-number RoPE: (x_i, x_{i+D/2}) is z_i, turned by pos · θ^(-2i/D)."""
+    b, s, h, d = x.shape
+    half = d // 2
+    xd = x.double()
+    z = torch.complex(xd[..., :half], xd[..., half:])
+    i = torch.arange(half, dtype=torch.float64)
+    pos = torch.arange(s, dtype=torch.float64)
+    angle = pos[:, None] * theta ** (-2 * i / d)[None, :]  # (s, half)
+    z = z * torch.polar(torch.ones_like(angle), angle)[None, :, None, :]
+    return torch.cat([z.real, z.imag], dim=-1)
+
+
+@pytest.mark.parametrize("theta", [10000.0, 500000.0])
+def test_rope_against_complex_reference(theta):
+    torch.manual_seed(0)
+    x = torch.randn(2, 50, 3, 16)
+    cos, sin = rope_tables(16, 50, theta)
+    out = apply_rope(x, cos, sin)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    torch.testing.assert_close(out.double(), rope_reference(x, theta), rtol=1e-5, atol=1e-5)
+    # Position 0 is not rotated; later positions are.
+    torch.testing.assert_close(out[:, 0], x[:, 0])
+    assert not torch.allclose(out[:, 1], x[:, 1])
+
+
+def test_rope_scores_depend_on_relative_position_only():
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 32), torch.randn(1, 1, 1, 32)
+    cos, sin = rope_tables(32, 64, 10000.0)
+
+    def score(m, n):
+        qm = apply_rope(q.expand(1, 64, 1, 32).contiguous(), cos, sin)[0, m, 0]
+        kn = apply_rope(k.expand(1, 64, 1, 32).contiguous(), cos, sin)[0, n, 0]
+        return float(qm @ kn)
+
+    assert math.isclose(score(10, 3), score(40, 33), rel_tol=1e-4)
+    assert math.isclose(score(5, 5), score(60, 60), rel_tol=1e-4)
+    assert not math.isclose(score(10, 3), score(10, 4), rel_tol=1e-3)
+
+
+def test_rope_keeps_bf16_dtype():
+    x = torch.randn(1, 8, 2, 16, dtype=torch.bfloat16)
+    cos, sin = rope_tables(16, 8, 10000.0)
+    assert apply_rope(x, cos, sin).dtype == torch.bfloat16
+
+
+# ---- attention --------------------------------------------------------------------------------------
+
+
+def test_causal_masking():
+    model = build(SMALL, seq_len=24)
+    torch.manual_seed(1)
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 24))
+    changed = tokens.clone()
+    t = 13
+    changed[:, t] = (changed[:, t] + 1) % SMALL.vocab_size
+    with torch.no_grad():
+        a, b = model(tokens), model(changed)
+    torch.testing.assert_close(a[:, :t], b[:, :t], rtol=0, atol=1e-6)
+    # The change is visible from position t on, so the comparison above could fail.
+    assert (a[:, t:] - b[:, t:]).abs().amax(dim=-1).min() > 1e-4
+
+
+def test_gqa_shapes():
+    a = PRESETS["debug"]
+    attn = Attention(a)
+    hd = a.dim // a.n_heads
+    assert attn.wq.weight.shape == (a.n_heads * hd, a.dim)
+    assert attn.wk.weight.shape == (a.n_kv_heads * hd, a.dim)
+    assert attn.wv.weight.shape == (a.n_kv_heads * hd, a.dim)
+    assert attn.wo.weight.shape == (a.dim, a.n_heads * hd)
+    x = torch.randn(2, 10, a.dim)
+    cos, sin = rope_tables(hd, 10, a.rope_theta)
+    assert attn(x, cos, sin).shape == (2, 10, a.dim)
+    assert build(SMALL)(torch.randint(0, 97, (3, 11))).shape == (3, 11, 97)
+
+
+def test_gqa_equals_attention_with_repeated_kv_heads():
+    """Query head h reads kv head h // (n_heads / n_kv_heads): same as MHA with each kv head repeated."""
+    torch.manual_seed(0)
+    gqa_args = replace(SMALL, n_heads=8, n_kv_heads=2)
+    gqa, mha = Attention(gqa_args), Attention(replace(gqa_args, n_kv_heads=8))
+    hd, rep = gqa_args.head_dim, 4
+    with torch.no_grad():
+        mha.wq.weight.copy_(gqa.wq.weight)
+        mha.wo.weight.copy_(gqa.wo.weight)
+        for name in ("wk", "wv"):
+            w = getattr(gqa, name).weight.view(2, hd, gqa_args.dim)
+            getattr(mha, name).weight.copy_(w.repeat_interleave(rep, dim=0).reshape(8 * hd, gqa_args.dim))
+    x = torch.randn(2, 12, gqa_args.dim)
+    cos, sin = rope_tables(hd, 12, gqa_args.rope_theta)
+    torch.testing.assert_close(gqa(x, cos, sin), mha(x, cos, sin))
+    # Pairing kv heads differently (tile instead of interleave) gives another result.
+    with torch.no_grad():
+        for name in ("wk", "wv"):
+            w = getattr(gqa, name).weight.view(2, hd, gqa_args.dim)
+            getattr(mha, name).weight.copy_(w.repeat(rep, 1, 1).reshape(8 * hd, gqa_args.dim))
+    assert not torch.allclose(gqa(x, cos, sin), mha(x, cos, sin), atol=1e-4)
+
+
+# ---- tied embeddings and init --------------------------------------------------------------------------
+
+
+def test_tied_embeddings_share_storage():
+    args = replace(SMALL, tie_embeddings=True)
+    model = build(args)  # meta → to_empty → init_weights, as in training
+    assert model.output.weight is model.tok_embeddings.weight
+    assert model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr()
+    assert sum(p.numel() for p in model.parameters()) == count_params(args)[0]
+    # A gradient step on the one shared tensor moves both uses.
+    model(torch.randint(0, 97, (2, 8))).sum().backward()
+    with torch.no_grad():
+        model.tok_embeddings.weight -= model.tok_embeddings.weight.grad
+    assert torch.equal(model.output.weight, model.tok_embeddings.weight)
+    untied = build(SMALL)
+    assert untied.output.weight.data_ptr() != untied.tok_embeddings.weight.data_ptr()
+
+
+def test_init_weights_deterministic():
+    a, b, c = build(SMALL, seed=3), build(SMALL, seed=3), build(SMALL, seed=4)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert sa.keys() == sb.keys() == sc.keys()
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+        if name.endswith("norm.weight"):
+            assert torch.equal(sa[name], torch.ones_like(sa[name]))
+        else:
+            assert not torch.equal(sa[name], sc[name]), name
+    # Every parameter draws from its own stream: no two matrices of the same shape are equal.
+    assert not torch.equal(sa["layers.0.attention.wq.weight"], sa["layers.1.attention.wq.weight"])
+    # Independent of the global RNG.
+    torch.manual_seed(123)
+    d = build(SMALL, seed=3)
+    assert all(torch.equal(sa[n], t) for n, t in d.state_dict().items())
+
+
+def test_init_scales():
+    model = build(PRESETS["debug"], seed=0)
+    a = model.args
+    std = {n: p.std().item() for n, p in model.named_parameters()}
+    assert abs(std["layers.0.attention.wq.weight"] - 0.02) < 0.002
+    assert abs(std["layers.0.feed_forward.w2.weight"] - 0.02 / math.sqrt(2 * a.n_layers)) < 0.001
+    assert abs(std["output.weight"] - a.dim**-0.5) < 0.1 * a.dim**-0.5
+    for n, p in model.named_parameters():
+        s = model.init_std(n)
+        if s:
+            assert p.abs().max() <= 3 * s + 1e-6, n  # truncated at 3 standard deviations
