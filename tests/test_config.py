@@ -429,3 +429,9 @@ def test_launcher_print_config(tmp_path):
     assert printed == _without_none(dataclasses.asdict(expected))
     assert printed["training"]["steps"] == 5 and printed["data"]["seq_len"] == 256  # CLI and debug TOML
     assert "train step" not in proc.stdout + proc.stderr  # printed, not trained
+
+
+def test_bare_option_needs_a_value_unless_boolean():
+    with pytest.raises(ConfigError, match=r"^--training.steps needs a value: an integer$"):
+        load_config(["--training.steps", "--compile.enable"])
+    assert load_config(["--compile.enable", "--training.steps", "7"]).compile.enable is True

@@ -250,3 +250,20 @@ def test_loader_state_round_trip_mid_epoch(tmp_path, num_workers):
     for batch, windows in zip(head + tail, expected):
         assert batch.shape == (2, 9)
         assert batch[:, 0].tolist() == [ds[w][0].item() for w in windows]
+
+
+def test_validation_set_is_the_same_for_any_world_size(tmp_path):
+    from titanlike.data import TokenWindows, validation_batches
+
+    path = tmp_path / "v.bin"
+    write_shard(path, np.arange(5000) % 300)
+    ds = TokenWindows([Shard(path)], 16)
+    steps, local, global_batch = 2, 3, 12
+
+    def seen(world):
+        accum = global_batch // (local * world)
+        rows = [b for r in range(world) for b in validation_batches(ds, local, r, world, steps * accum)]
+        return sorted(tuple(row.tolist()) for batch in rows for row in batch)
+
+    assert seen(1) == seen(2) == seen(4)
+    assert len(seen(1)) == steps * global_batch

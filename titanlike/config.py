@@ -188,7 +188,7 @@ class Validation:
     freq: int = 50
     """Validate every this many steps (and at the last step)."""
     steps: int = 4
-    """Validation micro-batches per evaluation."""
+    """Global batches of held-out data per evaluation (the same samples for any number of ranks)."""
 
 
 @dataclass
@@ -263,8 +263,17 @@ def _describe(tp: object) -> str:
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
 
 
+class _BareFlag(str):
+    """A command-line option given without a value: true for booleans, a mistake otherwise."""
+
+
+BARE_FLAG = _BareFlag("true")
+
+
 def _coerce(key: str, raw: object, tp: object) -> object:
     """Turn a TOML value or a command-line string into the field's type, or raise ConfigError."""
+    if isinstance(raw, _BareFlag) and bool not in (tp, *typing.get_args(tp)):
+        raise ConfigError(f"--{key} needs a value: {_describe(tp)}")
     origin = typing.get_origin(tp)
     bad = ConfigError(f"{key} = {raw!r} is not valid: expected {_describe(tp)}")
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
@@ -363,7 +372,7 @@ def _parse_cli(argv: list[str]) -> list[tuple[str, str, object]]:
                 value = argv[i + 1]
                 i += 1
             else:
-                value = "true"
+                value = BARE_FLAG
         out.append((section.replace("-", "_"), key.replace("-", "_"), value))
         i += 1
     return out

@@ -217,9 +217,14 @@ class GlobalBatchSampler:
 
 
 def validation_batches(dataset: TokenWindows, local_batch: int, dp_rank: int, dp_world: int,
-                       steps: int) -> Iterator[torch.Tensor]:
-    """The same leading windows every time, split across ranks; wraps around a small set."""
-    for micro in range(steps):
+                       micro_batches: int) -> Iterator[torch.Tensor]:
+    """This rank's micro-batches of the leading windows (wrapping around a small set).
+
+    Over all ranks the windows are [0, micro_batches × dp_world × local_batch): with
+    micro_batches = steps × gradient-accumulation, that is `steps` global batches whatever the
+    world size, so validation losses compare across world sizes.
+    """
+    for micro in range(micro_batches):
         base = (micro * dp_world + dp_rank) * local_batch
         yield torch.stack([dataset[(base + j) % len(dataset)] for j in range(local_batch)])
 

@@ -191,7 +191,7 @@ class Trainer:
         self.state.step += 1
         self.state.tokens_seen += self.global_batch * self.cfg.data.seq_len
         self.metrics.add_tokens(self.accum_steps * self.cfg.training.local_batch_size * self.cfg.data.seq_len, data_wait)
-        self._window_losses.append(step_loss)
+        self._window_losses.append(torch.stack([step_loss, grad_norm.float()]))
         return grad_norm
 
     def global_mean(self, values: torch.Tensor) -> torch.Tensor:
@@ -202,28 +202,30 @@ class Trainer:
         return values
 
     def check_losses(self) -> float:
-        """Reduce the losses since the last check over ranks, stop on a non-finite one, return the last."""
-        losses = self.global_mean(torch.stack(self._window_losses)).tolist()
-        first = self.state.step - len(losses) + 1
+        """Reduce the (loss, grad norm) pairs since the last check over ranks, stop at the first
+        non-finite one, return the last loss. One host sync per check, none per step."""
+        rows = self.global_mean(torch.stack(self._window_losses)).tolist()
+        first = self.state.step - len(rows) + 1
         self._window_losses = []
-        for i, value in enumerate(losses):
-            if not math.isfinite(value):
-                raise NonFiniteLoss(
-                    f"loss became {value} at step {first + i}; lower --optimizer.lr, raise "
-                    f"--lr_scheduler.warmup_steps or check --training.max_norm (last checkpoint kept)"
-                )
-        return losses[-1]
+        for i, (loss, grad_norm) in enumerate(rows):
+            for what, value in (("loss", loss), ("gradient norm", grad_norm)):
+                if not math.isfinite(value):
+                    raise NonFiniteLoss(
+                        f"{what} became {value} at step {first + i}; lower --optimizer.lr, raise "
+                        f"--lr_scheduler.warmup_steps or check --training.max_norm (last checkpoint kept)"
+                    )
+        return rows[-1][0]
 
     @torch.no_grad()
     def validate(self) -> None:
-        v = self.cfg.validation
+        micro_batches = self.cfg.validation.steps * self.accum_steps  # `steps` global batches
         total = torch.zeros((), device=self.device)
         for batch in validation_batches(self.val_data, self.cfg.training.local_batch_size, self.dp_rank,
-                                        self.dims.dp, v.steps):
+                                        self.dims.dp, micro_batches):
             batch = batch.to(self.device)
             with self.autocast:
                 total += self.loss_fn(self.model(batch[:, :-1]), batch[:, 1:]).float()
-        loss = self.global_mean(total / v.steps).item()
+        loss = self.global_mean(total / micro_batches).item()
         self.metrics.log(self.state.step, {"loss": loss, "ppl": math.exp(min(loss, 50.0))}, prefix="val")
 
     # ---- the loop -----------------------------------------------------------------------------------
