@@ -31,9 +31,10 @@ class Float8Plan:
     fsdp_float8_all_gather: bool
     precompute_scales: bool
     filter_fqns: list[str]
-    auto_filter: bool
+    auto_filter: bool | str  # True: by size; False: off; "measure": by timing each shape on this GPU
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    measured: dict[tuple[int, int], float] = field(default_factory=dict)  # (in, out) -> float8 speed-up
 
     @property
     def enabled(self) -> bool:
@@ -49,8 +50,9 @@ def resolve(fp8_cfg, dp_shard: int) -> Float8Plan:
     precompute = fp8_cfg.precompute_float8_dynamic_scale_for_fsdp
     if precompute is None:
         precompute = all_gather
+    auto_filter = {"true": True, "false": False}.get(fp8_cfg.auto_filter, fp8_cfg.auto_filter)
     return Float8Plan(fp8_cfg.recipe, fp8_cfg.emulate, bool(all_gather and dp_shard > 1),
-                      bool(precompute and all_gather and dp_shard > 1), list(fp8_cfg.filter_fqns), fp8_cfg.auto_filter)
+                      bool(precompute and all_gather and dp_shard > 1), list(fp8_cfg.filter_fqns), auto_filter)
 
 
 def _torchao_config(plan: Float8Plan):
@@ -75,6 +77,10 @@ def _torchao_config(plan: Float8Plan):
 # only 1.01× with these layers, and no measurement yet shows where a stricter bound pays.
 MIN_FEATURES_PRODUCT = {"tensorwise": 2048 * 8192, "rowwise": 4096 * 4096, "rowwise_with_gw_hp": 4096 * 4096}
 MIN_FEATURES = 1024
+# With fp8.auto_filter = measure: convert a shape only if its compiled forward + backward ran at
+# least this much faster in float8 than in bf16 (a margin for timing noise and for the casts of
+# activations that the isolated timing shares with neighbouring layers).
+MEASURED_MIN_SPEEDUP = 1.03
 
 
 def skip_reason(fqn: str, linear: nn.Linear, plan: Float8Plan) -> str | None:
@@ -85,10 +91,41 @@ def skip_reason(fqn: str, linear: nn.Linear, plan: Float8Plan) -> str | None:
     k, n = linear.in_features, linear.out_features
     if k % 16 or n % 16:
         return f"{k}×{n} is not a multiple of 16 (float8 matmuls need it)"
-    if plan.auto_filter:
+    if plan.auto_filter == "measure" and (k, n) in plan.measured:
+        speedup = plan.measured[(k, n)]
+        if speedup < MEASURED_MIN_SPEEDUP:
+            return f"{k}×{n}: float8 measured {speedup:.2f}× bf16 on this GPU (fp8.auto_filter = measure)"
+    elif plan.auto_filter:
         if min(k, n) < MIN_FEATURES or k * n < MIN_FEATURES_PRODUCT[plan.recipe]:
             return f"{k}×{n} is too small for float8 to pay (fp8.auto_filter)"
     return None
+
+
+def measure(model: nn.Module, plan: Float8Plan, tokens: int, device: torch.device) -> None:
+    """For auto_filter = measure: time every candidate Linear shape on this GPU (rank 0's
+    timings go to every rank, so all ranks convert the same layers)."""
+    if not plan.enabled or plan.auto_filter != "measure":
+        return
+    if device.type != "cuda" or plan.emulate:
+        logger.info("fp8.auto_filter = measure needs a GPU running real float8: choosing layers by size instead")
+        plan.auto_filter = True
+        return
+    probe = Float8Plan(plan.recipe, False, False, False, plan.filter_fqns, False)
+    shapes = [(m.in_features, m.out_features) for fqn, m in model.named_modules()
+              if isinstance(m, nn.Linear) and skip_reason(fqn, m, probe) is None]
+    import torch.distributed as dist
+
+    from titanlike.float8_bench import measure_shapes
+
+    result = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        result = [measure_shapes(shapes, tokens, plan.recipe, device)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(result, src=0)
+    plan.measured = result[0]
+    for (k, n), speedup in sorted(plan.measured.items()):
+        logger.info(f"  float8 {plan.recipe} {tokens}×{k}×{n}: {speedup:.2f}× bf16 -> "
+                    f"{'float8' if speedup >= MEASURED_MIN_SPEEDUP else 'bf16'}")
 
 
 def convert(model: nn.Module, plan: Float8Plan) -> None:

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import math
 import os
+import socket
 import sys
 import time
 
@@ -28,6 +29,7 @@ from titanlike.errors import UserError
 from titanlike.metrics import MetricsLogger
 from titanlike.model import Transformer, flops_per_token, model_args
 from titanlike.optim import build_optimizer, build_scheduler, clip_grad_norm
+from titanlike.profiling import Profiler
 
 logger = logging.getLogger("titanlike")
 
@@ -108,6 +110,7 @@ class Trainer:
         # ---- 3. Model: meta → float8 → AC → compile → FSDP → materialise → init ------------------
         with torch.device("meta"):
             model = Transformer(self.margs)
+        float8.measure(model, self.fp8, t.local_batch_size * cfg.data.seq_len, self.device)
         float8.convert(model, self.fp8)
         parallel.apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
                                                 cfg.activation_checkpoint.selective_ac_option)
@@ -144,11 +147,12 @@ class Trainer:
         # Scales depend on the (possibly just loaded) weights: compute them now, never before loading.
         float8.post_optimizer_step(self.model, self.fp8)
 
-        # ---- 6. Metrics ---------------------------------------------------------------------------
+        # ---- 6. Metrics and profiling ------------------------------------------------------------
         self.metrics = MetricsLogger(
             cfg.job.dump_folder, is_writer=self.is_main, tensorboard=cfg.metrics.enable_tensorboard,
             device=self.device, flops_per_token=self.flops_per_token, float8_matmul_share=float8_share,
         )
+        self.profiler = Profiler(cfg.profiling, cfg.job.dump_folder, rank, self.device, start_step=self.state.step)
         if self.is_main:
             n_params = sum(p.numel() for p in self.model.parameters())
             logger.info(
@@ -268,11 +272,13 @@ class Trainer:
                 if self.is_main:
                     logger.info(f"preempted: stopped after step {step}; checkpoint at {self.checkpointer.step_dir(step)}")
                 return
+            self.profiler.step(step)
         self.checkpointer.finish()
         if self.is_main:
             logger.info(f"done: {steps} steps in {time.perf_counter() - t0:.1f}s")
 
     def close(self) -> None:
+        self.profiler.close()
         self.metrics.close()
 
 
@@ -308,6 +314,16 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0 or not e.same_on_all_ranks:
             print(f"error: {e}", file=sys.stderr)
         return 2
+    except torch.OutOfMemoryError:
+        if trainer is not None:
+            trainer.profiler.oom_snapshot(trainer.state.step)
+        raise
+    except RuntimeError as e:
+        failure = parallel.collective_failure(e)  # a peer died or hung, or the network failed
+        if failure is None:
+            raise
+        print(f"error: rank {rank} on {socket.gethostname()}: {failure}", file=sys.stderr)
+        return 1
     finally:
         if trainer is not None:
             trainer.close()
