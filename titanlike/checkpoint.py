@@ -59,6 +59,12 @@ class CheckpointError(UserError):
     pass
 
 
+class CheckpointMismatch(CheckpointError):
+    """The checkpoint on disk does not fit this run; every rank reads the same files, rank 0 reports."""
+
+    same_on_all_ranks = True
+
+
 @dataclass
 class TrainState:
     step: int = 0
@@ -274,7 +280,7 @@ class Checkpointer:
         if self.cfg.load_step >= 0:
             if self.cfg.load_step not in steps:
                 have = ", ".join(map(str, steps)) or "none"
-                raise CheckpointError(
+                raise CheckpointMismatch(
                     f"checkpoint.load_step = {self.cfg.load_step}: no complete checkpoint {self.step_dir(self.cfg.load_step)} "
                     f"(complete steps in {self.folder}: {have})"
                 )
@@ -287,12 +293,20 @@ class Checkpointer:
     def _check_model_shape(self, path: str) -> None:
         """Name the first mismatching parameter rather than let DCP fail deep inside."""
         meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        args_file = os.path.join(path, "model_args.json")
+        if self.trainer.margs.tie_embeddings and os.path.isfile(args_file):
+            # Both names are in a tied model's state dict: an untied checkpoint would load its
+            # embedding and its output layer into the one shared tensor, the last one winning.
+            with open(args_file) as f:
+                if not json.load(f).get("tie_embeddings", False):
+                    raise CheckpointMismatch(f"{path} was saved with untied embeddings (an output layer of its own); "
+                                             f"run with --model.tie_embeddings false")
         for name, tensor in get_model_state_dict(self.trainer.model).items():
             saved = meta.get(f"model.{name}")
             if saved is None:
-                raise CheckpointError(f"{path} has no parameter {name}: it was saved from a different model")
+                raise CheckpointMismatch(f"{path} has no parameter {name}: it was saved from a different model")
             if tuple(saved.size) != tuple(tensor.shape):
-                raise CheckpointError(
+                raise CheckpointMismatch(
                     f"{path} was saved from a different model shape: {name} is {tuple(saved.size)} there, "
                     f"{tuple(tensor.shape)} here (check --model.flavor / --model.vocab_size)"
                 )
@@ -314,7 +328,7 @@ class Checkpointer:
         ts = state["train_state"]
         t.state.step, t.state.tokens_seen = int(ts["step"]), int(ts["tokens_seen"])
         if int(ts["global_batch"]) != t.global_batch:
-            raise CheckpointError(
+            raise CheckpointMismatch(
                 f"{path} was trained with global batch {ts['global_batch']}, this run has {t.global_batch}: "
                 f"resume with --training.global_batch_size {ts['global_batch']} (the LR schedule and data order depend on it)"
             )

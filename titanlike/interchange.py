@@ -126,7 +126,27 @@ def read_hf_folder(folder: str, a: ModelArgs) -> dict[str, torch.Tensor]:
             except KeyError:
                 raise UserError(f"{folder}/{fname}: parameter {name} is not part of a Llama model") from None
     if a.tie_embeddings:
-        out.pop("output.weight", None)
+        head = out.pop("output.weight", None)  # some tied exports store it anyway, equal to the embedding
+        if head is not None and not torch.equal(head, out.get("tok_embeddings.weight", head)):
+            raise UserError(f"{folder} has an lm_head.weight of its own (untied embeddings); "
+                            f"run with --model.tie_embeddings false")
     elif "output.weight" not in out and "tok_embeddings.weight" in out:
         raise UserError(f"{folder} has tied embeddings (no lm_head.weight); run with --model.tie_embeddings")
+    # Otherwise a missing tensor loads silently (that part keeps its random init) and an extra or
+    # misshapen one fails deep in torch with a message per tensor: name the first difference.
+    from titanlike.model import Transformer
+
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in Transformer(a).state_dict().items()
+                    if not (a.tie_embeddings and k == "output.weight")}
+    here = f"this run's model ({a.n_layers} layers, dim {a.dim}, vocab {a.vocab_size})"
+    for name, shape in expected.items():
+        if name not in out:
+            raise UserError(f"{folder} has no {to_hf_name(name)}, which {here} needs: it holds a different model")
+        if tuple(out[name].shape) != shape:
+            raise UserError(f"{folder} holds a different model shape: {to_hf_name(name)} is {tuple(out[name].shape)} "
+                            f"there, {shape} here (check --model.flavor / --model.vocab_size)")
+    for name in out:
+        if name not in expected:
+            raise UserError(f"{folder} has {to_hf_name(name)}, which {here} does not: it holds a different model")
     return out

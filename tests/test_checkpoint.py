@@ -1,0 +1,562 @@
+"""Checkpoints you can trust: exact resume, resharding, crashes, preemption, export and import.
+
+Every training run here is the real launcher (`torchrun ... run_train.sh`) on the debug model, on
+CPU, two ranks over gloo unless said otherwise. All runs share one short schedule (SCHEDULE), so
+any run's losses can be compared with the uninterrupted two-rank reference run, step by step.
+The global batch is fixed at 8 so that one rank (2 micro-batches of 4) and two ranks (4 each)
+train on the same samples.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, _env, metrics, run_python, run_train
+
+STEPS = 12
+SCHEDULE = ("--training.steps", str(STEPS), "--data.seq_len", "64", "--training.local_batch_size", "4",
+            "--training.global_batch_size", "8", "--metrics.log_freq", "1", "--validation.enable", "false",
+            "--training.deterministic", "--checkpoint.enable")
+FP8 = ("--fp8.recipe", "tensorwise", "--fp8.emulate", "--fp8.auto_filter", "false")
+
+# Single-process DCP calls (the export, the synthetic checkpoints) say that they are single-process.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+
+def train_args(dump: Path, corpus, *overrides: str) -> list[str]:
+    """The arguments conftest.run_train passes, for launches it cannot do (Popen, plain python)."""
+    return ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--job.dump_folder", str(dump),
+            "--training.device", "cpu", "--data.path", corpus[0], *SCHEDULE, *overrides]
+
+
+def step_losses(dump: Path, after_line: int = 0) -> dict[int, float]:
+    """Losses by step from metrics.jsonl, from its `after_line`-th train record on (a resumed run appends)."""
+    return {r["step"]: r["loss"] for r in metrics(dump)[after_line:]}
+
+
+def ckpt(dump: Path) -> Path:
+    return dump / "checkpoint"
+
+
+def folders(dump: Path) -> list[str]:
+    return sorted(os.listdir(ckpt(dump)), key=lambda n: (int(n.split("-")[1].split(".")[0]), n))
+
+
+def copy_step(src_dump: Path, step: int, dst_dump: Path) -> None:
+    """A new run folder holding only the step-N checkpoint of another run (as if it stopped there)."""
+    shutil.copytree(ckpt(src_dump) / f"step-{step}", ckpt(dst_dump) / f"step-{step}")
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of a process (torchrun's workers: they run in sessions of their own)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+def start(cmd: list[str], logs: Path) -> subprocess.Popen:
+    """Start a run in a session of its own; its output goes to logs.out / logs.err (never a full pipe)."""
+    with open(f"{logs}.out", "w") as out, open(f"{logs}.err", "w") as err:
+        return subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=out, stderr=err, text=True, start_new_session=True)
+
+
+def output(logs: Path) -> str:
+    return Path(f"{logs}.out").read_text() + Path(f"{logs}.err").read_text()
+
+
+def signal_job(proc: subprocess.Popen, sig: int) -> None:
+    """Signal torchrun and every worker, as a scheduler does (scancel, a node failure)."""
+    for pid in children(proc.pid) + [proc.pid]:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def wait_for(predicate, what: str, proc: subprocess.Popen, logs: Path, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended ({proc.returncode}) before {what}:\n{output(logs)[-5000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}:\n{output(logs)[-5000:]}")
+        time.sleep(0.05)
+
+
+def logged_steps(dump: Path) -> int:
+    path = dump / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+# ---- reference runs, shared by the tests ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory, corpus):
+    """Uninterrupted 2-rank run, checkpoints every 2 steps, the newest 3 kept."""
+    dump = tmp_path_factory.mktemp("ref")
+    proc = run_train(dump, *SCHEDULE, "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "3",
+                     nproc=2, corpus=corpus)
+    assert sorted(step_losses(dump)) == list(range(1, STEPS + 1))
+    return dump, proc
+
+
+@pytest.fixture(scope="module")
+def ref_fp8(tmp_path_factory, corpus):
+    """The same with float8 tensorwise (emulated) and float8 all-gather, checkpoints every 4 steps."""
+    dump = tmp_path_factory.mktemp("ref_fp8")
+    proc = run_train(dump, *SCHEDULE, *FP8, "--checkpoint.interval", "4", nproc=2, corpus=corpus)
+    assert "float8 all-gather on" in proc.stderr
+    return dump, proc
+
+
+# ---- 1. exact resume ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_keep_latest_k_keeps_exactly_k(ref):
+    dump, proc = ref
+    # Six saves (steps 2, 4, …, 12): only the newest three remain, all complete, nothing half-written.
+    assert folders(dump) == ["step-8", "step-10", "step-12"]
+    for name in folders(dump):
+        assert (ckpt(dump) / name / ".metadata").is_file()
+        assert (ckpt(dump) / name / "model_args.json").is_file()
+    assert proc.stderr.count("checkpoint saved:") == 6
+
+
+@pytest.mark.slow
+def test_float8_resume_is_bitwise_exact(ref_fp8, tmp_path, corpus):
+    dump, _ = ref_fp8
+    copy_step(dump, 4, tmp_path)
+    proc = run_train(tmp_path, *SCHEDULE, *FP8, "--checkpoint.interval", "4", nproc=2, corpus=corpus)
+    assert f"resumed from {ckpt(tmp_path)}/step-4 at step 4 (data position and RNG restored)" in proc.stderr
+    full, resumed = step_losses(dump), step_losses(tmp_path)
+    assert sorted(resumed) == list(range(5, STEPS + 1))
+    assert resumed == {s: full[s] for s in resumed}  # bit for bit, float8 scales included
+
+
+@pytest.mark.slow
+def test_async_save_killed_mid_write_resumes_from_last_complete_and_exactly(ref, tmp_path, corpus):
+    """SIGKILL to every process while an async save of step 6 is being written (the write is made
+    slow on purpose): step-6.tmp stays behind, is reported and never loaded; the next run resumes
+    from step-4, itself written in the background, and trains bit for bit like the reference."""
+    marker = tmp_path / "writing-step-6"
+    hooked = tmp_path / "slow_save_train.py"
+    hooked.write_text(textwrap.dedent(f"""
+        import os, sys, time
+        import torch.distributed.checkpoint.filesystem as fs
+
+        real_write = fs._FileSystemWriter.write_data
+
+        def slow_write(self, plan, planner):
+            if str(self.path).endswith("step-6.tmp"):
+                open({str(marker)!r} + "." + os.environ["RANK"], "w").close()
+                time.sleep(600)  # the process is killed in here
+            return real_write(self, plan, planner)
+
+        fs._FileSystemWriter.write_data = slow_write
+        from titanlike.train import main
+        sys.exit(main())
+    """))
+    dump = tmp_path / "run"
+    args = train_args(dump, corpus, "--checkpoint.interval", "2", "--checkpoint.async_mode", "async")
+    proc = start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(hooked),
+                  *args], tmp_path / "killed")
+    try:
+        wait_for(lambda: all(Path(f"{marker}.{r}").exists() for r in (0, 1)), "the save of step 6", proc,
+                 tmp_path / "killed")
+    finally:
+        signal_job(proc, signal.SIGKILL)
+        proc.wait()
+    assert folders(dump) == ["step-2", "step-4", "step-6.tmp"]
+    killed_lines = len(metrics(dump))
+
+    resumed = run_train(dump, *SCHEDULE, "--checkpoint.interval", "2", "--checkpoint.async_mode", "async",
+                        nproc=2, corpus=corpus)
+    assert f"ignoring {ckpt(dump)}/step-6.tmp: a save that never completed" in resumed.stderr
+    assert f"resumed from {ckpt(dump)}/step-4 at step 4" in resumed.stderr
+    losses = step_losses(dump, after_line=killed_lines)
+    assert sorted(losses) == list(range(5, STEPS + 1))
+    full = step_losses(ref[0])
+    assert losses == {s: full[s] for s in losses}
+    # The resumed run saved step 6 again, properly; no half-written folder is left.
+    assert folders(dump) == [f"step-{s}" for s in range(2, STEPS + 1, 2)]
+
+
+# ---- 2. another world size ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_resume_on_one_rank_from_two_rank_checkpoint(ref, tmp_path, corpus):
+    dump, _ = ref
+    copy_step(dump, 8, tmp_path)
+    proc = run_train(tmp_path, *SCHEDULE, "--checkpoint.interval", "100", nproc=1, corpus=corpus)
+    assert "saved on 2 data-parallel ranks, now 1: data position from the step" in proc.stderr
+    full, resumed = step_losses(dump), step_losses(tmp_path)
+    assert sorted(resumed) == list(range(9, STEPS + 1))
+    # Same samples, same weights; only the order of floating-point reductions differs. Another
+    # batch would change the loss by ~0.1, far outside this tolerance.
+    for s in resumed:
+        assert resumed[s] == pytest.approx(full[s], rel=2e-5, abs=0), (s, resumed[s], full[s])
+
+
+# ---- 3/4. preemption ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sigterm_to_every_process_saves_and_resumes_exactly(ref, tmp_path, corpus):
+    """A scheduler's SIGTERM reaches torchrun and every worker: the workers finish the step they
+    are in, save, say where, and exit; the next run resumes bit for bit. (torchrun itself reports
+    the signal as a failure: its exit code is torchrun's, not the trainer's.)"""
+    args = train_args(tmp_path, corpus, "--checkpoint.interval", "100")
+    logs = tmp_path / "preempted"
+    proc = start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                  str(ROOT / "run_train.sh"), *args], logs)
+    try:
+        wait_for(lambda: logged_steps(tmp_path) >= 2, "step 2", proc, logs)
+        signal_job(proc, signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            signal_job(proc, signal.SIGKILL)
+    err = output(logs)
+    stopped = max(step_losses(tmp_path))
+    assert stopped < STEPS
+    assert f"preempted: stopped after step {stopped}; checkpoint at {ckpt(tmp_path)}/step-{stopped}" in err
+    assert folders(tmp_path) == [f"step-{stopped}"]
+
+    resumed = run_train(tmp_path, *SCHEDULE, "--checkpoint.interval", "100", nproc=2, corpus=corpus)
+    assert f"resumed from {ckpt(tmp_path)}/step-{stopped} at step {stopped}" in resumed.stderr
+    full = step_losses(ref[0])
+    after = step_losses(tmp_path, after_line=stopped)
+    assert sorted(after) == list(range(stopped + 1, STEPS + 1))
+    assert after == {s: full[s] for s in after}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
+def test_signal_to_single_process_saves_and_exits_zero(tmp_path, corpus, sig):
+    """One process, no torchrun (the one-GPU launch): the signal → finish the step, save, exit 0."""
+    logs = tmp_path / "preempted"
+    proc = start([sys.executable, "-m", "titanlike.train", *train_args(tmp_path, corpus, "--checkpoint.interval", "100")],
+                 logs)
+    try:
+        wait_for(lambda: logged_steps(tmp_path) >= 2, "step 2", proc, logs)
+        proc.send_signal(sig)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = output(logs)
+    assert proc.returncode == 0, err[-3000:]
+    stopped = max(step_losses(tmp_path))
+    assert stopped < STEPS
+    assert f"preempted: stopped after step {stopped}; checkpoint at {ckpt(tmp_path)}/step-{stopped}" in err
+    assert folders(tmp_path) == [f"step-{stopped}"]
+
+
+# ---- 6. float8 is a compute choice: checkpoints load either way -----------------------------------
+
+
+def checkpoint_keys(step_dir: Path) -> set[str]:
+    import torch.distributed.checkpoint as dcp
+
+    return set(dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata)
+
+
+@pytest.mark.slow
+def test_float8_and_fp32_checkpoints_load_into_each_other(ref, ref_fp8, tmp_path, corpus):
+    dump, dump8 = ref[0], ref_fp8[0]
+    assert checkpoint_keys(ckpt(dump) / "step-8") == checkpoint_keys(ckpt(dump8) / "step-8")
+
+    # float8 checkpoint → plain fp32 run on one rank. Its first loss is the float8 run's loss on the
+    # same weights and batch, computed without float8 rounding: close, not equal.
+    copy_step(dump8, 8, tmp_path / "to_fp32")
+    run_train(tmp_path / "to_fp32", *SCHEDULE, "--checkpoint.interval", "100", nproc=1, corpus=corpus)
+    # fp32 checkpoint → float8 run on two ranks, float8 all-gather on.
+    copy_step(dump, 8, tmp_path / "to_fp8")
+    run_train(tmp_path / "to_fp8", *SCHEDULE, *FP8, "--checkpoint.interval", "100", nproc=2, corpus=corpus)
+
+    for resumed, source in ((tmp_path / "to_fp32", dump8), (tmp_path / "to_fp8", dump)):
+        got, want = step_losses(resumed), step_losses(source)
+        assert sorted(got) == list(range(9, STEPS + 1))
+        assert got[9] == pytest.approx(want[9], rel=2e-3), (resumed.name, got, want)
+        # A run that lost the weights would be back near ln(320) = 5.8.
+        assert got[STEPS] < want[1] - 1.0
+
+
+# ---- 7/8. export to Hugging Face safetensors and back ---------------------------------------------
+
+
+def export(step_dir: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return run_python(str(ROOT / "scripts" / "export_safetensors.py"), str(step_dir), str(out), *extra)
+
+
+def plain_model(step_dir: Path):
+    from titanlike.model import ModelArgs, Transformer
+
+    margs = ModelArgs(**json.loads((step_dir / "model_args.json").read_text()))
+    with torch.device("meta"):
+        model = Transformer(margs)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=123, seq_len=64)  # not the trained weights: loading must replace them all
+    return model
+
+
+def load_in_process(model, path: Path) -> None:
+    """The trainer's own loader for `--checkpoint.initial_load_path` (no process group, one rank)."""
+    from types import SimpleNamespace
+
+    from titanlike.checkpoint import Checkpointer
+    from titanlike.config import Checkpoint
+
+    trainer = SimpleNamespace(model=model, margs=model.args)
+    Checkpointer(Checkpoint(initial_load_path=str(path)), "unused", trainer, is_main=True).load_or_initialize()
+
+
+TOKENS = torch.randint(0, 258, (2, 64), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def exported(ref, tmp_path_factory):
+    """The reference run's last checkpoint, exported in fp32: (step folder, Hugging Face folder)."""
+    step_dir, out = ckpt(ref[0]) / f"step-{STEPS}", tmp_path_factory.mktemp("export") / "hf"
+    proc = export(step_dir, out, "--dtype", "fp32")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == f"exported {step_dir} to {out} (fp32): model.safetensors, config.json"
+    return step_dir, out
+
+
+def assert_round_trip(step_dir: Path, hf: Path) -> None:
+    from_dcp, from_hf = plain_model(step_dir), plain_model(step_dir)
+    with torch.no_grad():
+        before = from_hf(TOKENS)
+    load_in_process(from_dcp, step_dir)  # the checkpoint itself, read by DCP
+    load_in_process(from_hf, hf)  # the export, read back through interchange.py
+    for (name, a), (_, b) in zip(from_dcp.state_dict().items(), from_hf.state_dict().items()):
+        assert torch.equal(a, b), name
+    with torch.no_grad():
+        logits = from_hf(TOKENS)
+        assert torch.equal(logits, from_dcp(TOKENS))
+        assert not torch.allclose(logits, before)
+
+
+@pytest.mark.slow
+def test_export_import_round_trip_gives_identical_logits(exported, tmp_path):
+    step_dir, hf = exported
+    assert sorted(os.listdir(hf)) == ["config.json", "model.safetensors"]
+    assert_round_trip(step_dir, hf)
+
+    # bf16 (the default): the same weights, rounded.
+    assert export(step_dir, tmp_path / "hf16").returncode == 0
+    from safetensors.torch import load_file
+
+    exact, rounded = load_file(hf / "model.safetensors"), load_file(tmp_path / "hf16" / "model.safetensors")
+    assert json.loads((tmp_path / "hf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert rounded.keys() == exact.keys()
+    assert all(rounded[k].dtype == torch.bfloat16 and torch.equal(rounded[k], exact[k].bfloat16()) for k in exact)
+
+
+@pytest.mark.slow
+def test_export_of_float8_checkpoint(ref_fp8, tmp_path):
+    step_dir = ckpt(ref_fp8[0]) / f"step-{STEPS}"
+    assert export(step_dir, tmp_path / "hf", "--dtype", "fp32").returncode == 0
+    assert_round_trip(step_dir, tmp_path / "hf")
+
+
+@pytest.mark.slow
+def test_two_rank_run_starts_from_export(exported, tmp_path, corpus):
+    """`--checkpoint.initial_load_path <hf folder>` on two sharded ranks: the first step's loss is
+    the loss of the exported weights on the first global batch, computed here in one process."""
+    from titanlike.data import GlobalBatchSampler, open_dataset
+    from titanlike.train import cross_entropy
+
+    step_dir, hf = exported
+    run_train(tmp_path, *SCHEDULE, "--training.steps", "1", "--checkpoint.enable", "false",
+              "--checkpoint.initial_load_path", str(hf), nproc=2, corpus=corpus)
+    model = plain_model(step_dir)
+    load_in_process(model, hf)
+    data = open_dataset(corpus[0], 64, model.args.vocab_size, "data.path")
+    first = next(iter(GlobalBatchSampler(len(data), 8, 8, 0, 1, seed=0)))
+    batch = torch.stack([data[i] for i in first])
+    with torch.no_grad():
+        want = cross_entropy(model(batch[:, :-1]), batch[:, 1:]).item()
+    assert step_losses(tmp_path)[1] == pytest.approx(want, rel=1e-5)
+
+
+def synthetic_checkpoint(step_dir: Path, **overrides):
+    """A one-process DCP checkpoint in the trainer's layout, for model shapes no run here trains."""
+    import dataclasses
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from titanlike.model import Transformer, model_args
+
+    margs = dataclasses.replace(model_args("debug"), **overrides)
+    model = Transformer(margs)
+    model.init_weights(seed=7, seq_len=64)
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(step_dir), no_dist=True)
+    (step_dir / "model_args.json").write_text(json.dumps(dataclasses.asdict(margs)))
+    return model
+
+
+def test_export_tied_embeddings(tmp_path):
+    step_dir = tmp_path / "step-1"
+    original = synthetic_checkpoint(step_dir, tie_embeddings=True)
+    assert export(step_dir, tmp_path / "hf", "--dtype", "fp32").returncode == 0
+    from safetensors.torch import load_file
+
+    assert "lm_head.weight" not in load_file(tmp_path / "hf" / "model.safetensors")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is True
+    for source in (tmp_path / "hf", step_dir):  # the export, and the checkpoint itself
+        loaded = plain_model(step_dir)
+        load_in_process(loaded, source)
+        assert loaded.output.weight is loaded.tok_embeddings.weight
+        with torch.no_grad():
+            assert torch.equal(loaded(TOKENS), original(TOKENS))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tied", [False, True])
+def test_export_loads_in_transformers_llama(request, tmp_path, tied):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
+    if tied:
+        step_dir, hf = tmp_path / "step-1", tmp_path / "hf"
+        original = synthetic_checkpoint(step_dir, tie_embeddings=True)
+        assert export(step_dir, hf, "--dtype", "fp32").returncode == 0
+    else:
+        step_dir, hf = request.getfixturevalue("exported")
+        original = plain_model(step_dir)
+        load_in_process(original, step_dir)
+    model = transformers.LlamaForCausalLM.from_pretrained(str(hf), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        ours, theirs = original(TOKENS), model(TOKENS).logits
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_export_errors(tmp_path, ref, capsys):
+    missing = export(tmp_path / "nope", tmp_path / "out")  # the real command line: exit code 2
+    assert missing.returncode == 2 and error_lines(missing.stderr) == [f"error: {tmp_path}/nope: no such folder"]
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from export_safetensors import main
+    finally:
+        sys.path.pop(0)
+
+    def one_line_error(*argv: str) -> str:
+        capsys.readouterr()
+        assert main([*map(str, argv)]) == 2
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1, lines
+        return lines[0]
+
+    assert one_line_error(ckpt(ref[0]), tmp_path / "out") == (
+        f"error: {ckpt(ref[0])} holds checkpoints, it is not one: pass a step folder, e.g. {ckpt(ref[0])}/step-{STEPS}"
+    )
+    (tmp_path / "empty").mkdir()
+    assert one_line_error(tmp_path / "empty", tmp_path / "out") == (
+        f"error: {tmp_path}/empty is not a titanlike checkpoint step folder (no .metadata)"
+    )
+    shutil.copytree(ckpt(ref[0]) / f"step-{STEPS}", tmp_path / f"step-{STEPS + 2}.tmp")
+    assert "a save that never completed" in one_line_error(tmp_path / f"step-{STEPS + 2}.tmp", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# ---- 9. errors the user can fix ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_load_step_missing_and_shape_mismatch_are_one_line(ref, tmp_path, corpus):
+    shutil.copytree(ckpt(ref[0]), ckpt(tmp_path))
+    missing = run_python("-m", "titanlike.train", *train_args(tmp_path, corpus, "--checkpoint.load_step", "5"))
+    assert missing.returncode == 2
+    assert error_lines(missing.stderr) == [
+        f"error: checkpoint.load_step = 5: no complete checkpoint {ckpt(tmp_path)}/step-5 "
+        f"(complete steps in {ckpt(tmp_path)}: 8, 10, 12)"
+    ]
+    assert "Traceback" not in missing.stderr
+
+    # On two ranks every rank meets the mismatch; one of them says so (torchrun adds its own report).
+    other = run_train(tmp_path, *SCHEDULE, "--model.vocab_size", "384", nproc=2, corpus=corpus, check=False)
+    assert other.returncode != 0
+    assert error_lines(other.stderr) == [
+        f"error: {ckpt(tmp_path)}/step-12 was saved from a different model shape: tok_embeddings.weight is "
+        f"(320, 256) there, (384, 256) here (check --model.flavor / --model.vocab_size)"
+    ]
+
+
+def debug_model(**overrides):
+    import dataclasses
+
+    from titanlike.model import Transformer, model_args
+
+    model = Transformer(dataclasses.replace(model_args("debug"), **overrides))
+    model.init_weights(seed=5, seq_len=64)
+    return model
+
+
+def load_error(model, path: Path) -> str:
+    from titanlike.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        load_in_process(model, path)
+    return str(e.value)
+
+
+def test_import_of_another_model_names_the_first_difference(tmp_path):
+    """`--checkpoint.initial_load_path` with weights of another shape: one line, never a silent partial load."""
+    from titanlike.interchange import write_hf_folder
+
+    hf = tmp_path / "hf"
+    source = debug_model()
+    write_hf_folder(source.state_dict(), source.args, str(hf), torch.float32)
+    assert load_error(debug_model(vocab_size=384), hf) == (
+        f"{hf} holds a different model shape: model.embed_tokens.weight is (320, 256) there, (384, 256) here "
+        f"(check --model.flavor / --model.vocab_size)"
+    )
+    assert load_error(debug_model(n_layers=5), hf) == (
+        f"{hf} has no model.layers.4.input_layernorm.weight, which this run's model (5 layers, dim 256, vocab 320) "
+        f"needs: it holds a different model"
+    )
+    assert load_error(debug_model(n_layers=3), hf) == (
+        f"{hf} has model.layers.3.input_layernorm.weight, which this run's model (3 layers, dim 256, vocab 320) "
+        f"does not: it holds a different model"
+    )
+    assert load_error(debug_model(tie_embeddings=True), hf) == (
+        f"{hf} has an lm_head.weight of its own (untied embeddings); run with --model.tie_embeddings false"
+    )
+    # The same from a checkpoint step folder: a tied model has both names, so without the check the
+    # untied checkpoint's embedding and output layer would both load into the one shared tensor.
+    step_dir = tmp_path / "step-1"
+    synthetic_checkpoint(step_dir)
+    assert load_error(debug_model(tie_embeddings=True), step_dir) == (
+        f"{step_dir} was saved with untied embeddings (an output layer of its own); run with --model.tie_embeddings false"
+    )
