@@ -33,8 +33,26 @@ if [ "$((NGPU * NNODES))" -eq 1 ]; then
   # fix) and the one-line message reach the caller as they are, not as exit 1 and a traceback.
   exec "$PYTHON" -m titanlike.train --job.config_file "$CONFIG_FILE" "$@"
 fi
-exec "$PYTHON" -m torch.distributed.run "${rdzv[@]}" --nproc_per_node="$NGPU" \
-  "$here/run_train.sh" --job.config_file "$CONFIG_FILE" "$@"
+# Schedulers preempt with SIGTERM or SIGUSR1: torchrun forwards both to the workers, which finish
+# the step and save; give them time for that save before torchrun escalates to SIGKILL.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"
+# torchrun itself exits 1 after forwarding a signal, even when every worker saved and stopped
+# cleanly; the workers leave a marker so that this launcher can report the truth: exit 0.
+export TITANLIKE_PREEMPTED_MARKER="$(mktemp -u "${TMPDIR:-/tmp}/titanlike-preempted.XXXXXX")"
+"$PYTHON" -m torch.distributed.run "${rdzv[@]}" --nproc_per_node="$NGPU" --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
+  "$here/run_train.sh" --job.config_file "$CONFIG_FILE" "$@" &
+pid=$!
+trap 'kill -s TERM $pid 2>/dev/null' TERM
+trap 'kill -s USR1 $pid 2>/dev/null' USR1
+rc=0
+# wait returns early (status > 128) when a trapped signal arrives: keep waiting for torchrun.
+while kill -0 "$pid" 2>/dev/null; do rc=0; wait "$pid" || rc=$?; done
+if [ -e "$TITANLIKE_PREEMPTED_MARKER" ]; then
+  rm -f "$TITANLIKE_PREEMPTED_MARKER"
+  echo "preempted: the workers saved a checkpoint and stopped; run the same command to resume" >&2
+  exit 0
+fi
+exit "$rc"
 ":"""
 # Python mode (under torchrun): the repository root is this file's folder, so the package imports.
 import sys

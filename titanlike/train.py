@@ -269,6 +269,9 @@ class Trainer:
                 self.checkpointer.save(step, final=last or preempted)
             if preempted:
                 self.checkpointer.finish()
+                marker = os.environ.get("TITANLIKE_PREEMPTED_MARKER")
+                if marker and self.dims.local_rank == 0:  # tells run_train.sh on this node: clean stop
+                    open(marker, "w").close()
                 if self.is_main:
                     logger.info(f"preempted: stopped after step {step}; checkpoint at {self.checkpointer.step_dir(step)}")
                 return
