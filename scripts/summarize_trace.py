@@ -1,0 +1,63 @@
+"""Top GPU kernels of a torch.profiler chrome trace: total time, share, calls, grouped by kind.
+
+    python scripts/summarize_trace.py outputs/run/profile/step-10/rank0_trace.json [--top 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+
+def kind(name: str) -> str:
+    n = name.lower()
+    if "nccl" in n:
+        return "communication"
+    if any(k in n for k in ("flash", "fmha", "attention", "sdpa")):  # before matmul: these use wgmma too
+        return "attention"
+    if "triton" in n:  # inductor's fusions (a fused name may mention scaled_mm: it is the cast around it)
+        return "fused (triton)"
+    if any(k in n for k in ("gemm", "sm90_xmma", "cutlass", "matmul", "nvjet", "wgmma")):
+        return "matmul"
+    if "optimizer" in n or "multi_tensor_apply" in n:
+        return "optimizer"
+    if "memcpy" in n or "memset" in n:
+        return "memory"
+    return "other"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace")
+    p.add_argument("--top", type=int, default=20)
+    args = p.parse_args()
+    with open(args.trace) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    if not kernels:
+        raise SystemExit("error: no GPU kernels in this trace (was it recorded on a GPU?)")
+    # The CPU runs ahead of the GPU, so a trace also holds kernels of the step before the recorded
+    # one; keep those inside the recorded steps' span on the GPU timeline.
+    windows = [(e["ts"], e["ts"] + e["dur"]) for e in events
+               if e.get("cat") == "gpu_user_annotation" and str(e.get("name", "")).startswith("ProfilerStep")]
+    if windows:
+        kernels = [e for e in kernels if any(a <= e["ts"] < b for a, b in windows)]
+    total = sum(e["dur"] for e in kernels)
+    by_name: dict[str, list[float]] = defaultdict(list)
+    by_kind: dict[str, float] = defaultdict(float)
+    for e in kernels:
+        by_name[e["name"]].append(e["dur"])
+        by_kind[kind(e["name"])] += e["dur"]
+    steps = max(1, len(windows))
+    print(f"{len(kernels)} kernels, {total / 1e3:.1f} ms of GPU time over {steps} profiled step(s)\n")
+    print(f"{'kind':<16} {'ms/step':>9} {'share':>6}")
+    for k, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"{k:<16} {us / 1e3 / steps:>9.2f} {us / total:>6.1%}")
+    print(f"\n{'ms/step':>9} {'share':>6} {'calls':>6}  kernel")
+    for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[: args.top]:
+        print(f"{sum(durs) / 1e3 / steps:>9.2f} {sum(durs) / total:>6.1%} {len(durs) // steps:>6}  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
