@@ -4,7 +4,7 @@
 #   ./run_train.sh [--section.key value ...]          bash: starts torchrun on this very file
 #   torchrun --nproc_per_node=8 run_train.sh [...]    torchrun runs it with Python: trains
 # Environment (bash mode): NGPU (default: visible GPUs, or 1), CONFIG_FILE (default
-# train_configs/debug_model.toml), NNODES, NODE_RANK, RDZV_ENDPOINT, RDZV_ID for several nodes,
+# train_configs/debug_model.toml), NNODES, RDZV_ENDPOINT, RDZV_ID for several nodes,
 # LOG_RANK (which rank logs, default 0), PYTHON (default python3).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

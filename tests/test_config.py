@@ -194,6 +194,7 @@ INVALID = [
      "training.global_batch_size = 6 must be a multiple of training.local_batch_size = 4"),
     (["--training.steps", "0"], "training.steps = 0 must be >= 1"),
     (["--training.max_norm", "-1"], "training.max_norm = -1.0 must be >= 0"),
+    (["--training.gpu_memory_limit_gib", "-2"], "training.gpu_memory_limit_gib = -2.0 must be >= 0"),
     (["--optimizer.lr", "0"], "optimizer.lr = 0.0 must be > 0"),
     (["--optimizer.weight_decay", "-0.1"], "optimizer.weight_decay = -0.1 must be >= 0"),
     (["--optimizer.betas", "0.9"], "optimizer.betas = [0.9] must be two numbers in [0, 1)"),
@@ -221,6 +222,8 @@ INVALID = [
     (["--checkpoint.keep_latest_k", "-1"], "checkpoint.keep_latest_k = -1 must be >= 0"),
     (["--checkpoint.load_step", "-2"], "checkpoint.load_step = -2 must be -1 (newest) or a step"),
     (["--checkpoint.initial_load_path", "/nonexistent/ckpt"], "checkpoint.initial_load_path = '/nonexistent/ckpt': no such"),
+    (["--training.nonfinite", "rollback"], "training.nonfinite = rollback reloads the last checkpoint: it needs --checkpoint.enable"),
+    (["--fp8.health_log_freq", "-1"], "fp8.health_log_freq = -1 must be >= 0 (0 = off)"),
     (["--metrics.log_freq", "0"], "metrics.log_freq = 0 must be >= 1"),
     (["--validation.freq", "0"], "validation.freq and validation.steps must be >= 1 (got 0, 4)"),
     (["--validation.steps", "0"], "validation.freq and validation.steps must be >= 1 (got 50, 0)"),
@@ -228,6 +231,7 @@ INVALID = [
     (["--profiling.warmup", "-1"], "profiling: need"),
     (["--profiling.active", "0"], "profiling: need"),
     (["--profiling.freq", "3", "--profiling.warmup", "3", "--profiling.active", "1"], "(got 3, 3, 1)"),
+    (["--profiling.folder", " "], 'profiling.folder must not be empty (default "profile", inside job.dump_folder)'),
 ]
 
 

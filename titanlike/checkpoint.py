@@ -18,7 +18,7 @@ the step, which gives the same samples (see data.py: a step's samples do not dep
 
 from __future__ import annotations
 
-import io
+import datetime
 import json
 import logging
 import os
@@ -69,6 +69,8 @@ class CheckpointMismatch(CheckpointError):
 class TrainState:
     step: int = 0
     tokens_seen: int = 0
+    data_offset: int = 0  # global batches the data is ahead of `step`: those rollbacks did not replay
+    skipped_steps: int = 0  # updates skipped for a non-finite gradient (training.nonfinite = skip)
 
 
 def _rng_state() -> dict:
@@ -117,7 +119,8 @@ class Checkpointer:
         self._preempt_signal: int | None = None
         # Background saves and the preemption vote run their collectives on a CPU group, so they
         # never queue behind (or block) the training step's NCCL work.
-        self.cpu_group = dist.new_group(backend="gloo") if self.sharded else None
+        timeout = datetime.timedelta(seconds=trainer.cfg.parallel.backend_timeout_s)
+        self.cpu_group = dist.new_group(backend="gloo", timeout=timeout) if self.sharded else None
 
     # ---- paths --------------------------------------------------------------------------------
 
@@ -311,28 +314,36 @@ class Checkpointer:
                     f"{tuple(tensor.shape)} here (check --model.flavor / --model.vocab_size)"
                 )
 
-    def load(self, step: int) -> None:
+    def load(self, step: int, restore_data: bool = True) -> None:
+        """Restore everything saved at `step`; with restore_data=False (a rollback) the data loader
+        and RNG stay where they are."""
         t = self.trainer
         path = self.step_dir(step)
         self._check_model_shape(path)
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        train_state = {**asdict(t.state), "dp_world": 0, "global_batch": 0}
         state = {
             "model": self._model_sd(),
             "optimizer": get_optimizer_state_dict(t.model, t.optimizer),
             "lr_scheduler": t.scheduler.state_dict(),
-            "train_state": {**asdict(t.state), "dp_world": 0, "global_batch": 0},
+            # Checkpoints written before a TrainState field existed lack it: it keeps its default.
+            "train_state": {k: v for k, v in train_state.items() if f"train_state.{k}" in saved},
         }
         dcp.load(state, checkpoint_id=path, process_group=self.cpu_group, no_dist=not self.sharded)
         set_model_state_dict(t.model, state["model"])
         set_optimizer_state_dict(t.model, t.optimizer, state["optimizer"])
         t.scheduler.load_state_dict(state["lr_scheduler"])
         ts = state["train_state"]
-        t.state.step, t.state.tokens_seen = int(ts["step"]), int(ts["tokens_seen"])
+        for key, default in asdict(TrainState()).items():
+            setattr(t.state, key, int(ts.get(key, default)))
         if int(ts["global_batch"]) != t.global_batch:
             raise CheckpointMismatch(
                 f"{path} was trained with global batch {ts['global_batch']}, this run has {t.global_batch}: "
                 f"resume with --training.global_batch_size {ts['global_batch']} (the LR schedule and data order depend on it)"
             )
-        if int(ts["dp_world"]) == t.dims.dp:
+        if not restore_data:
+            how = "data position kept"
+        elif int(ts["dp_world"]) == t.dims.dp:
             per_rank = {f"rank{self.rank}": b""}
             dcp.load(per_rank, checkpoint_id=path, process_group=self.cpu_group, no_dist=not self.sharded)
             restored = pickle.loads(per_rank[f"rank{self.rank}"])
@@ -341,7 +352,7 @@ class Checkpointer:
             how = "data position and RNG restored"
         else:
             # Another world size: the per-rank states do not map; the step fixes the data position.
-            t.loader.batch_sampler.start_step = t.state.step
+            t.loader.batch_sampler.start_step = t.state.step + t.state.data_offset
             how = f"saved on {ts['dp_world']} data-parallel ranks, now {t.dims.dp}: data position from the step"
         if self.is_main:
             logger.info(f"resumed from {path} at step {t.state.step} ({how})")

@@ -84,8 +84,18 @@ class Training:
     """Where to train: auto = CUDA when available, else CPU."""
     deterministic: bool = False
     """Deterministic kernels (slower); with a fixed seed, reruns give identical losses."""
+    gpu_memory_limit_gib: float = 0.0
+    """Cap this process's CUDA memory at this many GiB, e.g. 31 to prove a job fits an RTX 5090 while
+    running on a larger GPU (0 = no cap)."""
     mixed_precision: Literal["bf16", "fp32"] = "bf16"
     """Compute dtype on GPU (params stay fp32, gradients reduce in fp32). CPU always runs fp32."""
+    nonfinite: Literal["abort", "skip", "rollback"] = "abort"
+    """What a non-finite loss or gradient norm does. abort: stop with one line naming the step. skip: skip
+    that step's update (its batch is consumed and the LR schedule moves on; metrics.jsonl counts
+    skipped_steps; 3 skipped in a row stop the run). rollback: reload the newest checkpoint and go on with the
+    data after the offending batch, not replaying it (needs checkpoint.enable; after 3 rollbacks to the same
+    checkpoint the next one stops the run). Values are checked at log steps and before each save
+    (docs/troubleshooting.md)."""
 
 
 @dataclass
@@ -134,10 +144,16 @@ class Fp8:
     """One all-reduce after each optimizer step computes every weight's scale; unset = on with float8 all-gather."""
     filter_fqns: list[str] = field(default_factory=lambda: ["output"])
     """Linear layers whose name contains one of these stay in high precision."""
-    auto_filter: bool = True
-    """Skip Linears too small for float8 to pay (and any whose dimensions are not multiples of 16)."""
+    auto_filter: Literal["true", "false", "measure"] = "true"
+    """Which Linears convert: true = those large enough to pay (by a size rule); measure = time each
+    shape in bf16 and float8 on this GPU at start-up and convert the winners (cached); false = all
+    (dimensions not multiples of 16 always stay high precision)."""
     emulate: bool = False
     """Emulate float8 matmuls in high precision (CPU tests, GPUs without float8)."""
+    health_log_freq: int = 10
+    """Log float8 weight health at every this-many-th log step (every metrics.log_freq × health_log_freq steps;
+    0 = off): per converted Linear, the weight amax and the shares of values that would saturate or flush to
+    zero when cast to float8; per layer in TensorBoard (fp8/<layer>/...), the worst layer in metrics.jsonl."""
 
 
 @dataclass
@@ -194,15 +210,18 @@ class Validation:
 @dataclass
 class Profiling:
     enable: bool = False
-    """Write torch.profiler traces."""
+    """Write torch.profiler traces (chrome trace JSON, one per rank and window; see docs/profiling.md)."""
     freq: int = 100
-    """Profile a window of steps every this many steps."""
+    """Profile a window of steps every this many steps: a window ends at each multiple of freq."""
     warmup: int = 3
     """Profiler warm-up steps in each window."""
     active: int = 1
     """Recorded steps in each window."""
     memory_snapshot: bool = False
     """Record CUDA allocator history and dump a snapshot at the end of the first window (and on OOM)."""
+    folder: str = "profile"
+    """Where traces and memory snapshots go, relative to job.dump_folder unless absolute:
+    <folder>/step-N/rank{R}_trace.json."""
 
 
 @dataclass
@@ -272,7 +291,7 @@ BARE_FLAG = _BareFlag("true")
 
 def _coerce(key: str, raw: object, tp: object) -> object:
     """Turn a TOML value or a command-line string into the field's type, or raise ConfigError."""
-    if isinstance(raw, _BareFlag) and bool not in (tp, *typing.get_args(tp)):
+    if isinstance(raw, _BareFlag) and bool not in (tp, *typing.get_args(tp)) and "true" not in typing.get_args(tp):
         raise ConfigError(f"--{key} needs a value: {_describe(tp)}")
     origin = typing.get_origin(tp)
     bad = ConfigError(f"{key} = {raw!r} is not valid: expected {_describe(tp)}")
@@ -283,7 +302,7 @@ def _coerce(key: str, raw: object, tp: object) -> object:
         return _coerce(key, raw, args[0])
     if origin is Literal:
         choices = typing.get_args(tp)
-        value = str(raw)
+        value = str(raw).lower() if isinstance(raw, bool) else str(raw)  # TOML true → "true"
         if value not in choices:
             close = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -432,6 +451,7 @@ def validate(cfg: JobConfig) -> None:
     )
     need(t.steps >= 1, f"training.steps = {t.steps} must be >= 1")
     need(t.max_norm >= 0, f"training.max_norm = {t.max_norm} must be >= 0 (0 = no clipping)")
+    need(t.gpu_memory_limit_gib >= 0, f"training.gpu_memory_limit_gib = {t.gpu_memory_limit_gib} must be >= 0 (0 = no cap)")
     need(o.lr > 0, f"optimizer.lr = {o.lr} must be > 0")
     need(o.weight_decay >= 0, f"optimizer.weight_decay = {o.weight_decay} must be >= 0")
     need(
@@ -470,6 +490,11 @@ def validate(cfg: JobConfig) -> None:
         not c.initial_load_path or os.path.exists(c.initial_load_path),
         f"checkpoint.initial_load_path = {c.initial_load_path!r}: no such file or folder",
     )
+    need(
+        t.nonfinite != "rollback" or c.enable,
+        "training.nonfinite = rollback reloads the last checkpoint: it needs --checkpoint.enable",
+    )
+    need(f8.health_log_freq >= 0, f"fp8.health_log_freq = {f8.health_log_freq} must be >= 0 (0 = off)")
     need(cfg.metrics.log_freq >= 1, f"metrics.log_freq = {cfg.metrics.log_freq} must be >= 1")
     v = cfg.validation
     need(v.freq >= 1 and v.steps >= 1, f"validation.freq and validation.steps must be >= 1 (got {v.freq}, {v.steps})")
@@ -478,6 +503,7 @@ def validate(cfg: JobConfig) -> None:
         pr.freq >= 1 and pr.warmup >= 0 and pr.active >= 1 and pr.warmup + pr.active < pr.freq + 1,
         f"profiling: need freq >= 1, active >= 1 and warmup + active <= freq (got {pr.freq}, {pr.warmup}, {pr.active})",
     )
+    need(bool(pr.folder.strip()), "profiling.folder must not be empty (default \"profile\", inside job.dump_folder)")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -125,6 +125,12 @@ class MetricsLogger:
                     self.tb.add_scalar(f"{prefix}/{k}", v, step)
         logger.info(format_line(prefix, record))
 
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        """TensorBoard only (per-layer detail that would swamp metrics.jsonl); only the writer rank writes."""
+        if self.tb:
+            for tag, v in values.items():
+                self.tb.add_scalar(tag, v, step)
+
     def close(self) -> None:
         if self.jsonl:
             self.jsonl.close()
@@ -138,6 +144,7 @@ def format_line(prefix: str, r: dict) -> str:
         "loss": "loss {:.4f}", "ppl": "ppl {:.2f}", "grad_norm": "grad {:.3f}", "lr": "lr {:.2e}",
         "tps": "{:,.0f} tok/s/dev", "tflops": "{:.1f} TFLOPS", "mfu": "MFU {:.1f}%",
         "mem_reserved_gib": "mem {:.1f} GiB", "data_share": "data {:.0%}", "first_step_s": "first step {:.1f}s",
+        "to_step": "back to step {}", "not_replayed": "{} batches not replayed",
     }
     for key, f in fmt.items():
         if r.get(key) is not None:

@@ -63,3 +63,27 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total
+
+
+def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> torch.Tensor:
+    """optimizer.step() unless the (global) gradient norm is not finite; returns 1.0 if skipped, else 0.0.
+
+    A skipped update leaves the weights and the optimizer state (moments, step count) exactly as they
+    were. Fused AdamW (the CUDA default) takes the decision on the GPU, through the same `found_inf`
+    input that the AMP grad scaler uses: no host synchronisation, the CPU keeps queueing work. The
+    foreach and for-loop implementations have no such input, so the flag is read on the host; they run
+    on the CPU here, where kernels execute as they are called and reading a value costs nothing.
+
+    The gradient norm is the same number on every rank (clip_grad_norm all-reduces it), so all ranks
+    skip together; a non-finite loss on any rank makes its gradients, and so the norm, non-finite.
+    """
+    skipped = (~torch.isfinite(grad_norm)).float()
+    if optimizer.defaults.get("fused"):
+        optimizer.found_inf = skipped  # read by Adam/AdamW's fused step
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    elif not skipped.item():
+        optimizer.step()
+    return skipped

@@ -21,14 +21,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from titanlike import float8, parallel
+from titanlike import faults, float8, parallel
 from titanlike.checkpoint import Checkpointer, TrainState
 from titanlike.config import ConfigError, JobConfig, load_config, to_toml
 from titanlike.data import build_train_loader, open_dataset, resolve_paths, validation_batches
 from titanlike.errors import UserError
 from titanlike.metrics import MetricsLogger
 from titanlike.model import Transformer, flops_per_token, model_args
-from titanlike.optim import build_optimizer, build_scheduler, clip_grad_norm
+from titanlike.optim import build_optimizer, build_scheduler, clip_grad_norm, step_if_finite
 from titanlike.profiling import Profiler
 
 logger = logging.getLogger("titanlike")
@@ -79,6 +79,9 @@ class Trainer:
         self.dims = parallel.ParallelDims(world, rank, local_rank, dp_replicate, dp_shard)
         self.is_main = rank == 0
         self.device = parallel.pick_device(t.device, local_rank)
+        if t.gpu_memory_limit_gib and self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, t.gpu_memory_limit_gib * 2**30 / total), self.device)
         self.fp8 = float8.resolve(cfg.fp8, dp_shard)
         float8.check_device(self.fp8, self.device)  # before the process group: fail fast, alone
         if t.deterministic:
@@ -161,6 +164,10 @@ class Trainer:
                 f"{t.local_batch_size} × {self.dims.dp} ranks × {self.accum_steps} micro-batches | seq {cfg.data.seq_len}"
             )
         self._window_losses: list[torch.Tensor] = []
+        # training.nonfinite bookkeeping (check_losses, rollback); TITANLIKE_NAN_BATCHES: see faults.py.
+        self._skips_in_a_row = 0
+        self._rollbacks = (-1, 0)  # (checkpoint step last rolled back to, times in a row)
+        self.nan_batches = faults.injected_nan_batches()
 
     # ---- one training step ----------------------------------------------------------------------
 
@@ -176,12 +183,15 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         step_loss = torch.zeros((), device=self.device)
         data_wait = 0.0
+        batch_number = self.state.step + self.state.data_offset + 1  # global batches in data order, from 1
         for _ in range(self.accum_steps):
             batch, wait = self.next_batch()
             data_wait += wait
             inputs, targets = batch[:, :-1], batch[:, 1:]
             with self.autocast:
                 loss = self.loss_fn(self.model(inputs), targets)
+            if batch_number in self.nan_batches and self.dp_rank == 0:
+                loss = loss * float("nan")  # test-only fault injection (faults.py), inert unless set
             # Each micro-batch has the same token count, so the mean of means is the batch mean;
             # FSDP averages over ranks in its reduce-scatter.
             (loss / self.accum_steps).backward()
@@ -189,13 +199,17 @@ class Trainer:
         grad_norm = clip_grad_norm([p for p in self.model.parameters()], self.cfg.training.max_norm)
         self.lr = self.optimizer.param_groups[0]["lr"]  # the LR this update used, for the log
         self.checkpointer.before_update()  # a background save may still be copying the weights
-        self.optimizer.step()
+        if self.cfg.training.nonfinite == "skip":
+            skipped = step_if_finite(self.optimizer, grad_norm)  # decided on the device: no host sync on GPU
+        else:
+            self.optimizer.step()
+            skipped = torch.zeros((), device=self.device)
         self.scheduler.step()
         float8.post_optimizer_step(self.model, self.fp8)
         self.state.step += 1
         self.state.tokens_seen += self.global_batch * self.cfg.data.seq_len
         self.metrics.add_tokens(self.accum_steps * self.cfg.training.local_batch_size * self.cfg.data.seq_len, data_wait)
-        self._window_losses.append(torch.stack([step_loss, grad_norm.float()]))
+        self._window_losses.append(torch.stack([step_loss, grad_norm.float(), skipped]))
         return grad_norm
 
     def global_mean(self, values: torch.Tensor) -> torch.Tensor:
@@ -205,20 +219,91 @@ class Trainer:
             values /= self.dims.world_size
         return values
 
-    def check_losses(self) -> float:
-        """Reduce the (loss, grad norm) pairs since the last check over ranks, stop at the first
-        non-finite one, return the last loss. One host sync per check, none per step."""
+    def check_losses(self) -> float | None:
+        """Reduce the (loss, grad norm, skipped) rows since the last check over ranks and meet each
+        non-finite value as training.nonfinite says: stop, count the skipped update, or roll back.
+        Return the last loss, or None after a rollback. One host sync per check, none per step."""
         rows = self.global_mean(torch.stack(self._window_losses)).tolist()
         first = self.state.step - len(rows) + 1
         self._window_losses = []
-        for i, (loss, grad_norm) in enumerate(rows):
-            for what, value in (("loss", loss), ("gradient norm", grad_norm)):
-                if not math.isfinite(value):
+        advice = "lower --optimizer.lr, raise --lr_scheduler.warmup_steps or check --training.max_norm"
+        for i, (loss, grad_norm, skipped) in enumerate(rows):
+            bad = [(what, v) for what, v in (("loss", loss), ("gradient norm", grad_norm)) if not math.isfinite(v)]
+            if not bad:
+                self._skips_in_a_row = 0
+                continue
+            (what, value), step = bad[0], first + i
+            mode = self.cfg.training.nonfinite
+            if mode == "rollback":
+                self.rollback(step, what, value, advice)
+                return None
+            if mode == "skip" and skipped > 0:  # the update was skipped on the device (step_if_finite)
+                self.state.skipped_steps += 1
+                self._skips_in_a_row += 1
+                if self._skips_in_a_row >= faults.MAX_IN_A_ROW:
                     raise NonFiniteLoss(
-                        f"{what} became {value} at step {first + i}; lower --optimizer.lr, raise "
-                        f"--lr_scheduler.warmup_steps or check --training.max_norm (last checkpoint kept)"
+                        f"{what} became {value} at step {step}: {self._skips_in_a_row} steps in a row had their update "
+                        f"skipped (training.nonfinite = skip), so the weights themselves have diverged; {advice}"
                     )
+                if self.is_main:
+                    logger.warning(f"step {step}: {what} became {value}; update skipped (training.nonfinite = skip, "
+                                   f"{self.state.skipped_steps} skipped so far)")
+                continue
+            raise NonFiniteLoss(
+                f"{what} became {value} at step {step}; {advice} (last checkpoint kept; --training.nonfinite "
+                f"skip or rollback would go on past such steps)"
+            )
         return rows[-1][0]
+
+    def rollback(self, step: int, what: str, value: float, advice: str) -> None:
+        """training.nonfinite = rollback: reload the newest checkpoint before `step` (model, optimizer, LR
+        schedule, step count) but keep reading data from where the loader is, so the batches read since
+        that checkpoint, the offending one among them, are never replayed."""
+        self.checkpointer.finish()  # a background save (of a checked step) lands first
+        earlier = [s for s in self.checkpointer.complete_steps() if s < step]
+        if not earlier:
+            raise NonFiniteLoss(
+                f"{what} became {value} at step {step}, before the first checkpoint: nothing to roll back to "
+                f"(training.nonfinite = rollback); {advice}, or save sooner with --checkpoint.interval"
+            )
+        target = earlier[-1]
+        times = self._rollbacks[1] + 1 if self._rollbacks[0] == target else 1
+        if times > faults.MAX_IN_A_ROW:
+            raise NonFiniteLoss(
+                f"{what} became {value} at step {step} after {times - 1} rollbacks in a row to "
+                f"{self.checkpointer.step_dir(target)} (training.nonfinite = rollback): other data does not help; {advice}"
+            )
+        self._rollbacks = (target, times)
+        read = self.state.step + self.state.data_offset  # global batches read so far
+        self.checkpointer.load(target, restore_data=False)
+        self.state.data_offset = read - target
+        float8.post_optimizer_step(self.model, self.fp8)
+        self._skips_in_a_row = 0
+        self.metrics.start_window()
+        if self.is_main:
+            logger.warning(
+                f"{what} became {value} at step {step}: rolled back to {self.checkpointer.step_dir(target)} "
+                f"({times} of at most {faults.MAX_IN_A_ROW} in a row); training goes on with batch {read + 1}: "
+                f"the {read - target} batches read since step {target} are not replayed"
+            )
+        self.metrics.log(step, {"to_step": target, "not_replayed": read - target, "in_a_row": times}, prefix="rollback")
+
+    def nonfinite_counts(self) -> dict:
+        """For the log record: updates skipped, or batches left behind by rollbacks, so far."""
+        mode = self.cfg.training.nonfinite
+        if mode == "skip":
+            return {"skipped_steps": self.state.skipped_steps}
+        return {"batches_skipped": self.state.data_offset} if mode == "rollback" else {}
+
+    def float8_health(self, step: int) -> dict:
+        """Every metrics.log_freq × fp8.health_log_freq steps: each float8 layer's cast health to TensorBoard,
+        the worst layers' to the record (collectives: every rank calls this at the same steps)."""
+        every = self.cfg.metrics.log_freq * self.cfg.fp8.health_log_freq
+        if not (self.fp8.enabled and every and step % every == 0):
+            return {}
+        health = float8.weight_health(self.model)
+        self.metrics.scalars(step, {f"fp8/{name}/{key}": v for name, h in health.items() for key, v in h.items()})
+        return float8.health_summary(health)
 
     @torch.no_grad()
     def validate(self) -> None:
@@ -252,20 +337,26 @@ class Trainer:
             if step == first_step:
                 # The first step pays for compilation and warm-up: report it, then start timing.
                 loss = self.check_losses()
+                if loss is None:
+                    continue  # rolled back to the last checkpoint (training.nonfinite = rollback)
                 self.metrics.log(step, {"loss": loss, "grad_norm": grad_norm.item(), "lr": self.lr,
-                                        "first_step_s": time.perf_counter() - t0, **self.metrics.memory()})
+                                        "first_step_s": time.perf_counter() - t0, **self.nonfinite_counts(),
+                                        **self.metrics.memory()})
                 self.metrics.start_window()
             elif step % cfg.metrics.log_freq == 0 or last:
                 loss = self.check_losses()
+                if loss is None:
+                    continue  # rolled back
                 self.metrics.log(step, {"loss": loss, "grad_norm": grad_norm.item(), "lr": self.lr,
                                         "tokens_seen": self.state.tokens_seen, **self.metrics.throughput(),
-                                        "float8_matmul_share": self.metrics.float8_share, **self.metrics.memory()})
+                                        "float8_matmul_share": self.metrics.float8_share, **self.nonfinite_counts(),
+                                        **self.metrics.memory(), **self.float8_health(step)})
             if self.val_data is not None and (step % cfg.validation.freq == 0 or last):
                 self.validate()
             preempted = self.checkpointer.preemption_requested()
             if self.checkpointer.due(step, last) or preempted:
-                if self._window_losses:
-                    self.check_losses()  # never save the weights of a diverged run
+                if self._window_losses and self.check_losses() is None:
+                    continue  # rolled back: never save the weights of a diverged run
                 self.checkpointer.save(step, final=last or preempted)
             if preempted:
                 self.checkpointer.finish()
@@ -298,9 +389,9 @@ def setup_logging(rank: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _, rank, _ = parallel.world_from_env()
+    world, rank, _ = parallel.world_from_env()
     setup_logging(rank)
-    trainer = None
+    trainer = cfg = None
     try:
         cfg = load_config(argv)
         if cfg.job.print_config:
@@ -318,9 +409,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 2
     except torch.OutOfMemoryError:
-        if trainer is not None:
-            trainer.profiler.oom_snapshot(trainer.state.step)
-        raise
+        if cfg is None:
+            raise
+        snapshot = trainer.profiler.oom_snapshot(trainer.state.step) if trainer is not None else None
+        gpu = torch.cuda.is_available() and cfg.training.device != "cpu"
+        device = trainer.device if trainer is not None else torch.device("cuda" if gpu else "cpu")
+        step = trainer.state.step if trainer is not None else None
+        print(f"error: {faults.oom_message(cfg, world, rank, step, faults.gpu_memory(device), snapshot)}", file=sys.stderr)
+        return 2
     except RuntimeError as e:
         failure = parallel.collective_failure(e)  # a peer died or hung, or the network failed
         if failure is None:
@@ -331,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         if trainer is not None:
             trainer.close()
         if dist.is_initialized():
-            dist.destroy_process_group()
+            parallel.destroy_process_group()
 
 
 def cli() -> None:

@@ -1,0 +1,45 @@
+"""The installed console script: `titanlike-train` (pyproject's [project.scripts]) runs titanlike.train:cli."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from conftest import _env
+from titanlike.config import load_config, to_toml
+
+
+def console_script() -> str:
+    # pip puts console scripts beside the interpreter; a PATH lookup covers other layouts.
+    beside = Path(sys.executable).parent / "titanlike-train"
+    found = str(beside) if beside.exists() else shutil.which("titanlike-train")
+    assert found, "titanlike-train is not installed: run `pip install -e .` in the repository"
+    return found
+
+
+def test_cli_is_importable():
+    from titanlike.train import cli, main
+
+    assert callable(cli) and callable(main)
+
+
+def test_console_script_prints_the_config(tmp_path):
+    proc = subprocess.run([console_script(), "--job.print_config", "--training.steps", "7", "--profiling.folder",
+                           "prof"], env=_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    printed = tomllib.loads(proc.stdout)
+    assert printed["training"]["steps"] == 7 and printed["profiling"]["folder"] == "prof"
+    assert proc.stdout == to_toml(load_config(["--job.print_config", "--training.steps", "7", "--profiling.folder",
+                                               "prof"]))
+    assert not (tmp_path / "outputs").exists()  # printed, not trained
+
+
+def test_console_script_reports_a_typo_in_one_line(tmp_path):
+    proc = subprocess.run([console_script(), "--training.stepz", "7"], env=_env(), capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: unknown config key training.stepz in the command line; did you mean training.steps?"]

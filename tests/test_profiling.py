@@ -1,0 +1,109 @@
+"""Profiling: which steps are traced, where the traces go, and that they hold the step's work."""
+
+from __future__ import annotations
+
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.profiler import ProfilerAction
+
+from conftest import losses, run_train
+from titanlike.profiling import Profiler
+
+A = ProfilerAction
+
+
+def phases(freq: int, warmup: int, active: int, steps: range, start_step: int = 0) -> list:
+    cfg = SimpleNamespace(enable=False, freq=freq, warmup=warmup, active=active, memory_snapshot=False,
+                          folder="profile")
+    p = Profiler(cfg, "/nonexistent", 0, torch.device("cpu"), start_step=start_step)
+    return [p.phase(s) for s in steps]
+
+
+def test_windows_are_fixed_on_the_global_step():
+    # A window ends at each multiple of freq: its last `active` steps are recorded, after `warmup`.
+    assert phases(5, 2, 1, range(1, 11)) == [A.NONE, A.NONE, A.WARMUP, A.WARMUP, A.RECORD_AND_SAVE] * 2
+    assert phases(4, 1, 2, range(1, 9)) == [A.NONE, A.WARMUP, A.RECORD, A.RECORD_AND_SAVE] * 2
+    assert phases(3, 0, 3, range(1, 4)) == [A.RECORD, A.RECORD, A.RECORD_AND_SAVE]
+    # torch.profiler counts its own steps from 0; what it is told follows the global step: a run
+    # resumed after step 7 still records step 10, and a rollback from step 12 to 8 records 10 again.
+    cfg = SimpleNamespace(enable=False, freq=5, warmup=2, active=1, memory_snapshot=False, folder="profile")
+    p = Profiler(cfg, "/nonexistent", 0, torch.device("cpu"), start_step=7)
+    told = [p._schedule(0)]  # for step 8
+    for step in (8, 9, 10, 11, 12, 8, 9):  # the loop calls step() after each step it trains
+        p.step(step)
+        told.append(p._schedule(len(told)))  # for the next step
+    #               8         9         10                 11      12      13        9 again   10 again
+    assert told == [A.WARMUP, A.WARMUP, A.RECORD_AND_SAVE, A.NONE, A.NONE, A.WARMUP, A.WARMUP, A.RECORD_AND_SAVE]
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory, corpus):
+    dump = tmp_path_factory.mktemp("profiled")
+    proc = run_train(dump, "--training.steps", "7", "--metrics.log_freq", "1", "--data.seq_len", "64",
+                     "--training.local_batch_size", "2", "--validation.enable", "false",
+                     "--profiling.enable", "--profiling.freq", "3", "--profiling.warmup", "1",
+                     "--profiling.active", "1", "--profiling.memory_snapshot", corpus=corpus)
+    return dump, proc.stdout + proc.stderr
+
+
+def test_profiling_writes_one_trace_per_window(profiled):
+    dump, log = profiled
+    folder = dump / "profile"
+    # Steps 3 and 6 end a window; the run stops at 7, inside the next window's warm-up: no third trace.
+    assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-6"]
+    for step in (3, 6):
+        assert [p.name for p in (folder / f"step-{step}").iterdir()] == ["rank0_trace.json"]
+        assert f"profiling: trace of step {step} written to {folder / f'step-{step}' / 'rank0_trace.json'}" in log
+    assert losses(dump).keys() == set(range(1, 8))  # profiling does not disturb training
+
+
+def test_trace_holds_the_recorded_step_and_its_ops(profiled):
+    dump, _ = profiled
+    trace = json.loads((dump / "profile" / "step-3" / "rank0_trace.json").read_text())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    # Only the active step is recorded (torch numbers its own steps from 0: step 3 is #2), not the warm-up one.
+    assert {n for n in names if n.startswith("ProfilerStep#")} == {"ProfilerStep#2"}
+    # The whole training step: forward and backward matmuls, attention, the loss, the optimizer.
+    assert "aten::mm" in names or "aten::addmm" in names
+    assert "aten::scaled_dot_product_attention" in names and "aten::cross_entropy_loss" in names
+    assert any(re.match(r"Optimizer\.step#AdamW\.step", n) for n in names)
+    assert any("backward" in n.lower() for n in names)
+    # record_shapes is on: the matmuls carry their input shapes (batch 2 × seq 64 tokens).
+    mm = [e for e in trace["traceEvents"] if e.get("name") == "aten::mm" and "Input Dims" in e.get("args", {})]
+    assert mm and any(128 in dims for e in mm for dims in e["args"]["Input Dims"])
+
+
+def test_memory_snapshot_needs_cuda(profiled):
+    _, log = profiled
+    assert "profiling.memory_snapshot records the CUDA allocator: nothing to record on cpu, skipped" in log
+    assert not list((profiled[0] / "profile").rglob("*.pickle"))
+
+
+@pytest.mark.gpu
+def test_memory_snapshot_and_oom_snapshot_on_cuda(tmp_path):
+    """One GPU: a snapshot at the end of the first window, and one when a step runs out of memory."""
+    import pickle
+
+    cfg = SimpleNamespace(enable=False, freq=2, warmup=0, active=1, memory_snapshot=True, folder="profile")
+    p = Profiler(cfg, str(tmp_path), 0, torch.device("cuda"), start_step=0)
+    x = torch.randn(1024, 1024, device="cuda")
+    for step in (1, 2, 3, 4):
+        x = x @ x
+        p.step(step)
+    first = tmp_path / "profile" / "step-2" / "rank0_memory_snapshot.pickle"
+    assert first.exists() and not (tmp_path / "profile" / "step-4").exists()  # the first window only
+    snapshot = pickle.loads(first.read_bytes())
+    assert snapshot["segments"] and any(trace for trace in snapshot["device_traces"])
+    with pytest.raises(torch.OutOfMemoryError):
+        try:
+            torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError:
+            path = p.oom_snapshot(4)
+            raise
+    assert path == str(tmp_path / "profile" / "oom-after-step-4" / "rank0_memory_snapshot.pickle")
+    assert pickle.loads(open(path, "rb").read())["segments"]
+    p.close()

@@ -1,0 +1,82 @@
+"""Faults a run meets, turned into clear answers: running out of GPU memory, and the test-only hook
+that makes a step's loss non-finite on purpose.
+
+What a non-finite loss does (training.nonfinite: abort, skip, rollback) is part of the training
+loop's story and lives in train.py; skipping an update without a host sync is optim.step_if_finite.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# training.nonfinite = skip stops once this many consecutive steps had their update skipped (the
+# weights themselves have diverged: skipping more batches cannot help); rollback stops once it has
+# rolled back this many times to the same checkpoint and meets a non-finite value again.
+MAX_IN_A_ROW = 3
+
+# ---- fault injection, for tests only -------------------------------------------------------------
+# TITANLIKE_NAN_BATCHES="7,9": the loss that data-parallel rank 0 computes on these global batches
+# becomes NaN, as a diverging step's would (its gradients, and so the global gradient norm, follow).
+# Batches are numbered from 1 in data order: batch s feeds step s until a rollback skips some.
+# Unset, which is always the case outside tests, nothing happens.
+NAN_BATCHES_ENV = "TITANLIKE_NAN_BATCHES"
+
+
+def injected_nan_batches() -> frozenset[int]:
+    raw = os.environ.get(NAN_BATCHES_ENV, "")
+    return frozenset(int(b) for b in raw.split(",") if b.strip())
+
+
+# ---- out of memory -----------------------------------------------------------------------------------
+
+
+def gpu_memory(device: torch.device) -> dict | None:
+    """Peak and total memory of this process's GPU in GiB, or None off CUDA."""
+    if device.type != "cuda":
+        return None
+    gib = 1024**3
+    return {
+        "name": torch.cuda.get_device_name(device),
+        "total": torch.cuda.get_device_properties(device).total_memory / gib,
+        "allocated": torch.cuda.max_memory_allocated(device) / gib,
+        "reserved": torch.cuda.max_memory_reserved(device) / gib,
+    }
+
+
+def oom_message(cfg, world_size: int, rank: int, step: int | None, memory: dict | None,
+                snapshot: str | None = None) -> str:
+    """One line for torch.OutOfMemoryError: where, how much, and the options that use less memory.
+
+    `step` is the number of completed steps (None: the model was still being built); `memory` is
+    gpu_memory()'s reading, taken after the failure (its peaks include the failed step).
+    """
+    t, d = cfg.training, cfg.data
+    when = "while building the model" if step is None else f"after {step} completed steps"
+    where = f"rank {rank}" + (f" ({memory['name']}, {memory['total']:.1f} GiB)" if memory else "")
+    cap = getattr(t, "gpu_memory_limit_gib", 0)
+    if memory and cap:
+        where = where[:-1] + f", capped at {cap:g} GiB by training.gpu_memory_limit_gib)"
+    peak = (f"peak {memory['allocated']:.1f} GiB allocated, {memory['reserved']:.1f} GiB reserved"
+            if memory else "peak memory unknown (not a CUDA device)")
+    knobs = []
+    mode = cfg.activation_checkpoint.mode
+    if mode != "full":
+        knobs.append(f"--activation_checkpoint.mode {'selective or full' if mode == 'none' else 'full'} (now {mode})")
+    b = t.local_batch_size
+    global_batch = t.global_batch_size or b * world_size
+    if b > 1:
+        smaller = max(k for k in range(1, b) if b % k == 0)
+        accum = global_batch // (smaller * world_size)
+        knobs.append(f"--training.local_batch_size {smaller} --training.global_batch_size {global_batch} "
+                     f"(the same global batch in {accum} gradient-accumulation micro-batches)")
+    else:
+        knobs.append(f"--data.seq_len {d.seq_len // 2} (local batch is already 1)")
+    if world_size > 1 and cfg.fp8.recipe != "tensorwise":
+        knobs.append(f"--fp8.recipe tensorwise (now {cfg.fp8.recipe}): FSDP then gathers weights in float8")
+    if memory and memory["reserved"] > 1.2 * memory["allocated"] + 1:
+        knobs.append("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (reserved far above allocated: fragmentation)")
+    seen = f"; memory snapshot in {snapshot}" if snapshot else "; --profiling.memory_snapshot shows what held it"
+    return (f"out of GPU memory on {where} {when}: {peak}; training.local_batch_size {b} × data.seq_len "
+            f"{d.seq_len}; to use less: {', '.join(knobs)}{seen}")
