@@ -119,8 +119,10 @@ class Checkpointer:
         self._preempt_signal: int | None = None
         # Background saves and the preemption vote run their collectives on a CPU group, so they
         # never queue behind (or block) the training step's NCCL work.
-        timeout = datetime.timedelta(seconds=trainer.cfg.parallel.backend_timeout_s)
-        self.cpu_group = dist.new_group(backend="gloo", timeout=timeout) if self.sharded else None
+        self.cpu_group = None
+        if self.sharded:
+            timeout = datetime.timedelta(seconds=trainer.cfg.parallel.backend_timeout_s)
+            self.cpu_group = dist.new_group(backend="gloo", timeout=timeout)
 
     # ---- paths --------------------------------------------------------------------------------
 
