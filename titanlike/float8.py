@@ -210,10 +210,10 @@ def check_device(plan: Float8Plan, device: torch.device) -> None:
         ) from None
 
 
-def configure_compile(plan: Float8Plan, compile_enabled: bool) -> None:
+def configure_compile(plan: Float8Plan) -> None:
     # Without emulated precision casts, inductor may fuse away the rounding of the rowwise
     # recipes' intermediate casts, a known source of NaNs; tensorwise does not need it.
-    if plan.enabled and compile_enabled and plan.recipe.startswith("rowwise"):
+    if plan.enabled and plan.recipe.startswith("rowwise"):
         import torch._inductor.config as inductor_config
 
         inductor_config.emulate_precision_casts = True

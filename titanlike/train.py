@@ -118,7 +118,7 @@ class Trainer:
         parallel.apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
                                                 cfg.activation_checkpoint.selective_ac_option)
         if cfg.compile.enable:
-            float8.configure_compile(self.fp8, True)
+            float8.configure_compile(self.fp8)
             parallel.apply_compile(model)
         # bf16 compute on GPU: FSDP casts the gathered parameters; one GPU uses autocast instead.
         gpu_bf16 = self.device.type == "cuda" and t.mixed_precision == "bf16"
@@ -334,23 +334,20 @@ class Trainer:
             grad_norm = self.train_step()
             step = self.state.step
             last = step == steps
-            if step == first_step:
-                # The first step pays for compilation and warm-up: report it, then start timing.
+            if step == first_step or step % cfg.metrics.log_freq == 0 or last:
                 loss = self.check_losses()
                 if loss is None:
                     continue  # rolled back to the last checkpoint (training.nonfinite = rollback)
-                self.metrics.log(step, {"loss": loss, "grad_norm": grad_norm.item(), "lr": self.lr,
-                                        "first_step_s": time.perf_counter() - t0, **self.nonfinite_counts(),
-                                        **self.metrics.memory()})
-                self.metrics.start_window()
-            elif step % cfg.metrics.log_freq == 0 or last:
-                loss = self.check_losses()
-                if loss is None:
-                    continue  # rolled back
-                self.metrics.log(step, {"loss": loss, "grad_norm": grad_norm.item(), "lr": self.lr,
-                                        "tokens_seen": self.state.tokens_seen, **self.metrics.throughput(),
-                                        "float8_matmul_share": self.metrics.float8_share, **self.nonfinite_counts(),
-                                        **self.metrics.memory(), **self.float8_health(step)})
+                record = {"loss": loss, "grad_norm": grad_norm.item(), "lr": self.lr, **self.nonfinite_counts()}
+                if step == first_step:
+                    # The first step pays for compilation and warm-up: report it, then start timing.
+                    record["first_step_s"] = time.perf_counter() - t0
+                else:
+                    record.update(tokens_seen=self.state.tokens_seen, **self.metrics.throughput(),
+                                  float8_matmul_share=self.metrics.float8_share, **self.float8_health(step))
+                self.metrics.log(step, {**record, **self.metrics.memory()})
+                if step == first_step:
+                    self.metrics.start_window()
             if self.val_data is not None and (step % cfg.validation.freq == 0 or last):
                 self.validate()
             preempted = self.checkpointer.preemption_requested()
