@@ -25,8 +25,8 @@ RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 def preset_shapes(flavor: str, tokens: int) -> list[tuple[str, int, int, int]]:
     a = PRESETS[flavor]
     kv = a.n_kv_heads * a.head_dim
-    named = {"wq/wo": (a.dim, a.dim), "wk/wv": (a.dim, kv), "w1/w3": (a.dim, a.ffn_dim), "w2": (a.ffn_dim, a.dim),
-             "output": (a.dim, a.vocab_size)}
+    named = {"wqkv": (a.dim, a.dim + 2 * kv), "wo": (a.dim, a.dim), "w1/w3": (a.dim, a.ffn_dim),
+             "w2": (a.ffn_dim, a.dim), "output": (a.dim, a.vocab_size)}
     return [(name, tokens, k, n) for name, (k, n) in named.items()]
 
 

@@ -531,6 +531,31 @@ def load_error(model, path: Path) -> str:
     return str(e.value)
 
 
+def test_stacked_qkv_is_three_hugging_face_projections(tmp_path):
+    """Export splits wqkv's rows into q_proj, k_proj, v_proj; import stacks them back, or says what is wrong."""
+    from safetensors.torch import load_file, save_file
+
+    from titanlike.interchange import write_hf_folder
+
+    source = debug_model()
+    a, hf = source.args, tmp_path / "hf"
+    write_hf_folder(source.state_dict(), a, str(hf), torch.float32)
+    tensors = load_file(hf / "model.safetensors")
+    assert not any("wqkv" in name or "qkv_proj" in name for name in tensors)
+    q, k, v = (tensors[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv")
+    kv = a.n_kv_heads * a.head_dim
+    assert q.shape == (a.n_heads * a.head_dim, a.dim) and k.shape == v.shape == (kv, a.dim) and kv < a.dim
+    assert torch.equal(torch.cat([q, k, v]), source.state_dict()["layers.1.attention.wqkv.weight"])
+
+    assert load_error(debug_model(n_kv_heads=a.n_heads), hf) == (
+        f"{hf} holds a different model shape: layer 0 has q_proj (256, 256), k_proj (128, 256), v_proj (128, 256) "
+        f"(check --model.flavor / --model.vocab_size)"
+    )
+    del tensors["model.layers.2.self_attn.v_proj.weight"]
+    save_file(tensors, hf / "model.safetensors")
+    assert load_error(debug_model(), hf) == f"{hf} has no model.layers.2.self_attn.v_proj.weight: it holds a different model"
+
+
 def test_import_of_another_model_names_the_first_difference(tmp_path):
     """`--checkpoint.initial_load_path` with weights of another shape: one line, never a silent partial load."""
     from titanlike.interchange import write_hf_folder

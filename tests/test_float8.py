@@ -38,10 +38,10 @@ def linear(k: int, n: int) -> nn.Linear:
 
 
 def test_skip_reason_filter_fqns():
-    p = plan(filter_fqns=["output", "wq", ""], auto_filter=False)
+    p = plan(filter_fqns=["output", "wqkv", ""], auto_filter=False)
     assert skip_reason("output", linear(256, 256), p) == "name matches fp8.filter_fqns entry 'output'"
-    assert skip_reason("layers.3.attention.wq", linear(256, 256), p) == "name matches fp8.filter_fqns entry 'wq'"
-    assert skip_reason("layers.3.attention.wk", linear(256, 256), p) is None  # "" matches nothing
+    assert skip_reason("layers.3.attention.wqkv", linear(256, 512), p) == "name matches fp8.filter_fqns entry 'wqkv'"
+    assert skip_reason("layers.3.attention.wo", linear(256, 256), p) is None  # "" matches nothing
 
 
 def test_skip_reason_multiple_of_16():
@@ -55,11 +55,11 @@ def test_skip_reason_multiple_of_16():
 
 def test_skip_reason_auto_filter_sizes():
     tw = plan("tensorwise", filter_fqns=[])
-    # Big enough to pay: Llama 8B's projections.
-    for k, n in [(4096, 4096), (4096, 14336), (14336, 4096), (2048, 8192), (8192, 2048)]:
+    # Big enough to pay: Llama 8B's projections, and every 1b block Linear (wo, wqkv, w1/w3, w2).
+    for k, n in [(4096, 4096), (4096, 14336), (14336, 4096), (2048, 2048), (2048, 4096), (2048, 8192), (8192, 2048)]:
         assert skip_reason("x", linear(k, n), tw) is None, (k, n)
     # Too small: small products, or one side below 1024 however long the other.
-    for k, n in [(2048, 2048), (256, 768), (512, 65536), (65536, 512), (1008, 1 << 20)]:
+    for k, n in [(2048, 1024), (1024, 2048), (256, 768), (512, 65536), (65536, 512), (1008, 1 << 20)]:
         assert skip_reason("x", linear(k, n), tw) == f"{k}×{n} is too small for float8 to pay (fp8.auto_filter)"
     # Without auto_filter the same small layers convert.
     assert skip_reason("x", linear(256, 768), plan("tensorwise", filter_fqns=[], auto_filter=False)) is None
@@ -82,8 +82,7 @@ def test_convert_debug_model():
     from torchao.float8.float8_linear import Float8Linear
 
     expected = [f"layers.{i}.{m}" for i in range(4) for m in
-                ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
-                 "feed_forward.w1", "feed_forward.w3", "feed_forward.w2")]
+                ("attention.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w3", "feed_forward.w2")]
     assert sorted(p.converted) == sorted(expected)
     assert p.skipped == {"output": "name matches fp8.filter_fqns entry 'output'"}
     modules = dict(model.named_modules())
@@ -101,7 +100,7 @@ def test_convert_with_auto_filter_keeps_small_model_high_precision():
         model = Transformer(PRESETS["debug"])
     p = plan("tensorwise")
     float8.convert(model, p)
-    assert p.converted == [] and len(p.skipped) == 29
+    assert p.converted == [] and len(p.skipped) == 21
     assert p.skipped["layers.0.feed_forward.w1"] == "256×768 is too small for float8 to pay (fp8.auto_filter)"
 
 
@@ -122,7 +121,7 @@ def test_log_plan_says_what_and_why(caplog):
     with caplog.at_level(logging.INFO, logger="titanlike"):
         float8.log_plan(p, 0.0)
     text = caplog.text
-    assert "float8 tensorwise (emulated): 0 Linears converted, 29 kept in high precision" in text
+    assert "float8 tensorwise (emulated): 0 Linears converted, 21 kept in high precision" in text
     assert "0% of matmul FLOPs in float8" in text and "float8 all-gather off" in text
     assert "256×768 is too small for float8 to pay" in text and "(8 in all)" in text
     assert "kept high precision: output: name matches fp8.filter_fqns entry 'output'" in text
@@ -229,7 +228,7 @@ def test_float8_trains_and_tracks_high_precision(tmp_path, corpus, high_precisio
     proc = run_train(tmp_path, *COMMON, "--fp8.recipe", recipe, *FP8, corpus=corpus)
     assert_tracks(losses(tmp_path), high_precision)
     log = proc.stdout + proc.stderr
-    assert f"float8 {recipe} (emulated): 28 Linears converted, 1 kept in high precision" in log
+    assert f"float8 {recipe} (emulated): 20 Linears converted, 1 kept in high precision" in log
     assert "kept high precision: output: name matches fp8.filter_fqns entry 'output'" in log
     assert "float8 all-gather off" in log  # one rank: nothing to gather
     a = PRESETS["debug"]
@@ -263,7 +262,7 @@ def test_fsdp_all_gather_carries_float8_bytes(tmp_path):
     # The defaults with 2 shards and tensorwise: float8 all-gather and precomputed scales on.
     assert fp8["plan"]["fsdp_float8_all_gather"] and fp8["plan"]["precompute_scales"]
     converted = set(fp8["plan"]["converted"])
-    assert len(converted) == 14 and "output" in fp8["plan"]["skipped"]
+    assert len(converted) == 10 and "output" in fp8["plan"]["skipped"]
     weights = {f"{name}.weight" for name in converted}
     for name, (numel, local, kind) in fp8["params"].items():
         assert local * world == numel  # evenly sharded, no padding: byte counts below are exact

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from titanlike.model import (
     PRESETS,
@@ -158,9 +159,7 @@ def test_gqa_shapes():
     a = PRESETS["debug"]
     attn = Attention(a)
     hd = a.dim // a.n_heads
-    assert attn.wq.weight.shape == (a.n_heads * hd, a.dim)
-    assert attn.wk.weight.shape == (a.n_kv_heads * hd, a.dim)
-    assert attn.wv.weight.shape == (a.n_kv_heads * hd, a.dim)
+    assert attn.wqkv.weight.shape == ((a.n_heads + 2 * a.n_kv_heads) * hd, a.dim)
     assert attn.wo.weight.shape == (a.dim, a.n_heads * hd)
     x = torch.randn(2, 10, a.dim)
     cos, sin = rope_tables(hd, 10, a.rope_theta)
@@ -168,27 +167,49 @@ def test_gqa_shapes():
     assert build(SMALL)(torch.randint(0, 97, (3, 11))).shape == (3, 11, 97)
 
 
+def _qkv(attn: Attention) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views of the q, k and v rows of the stacked projection."""
+    kv = attn.n_kv_heads * attn.head_dim
+    return attn.wqkv.weight.split([attn.n_heads * attn.head_dim, kv, kv], dim=0)
+
+
 def test_gqa_equals_attention_with_repeated_kv_heads():
     """Query head h reads kv head h // (n_heads / n_kv_heads): same as MHA with each kv head repeated."""
     torch.manual_seed(0)
     gqa_args = replace(SMALL, n_heads=8, n_kv_heads=2)
     gqa, mha = Attention(gqa_args), Attention(replace(gqa_args, n_kv_heads=8))
-    hd, rep = gqa_args.head_dim, 4
-    with torch.no_grad():
-        mha.wq.weight.copy_(gqa.wq.weight)
-        mha.wo.weight.copy_(gqa.wo.weight)
-        for name in ("wk", "wv"):
-            w = getattr(gqa, name).weight.view(2, hd, gqa_args.dim)
-            getattr(mha, name).weight.copy_(w.repeat_interleave(rep, dim=0).reshape(8 * hd, gqa_args.dim))
-    x = torch.randn(2, 12, gqa_args.dim)
+    hd, rep, dim = gqa_args.head_dim, 4, gqa_args.dim
+
+    def load_mha(expand):
+        with torch.no_grad():
+            (gq, gk, gv), (mq, mk, mv) = _qkv(gqa), _qkv(mha)
+            mq.copy_(gq)
+            mha.wo.weight.copy_(gqa.wo.weight)
+            for g, m in ((gk, mk), (gv, mv)):
+                m.copy_(expand(g.view(2, hd, dim)).reshape(8 * hd, dim))
+
+    x = torch.randn(2, 12, dim)
     cos, sin = rope_tables(hd, 12, gqa_args.rope_theta)
+    load_mha(lambda w: w.repeat_interleave(rep, dim=0))
     torch.testing.assert_close(gqa(x, cos, sin), mha(x, cos, sin))
     # Pairing kv heads differently (tile instead of interleave) gives another result.
-    with torch.no_grad():
-        for name in ("wk", "wv"):
-            w = getattr(gqa, name).weight.view(2, hd, gqa_args.dim)
-            getattr(mha, name).weight.copy_(w.repeat(rep, 1, 1).reshape(8 * hd, gqa_args.dim))
+    load_mha(lambda w: w.repeat(rep, 1, 1))
     assert not torch.allclose(gqa(x, cos, sin), mha(x, cos, sin), atol=1e-4)
+
+
+def test_stacked_qkv_equals_three_projections():
+    """wqkv's rows are q, then k, then v: the attention equals one computed from three Linears."""
+    torch.manual_seed(0)
+    a = replace(SMALL, n_heads=8, n_kv_heads=2)
+    attn = Attention(a)
+    x = torch.randn(2, 12, a.dim)
+    cos, sin = rope_tables(a.head_dim, 12, a.rope_theta)
+    wq, wk, wv = _qkv(attn)
+    q = apply_rope((x @ wq.T).view(2, 12, 8, a.head_dim), cos, sin).transpose(1, 2)
+    k = apply_rope((x @ wk.T).view(2, 12, 2, a.head_dim), cos, sin).transpose(1, 2).repeat_interleave(4, dim=1)
+    v = (x @ wv.T).view(2, 12, 2, a.head_dim).transpose(1, 2).repeat_interleave(4, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 12, -1)
+    torch.testing.assert_close(attn(x, cos, sin), attn.wo(out))
 
 
 # ---- tied embeddings and init --------------------------------------------------------------------------
@@ -220,7 +241,7 @@ def test_init_weights_deterministic():
         else:
             assert not torch.equal(sa[name], sc[name]), name
     # Every parameter draws from its own stream: no two matrices of the same shape are equal.
-    assert not torch.equal(sa["layers.0.attention.wq.weight"], sa["layers.1.attention.wq.weight"])
+    assert not torch.equal(sa["layers.0.attention.wqkv.weight"], sa["layers.1.attention.wqkv.weight"])
     # Independent of the global RNG.
     torch.manual_seed(123)
     d = build(SMALL, seed=3)
@@ -231,7 +252,7 @@ def test_init_scales():
     model = build(PRESETS["debug"], seed=0)
     a = model.args
     std = {n: p.std().item() for n, p in model.named_parameters()}
-    assert abs(std["layers.0.attention.wq.weight"] - 0.02) < 0.002
+    assert abs(std["layers.0.attention.wqkv.weight"] - 0.02) < 0.002
     assert abs(std["layers.0.feed_forward.w2.weight"] - 0.02 / math.sqrt(2 * a.n_layers)) < 0.001
     assert abs(std["output.weight"] - a.dim**-0.5) < 0.1 * a.dim**-0.5
     for n, p in model.named_parameters():

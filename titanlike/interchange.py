@@ -16,9 +16,6 @@ from titanlike.errors import UserError
 from titanlike.model import ModelArgs
 
 _LAYER_NAMES = {
-    "attention.wq": "self_attn.q_proj",
-    "attention.wk": "self_attn.k_proj",
-    "attention.wv": "self_attn.v_proj",
     "attention.wo": "self_attn.o_proj",
     "feed_forward.w1": "mlp.gate_proj",
     "feed_forward.w3": "mlp.up_proj",
@@ -26,28 +23,69 @@ _LAYER_NAMES = {
     "attention_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Our stacked q/k/v projection is three tensors there: its rows split in this order.
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.weight$")
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight$")
 
 
 def to_hf_name(name: str) -> str:
+    """The Hugging Face name of one of our parameters (for wqkv, its three names in braces)."""
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
-    m = re.match(r"layers\.(\d+)\.(.+)\.weight$", name)
+    m = _LAYER.match(name)
+    if m and m.group(2) == "attention.wqkv":
+        return f"model.layers.{m.group(1)}.self_attn.{{q,k,v}}_proj.weight"
     if not m or m.group(2) not in _LAYER_NAMES:
         raise KeyError(name)
     return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
 
 
-def from_hf_name(name: str) -> str:
+def _qkv_rows(a: ModelArgs) -> list[int]:
+    return [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]
+
+
+def to_hf_state(state: dict[str, torch.Tensor], a: ModelArgs) -> dict[str, torch.Tensor]:
+    """Our full tensors under Hugging Face names: wqkv splits into q, k and v projections."""
+    out = {}
+    for name, tensor in state.items():
+        m = _LAYER.match(name)
+        if m and m.group(2) == "attention.wqkv":
+            for hf, part in zip(_QKV, tensor.split(_qkv_rows(a), dim=0)):
+                out[f"model.layers.{m.group(1)}.{hf}.weight"] = part
+        else:
+            out[to_hf_name(name)] = tensor
+    return out
+
+
+def from_hf_state(hf_state: dict[str, torch.Tensor], a: ModelArgs, where: str) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors under our names: each layer's q, k and v projections stack into wqkv."""
     inverse_top = {v: k for k, v in _TOP_NAMES.items()}
-    if name in inverse_top:
-        return inverse_top[name]
-    m = re.match(r"model\.layers\.(\d+)\.(.+)\.weight$", name)
     inverse = {v: k for k, v in _LAYER_NAMES.items()}
-    if not m or m.group(2) not in inverse:
-        raise KeyError(name)
-    return f"layers.{m.group(1)}.{inverse[m.group(2)]}.weight"
+    out: dict[str, torch.Tensor] = {}
+    qkv: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in hf_state.items():
+        m = _HF_LAYER.match(name)
+        if name in inverse_top:
+            out[inverse_top[name]] = tensor
+        elif m and m.group(2) in inverse:
+            out[f"layers.{m.group(1)}.{inverse[m.group(2)]}.weight"] = tensor
+        elif m and m.group(2) in _QKV:
+            qkv.setdefault(m.group(1), {})[m.group(2)] = tensor
+        else:
+            raise UserError(f"{where}: parameter {name} is not part of a Llama model")
+    for layer, parts in qkv.items():
+        missing = [p for p in _QKV if p not in parts]
+        if missing:
+            raise UserError(f"{where} has no model.layers.{layer}.{missing[0]}.weight: it holds a different model")
+        if [parts[p].shape[0] for p in _QKV] != _qkv_rows(a) or len({parts[p].shape[1:] for p in _QKV}) != 1:
+            shapes = ", ".join(f"{p.split('.')[-1]} {tuple(parts[p].shape)}" for p in _QKV)
+            raise UserError(f"{where} holds a different model shape: layer {layer} has {shapes} (check "
+                            f"--model.flavor / --model.vocab_size)")
+        out[f"layers.{layer}.attention.wqkv.weight"] = torch.cat([parts[p] for p in _QKV], dim=0)
+    return out
 
 
 def hf_config(a: ModelArgs, dtype: torch.dtype) -> dict:
@@ -78,11 +116,9 @@ def write_hf_folder(state: dict[str, torch.Tensor], a: ModelArgs, folder: str, d
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)
-    hf = {}
-    for name, tensor in state.items():
-        if a.tie_embeddings and name == "output.weight":
-            continue  # Hugging Face re-ties it from the embedding
-        hf[to_hf_name(name)] = tensor.detach().to("cpu", dtype).contiguous()
+    # Hugging Face re-ties a tied output layer from the embedding.
+    ours = {k: v.detach().to("cpu", dtype) for k, v in state.items() if not (a.tie_embeddings and k == "output.weight")}
+    hf = {k: v.contiguous() for k, v in to_hf_state(ours, a).items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in hf.items():
@@ -118,13 +154,13 @@ def read_hf_folder(folder: str, a: ModelArgs) -> dict[str, torch.Tensor]:
     files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")) if os.path.isdir(folder) else []
     if not files:
         raise UserError(f"{folder} is neither a checkpoint step folder (no .metadata) nor a safetensors folder")
-    out: dict[str, torch.Tensor] = {}
+    hf: dict[str, torch.Tensor] = {}
     for fname in files:
         for name, tensor in load_file(os.path.join(folder, fname)).items():
-            try:
-                out[from_hf_name(name)] = tensor.float()
-            except KeyError:
-                raise UserError(f"{folder}/{fname}: parameter {name} is not part of a Llama model") from None
+            if not (name in _TOP_NAMES.values() or _HF_LAYER.match(name)):
+                raise UserError(f"{folder}/{fname}: parameter {name} is not part of a Llama model")
+            hf[name] = tensor.float()
+    out = from_hf_state(hf, a, folder)
     if a.tie_embeddings:
         head = out.pop("output.weight", None)  # some tied exports store it anyway, equal to the embedding
         if head is not None and not torch.equal(head, out.get("tok_embeddings.weight", head)):
