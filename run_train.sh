@@ -36,10 +36,11 @@ fi
 # Schedulers preempt with SIGTERM or SIGUSR1: torchrun forwards both to the workers, which finish
 # the step and save; give them time for that save before torchrun escalates to SIGKILL.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"
-# torchrun itself exits 1 after forwarding a signal, even when every worker saved and stopped
-# cleanly; the workers leave a marker so that this launcher can report the truth: exit 0.
+# torchrun (titanlike.launch: torchrun ending in one line, not a traceback) exits 128 + signal
+# after forwarding a signal, even when every worker saved and stopped cleanly; the workers leave
+# a marker so that this launcher can report the truth: exit 0.
 export TITANLIKE_PREEMPTED_MARKER="$(mktemp -u "${TMPDIR:-/tmp}/titanlike-preempted.XXXXXX")"
-"$PYTHON" -m torch.distributed.run "${rdzv[@]}" --nproc_per_node="$NGPU" --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
+"$PYTHON" -m titanlike.launch "${rdzv[@]}" --nproc_per_node="$NGPU" --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
   "$here/run_train.sh" --job.config_file "$CONFIG_FILE" "$@" &
 pid=$!
 trap 'kill -s TERM $pid 2>/dev/null' TERM

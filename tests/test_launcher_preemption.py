@@ -1,8 +1,10 @@
-"""A scheduler's SIGTERM / SIGUSR1 to `run_train.sh` (bash mode, torchrun, 2 ranks): save, exit 0."""
+"""`run_train.sh` in bash mode (torchrun, 2 ranks): a scheduler's SIGTERM / SIGUSR1 saves and exits 0; a
+worker's error ends in one line and its exit code."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 
@@ -33,3 +35,26 @@ def test_launcher_signal_saves_and_exits_zero(tmp_path, corpus, sig):
     saved = [d for d in os.listdir(tmp_path / "checkpoint") if d.startswith("step-") and not d.endswith(".tmp")]
     assert len(saved) == 1 and 3 <= int(saved[0].split("-")[1]) < 500
     assert out.rstrip().endswith("run the same command to resume")
+
+
+@pytest.mark.slow
+def test_launcher_worker_error_is_one_line_and_its_exit_code(tmp_path, corpus):
+    """A mistake only the workers can see (here: the loss is NaN at step 2 with nothing to roll back
+    to) ends in the worker's one `error:` line and torchrun's one-line summary, with no traceback,
+    and the launcher exits 2 as a one-process run would."""
+    env = dict(_env(), NGPU="2", TITANLIKE_NAN_BATCHES="2")
+    cmd = [str(ROOT / "run_train.sh"), "--job.dump_folder", str(tmp_path), "--training.device", "cpu",
+           "--training.steps", "6", "--training.local_batch_size", "2", "--training.nonfinite", "rollback",
+           "--checkpoint.enable", "--checkpoint.interval", "4", "--validation.enable", "false",
+           "--data.path", corpus[0]]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    # Both ranks meet it; one says so. Then torchrun's summary, and nothing else after the log.
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: loss became nan at step 2"), out[-3000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out
+    error, summary = proc.stderr.rstrip().splitlines()[-2:]
+    assert error == errors[0]
+    assert re.fullmatch(r"torchrun: worker rank [01] on \S+ stopped with exit code 2 \(1 more stopped after it\); "
+                        r"its output above says why", summary), summary

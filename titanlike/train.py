@@ -39,7 +39,8 @@ PRINTED_CONFIG = 3
 
 
 class NonFiniteLoss(UserError):
-    pass
+    # Decided on the all-reduced loss and gradient norm, so every rank stops with the same words.
+    same_on_all_ranks = True
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
