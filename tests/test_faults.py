@@ -44,9 +44,11 @@ def test_oom_message_names_peak_batch_and_knobs():
     )
 
 
-def test_oom_message_only_offers_what_is_left():
+def test_oom_message_only_offers_what_is_left(monkeypatch):
     # Full AC already on, one GPU (no FSDP: float8 saves no memory there), an odd local batch,
-    # fragmentation, a memory cap and a snapshot.
+    # fragmentation (with the allocator's default settings turned off), a memory cap and a snapshot.
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
     cfg = config(training={"local_batch_size": 6, "gpu_memory_limit_gib": 31.0},
                  activation_checkpoint={"mode": "full"}, fp8={"recipe": "tensorwise"})
     msg = faults.oom_message(cfg, 1, 0, 0, {**H100, "allocated": 20.0, "reserved": 30.5}, "/run/oom/snap.pickle")
@@ -58,6 +60,9 @@ def test_oom_message_only_offers_what_is_left():
         "above allocated: fragmentation); memory snapshot in /run/oom/snap.pickle"
     )
     assert "activation_checkpoint" not in msg and "fp8" not in msg
+    # With expandable segments on (titanlike's default) the allocator already does what it can.
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in faults.oom_message(cfg, 1, 0, 0, {**H100, "allocated": 20.0, "reserved": 30.5})
     # Selective AC → full; a local batch of 1 → shorter sequences; no step yet → while building.
     cfg = config(training={"local_batch_size": 1}, activation_checkpoint={"mode": "selective"})
     msg = faults.oom_message(cfg, 2, 1, None, None)

@@ -135,3 +135,13 @@ def test_compile_tracks_eager(tmp_path, corpus, single, monkeypatch):
     compiled, eager = losses(tmp_path), losses(single)
     # Inductor may fuse and reorder fp32 arithmetic: close to eager (bitwise here on this CPU).
     assert_same_losses(compiled, eager, rtol=1e-4)
+
+
+def test_allocator_default_leaves_the_users_choice_alone():
+    env: dict[str, str] = {}
+    parallel.default_allocator_settings(env)
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    for mine in ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}):
+        env = dict(mine)
+        parallel.default_allocator_settings(env)
+        assert env == mine

@@ -75,7 +75,8 @@ def oom_message(cfg, world_size: int, rank: int, step: int | None, memory: dict 
         knobs.append(f"--data.seq_len {d.seq_len // 2} (local batch is already 1)")
     if world_size > 1 and cfg.fp8.recipe != "tensorwise":
         knobs.append(f"--fp8.recipe tensorwise (now {cfg.fp8.recipe}): FSDP then gathers weights in float8")
-    if memory and memory["reserved"] > 1.2 * memory["allocated"] + 1:
+    allocator = os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    if memory and memory["reserved"] > 1.2 * memory["allocated"] + 1 and "expandable_segments:true" not in allocator.lower():
         knobs.append("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (reserved far above allocated: fragmentation)")
     seen = f"; memory snapshot in {snapshot}" if snapshot else "; --profiling.memory_snapshot shows what held it"
     return (f"out of GPU memory on {where} {when}: {peak}; training.local_batch_size {b} × data.seq_len "

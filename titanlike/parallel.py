@@ -69,6 +69,20 @@ def world_from_env() -> tuple[int, int, int]:
     return int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
 
 
+# The CUDA caching allocator's settings, unless the user chose their own. Expandable segments let
+# a block grow in place instead of reserving a new one, so activations of changing sizes (compile's
+# buffers, float8 casts, the 128K-vocabulary logits) fragment memory far less; every benchmark in
+# docs/benchmarks/ ran with it.
+ALLOCATOR_DEFAULT = "expandable_segments:True"
+
+
+def default_allocator_settings(environ=os.environ) -> None:
+    """Set PYTORCH_CUDA_ALLOC_CONF when neither it nor PYTORCH_ALLOC_CONF (its newer name) is set.
+    Read when CUDA allocates first, so call this before anything touches the GPU."""
+    if "PYTORCH_CUDA_ALLOC_CONF" not in environ and "PYTORCH_ALLOC_CONF" not in environ:
+        environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_DEFAULT
+
+
 def pick_device(choice: str, local_rank: int) -> torch.device:
     if choice == "cuda" and not torch.cuda.is_available():
         raise ConfigError("training.device = cuda but no CUDA GPU is visible; use --training.device cpu or auto")

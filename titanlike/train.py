@@ -387,6 +387,7 @@ def setup_logging(rank: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parallel.default_allocator_settings()
     world, rank, _ = parallel.world_from_env()
     setup_logging(rank)
     trainer = cfg = None
