@@ -45,7 +45,7 @@ def test_oom_message_names_peak_batch_and_knobs():
 
 
 def test_oom_message_only_offers_what_is_left(monkeypatch):
-    # Full AC already on, one GPU (no FSDP: float8 saves no memory there), an odd local batch,
+    # Full AC and tensorwise float8 already on, one GPU, an odd local batch,
     # fragmentation (with the allocator's default settings turned off), a memory cap and a snapshot.
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
