@@ -585,3 +585,22 @@ def test_import_of_another_model_names_the_first_difference(tmp_path):
     assert load_error(debug_model(tie_embeddings=True), step_dir) == (
         f"{step_dir} was saved with untied embeddings (an output layer of its own); run with --model.tie_embeddings false"
     )
+    # A checkpoint of an earlier titanlike, whose attention had separate wq, wk, wv: the line says how across.
+    import torch.distributed.checkpoint as dcp
+
+    model = debug_model()
+    a, old = model.args, tmp_path / "step-2"
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith("wqkv.weight"):
+            kv = a.n_kv_heads * a.head_dim
+            for part, rows in zip("qkv", tensor.split([a.n_heads * a.head_dim, kv, kv])):
+                state[name.replace("wqkv", f"w{part}")] = rows.clone()
+        else:
+            state[name] = tensor
+    dcp.save({"model": state}, checkpoint_id=str(old), no_dist=True)
+    assert load_error(debug_model(), old) == (
+        f"{old} was saved by an earlier titanlike, with separate wq/wk/wv projections (now one stacked wqkv): export "
+        f"it with that version's scripts/export_safetensors.py and start from the export with "
+        f"--checkpoint.initial_load_path"
+    )

@@ -308,6 +308,13 @@ class Checkpointer:
                                              f"run with --model.tie_embeddings false")
         for name, tensor in get_model_state_dict(self.trainer.model).items():
             saved = meta.get(f"model.{name}")
+            if saved is None and name.endswith("attention.wqkv.weight") and f"model.{name[:-len('qkv.weight')]}q.weight" in meta:
+                # Before 2026-11-22 the q, k and v projections were three Linears (wq, wk, wv). Hugging
+                # Face folders hold them apart too, and import stacks them: that is the way across.
+                raise CheckpointMismatch(
+                    f"{path} was saved by an earlier titanlike, with separate wq/wk/wv projections (now one "
+                    f"stacked wqkv): export it with that version's scripts/export_safetensors.py and start from "
+                    f"the export with --checkpoint.initial_load_path")
             if saved is None:
                 raise CheckpointMismatch(f"{path} has no parameter {name}: it was saved from a different model")
             if tuple(saved.size) != tuple(tensor.shape):
