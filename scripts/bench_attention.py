@@ -10,7 +10,6 @@ the reason the backend refused the inputs. Needs a GPU.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -19,24 +18,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from titanlike.float8_bench import median_cuda_ms  # noqa: E402
 from titanlike.model import PRESETS  # noqa: E402
 
 BACKENDS = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
-
-
-def time_ms(fn, iters: int = 20, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -72,10 +58,10 @@ def main() -> None:
         for fn in (repeat, gqa):
             try:
                 if backend is None:
-                    ms = time_ms(fn)
+                    ms = median_cuda_ms(fn)
                 else:
                     with sdpa_kernel(backend):
-                        ms = time_ms(fn)
+                        ms = median_cuda_ms(fn)
                 cells.append(f"{ms:>12.3f}")
             except RuntimeError as e:
                 cells.append(f"{'refused':>12}")

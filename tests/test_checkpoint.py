@@ -554,6 +554,10 @@ def test_stacked_qkv_is_three_hugging_face_projections(tmp_path):
     del tensors["model.layers.2.self_attn.v_proj.weight"]
     save_file(tensors, hf / "model.safetensors")
     assert load_error(debug_model(), hf) == f"{hf} has no model.layers.2.self_attn.v_proj.weight: it holds a different model"
+    # A tensor no Llama has, in a second shard file: named with its file.
+    save_file({"model.layers.0.mlp.extra_proj.weight": torch.zeros(2, 2)}, hf / "model-extra.safetensors")
+    assert load_error(debug_model(), hf) == (
+        f"{hf}/model-extra.safetensors: parameter model.layers.0.mlp.extra_proj.weight is not part of a Llama model")
 
 
 def test_import_of_another_model_names_the_first_difference(tmp_path):

@@ -308,7 +308,7 @@ class Checkpointer:
                                              f"run with --model.tie_embeddings false")
         for name, tensor in get_model_state_dict(self.trainer.model).items():
             saved = meta.get(f"model.{name}")
-            if saved is None and name.endswith("attention.wqkv.weight") and f"model.{name[:-len('qkv.weight')]}q.weight" in meta:
+            if saved is None and name.endswith("attention.wqkv.weight") and f"model.{name.replace('wqkv', 'wq')}" in meta:
                 # Before 2026-11-22 the q, k and v projections were three Linears (wq, wk, wv). Hugging
                 # Face folders hold them apart too, and import stacks them: that is the way across.
                 raise CheckpointMismatch(

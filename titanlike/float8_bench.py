@@ -41,13 +41,18 @@ def time_linear_ms(tokens: int, in_features: int, out_features: int, recipe: str
             out = model(x)
         out.backward(grad)
 
+    return median_cuda_ms(step, iters, warmup)
+
+
+def median_cuda_ms(fn, iters: int = 20, warmup: int = 5) -> float:
+    """Median GPU time of `fn()` in ms over `iters` runs after `warmup` untimed ones."""
     for _ in range(warmup):
-        step()
+        fn()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        step()
+        fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))

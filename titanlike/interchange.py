@@ -61,7 +61,8 @@ def to_hf_state(state: dict[str, torch.Tensor], a: ModelArgs) -> dict[str, torch
 
 
 def from_hf_state(hf_state: dict[str, torch.Tensor], a: ModelArgs, where: str) -> dict[str, torch.Tensor]:
-    """Hugging Face tensors under our names: each layer's q, k and v projections stack into wqkv."""
+    """Hugging Face tensors under our names: each layer's q, k and v projections stack into wqkv.
+    A name that is not part of a Llama model raises KeyError(name)."""
     inverse_top = {v: k for k, v in _TOP_NAMES.items()}
     inverse = {v: k for k, v in _LAYER_NAMES.items()}
     out: dict[str, torch.Tensor] = {}
@@ -75,7 +76,7 @@ def from_hf_state(hf_state: dict[str, torch.Tensor], a: ModelArgs, where: str) -
         elif m and m.group(2) in _QKV:
             qkv.setdefault(m.group(1), {})[m.group(2)] = tensor
         else:
-            raise UserError(f"{where}: parameter {name} is not part of a Llama model")
+            raise KeyError(name)
     for layer, parts in qkv.items():
         missing = [p for p in _QKV if p not in parts]
         if missing:
@@ -155,12 +156,15 @@ def read_hf_folder(folder: str, a: ModelArgs) -> dict[str, torch.Tensor]:
     if not files:
         raise UserError(f"{folder} is neither a checkpoint step folder (no .metadata) nor a safetensors folder")
     hf: dict[str, torch.Tensor] = {}
+    file_of: dict[str, str] = {}
     for fname in files:
         for name, tensor in load_file(os.path.join(folder, fname)).items():
-            if not (name in _TOP_NAMES.values() or _HF_LAYER.match(name)):
-                raise UserError(f"{folder}/{fname}: parameter {name} is not part of a Llama model")
-            hf[name] = tensor.float()
-    out = from_hf_state(hf, a, folder)
+            hf[name], file_of[name] = tensor.float(), fname
+    try:
+        out = from_hf_state(hf, a, folder)
+    except KeyError as e:
+        name = e.args[0]
+        raise UserError(f"{folder}/{file_of[name]}: parameter {name} is not part of a Llama model") from None
     if a.tie_embeddings:
         head = out.pop("output.weight", None)  # some tied exports store it anyway, equal to the embedding
         if head is not None and not torch.equal(head, out.get("tok_embeddings.weight", head)):
