@@ -138,6 +138,23 @@ def test_rope_keeps_bf16_dtype():
     assert apply_rope(x, cos, sin).dtype == torch.bfloat16
 
 
+def test_residual_stream_in_the_autocast_dtype():
+    """Under autocast (one GPU) the blocks see and pass on bf16, as under FSDP's bf16 parameters."""
+    model = build(SMALL)
+    seen = []
+    for layer in model.layers:
+        layer.register_forward_hook(lambda _m, args, out: seen.append((args[0].dtype, out.dtype)))
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(tokens)
+    assert seen == [(torch.bfloat16, torch.bfloat16)] * SMALL.n_layers and logits.dtype == torch.bfloat16
+    logits.float().square().mean().backward()
+    assert model.tok_embeddings.weight.grad.dtype == torch.float32  # the weights themselves stay fp32
+    seen.clear()
+    model(tokens)  # without autocast nothing is cast
+    assert seen == [(torch.float32, torch.float32)] * SMALL.n_layers
+
+
 # ---- attention --------------------------------------------------------------------------------------
 
 

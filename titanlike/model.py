@@ -165,6 +165,13 @@ class Transformer(nn.Module):
         seq = tokens.shape[1]
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         h = self.tok_embeddings(tokens)
+        if torch.is_autocast_enabled(h.device.type):
+            # The residual stream in the compute dtype. Autocast leaves an embedding lookup in the
+            # weight's dtype, so on one GPU (autocast over fp32 weights) the stream, every residual
+            # add and every gradient flowing back along it would be fp32: twice the bytes through
+            # each block's norms and adds. FSDP's bf16 parameters give bf16 here already; with the
+            # cast one GPU computes in the same dtypes as many.
+            h = h.to(torch.get_autocast_dtype(h.device.type))
         for layer in self.layers:
             h = layer(h, cos, sin)
         return self.output(self.norm(h))
