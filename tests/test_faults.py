@@ -39,7 +39,8 @@ def test_oom_message_names_peak_batch_and_knobs():
         "allocated, 78.6 GiB reserved; training.local_batch_size 8 × data.seq_len 4096; to use less: "
         "--activation_checkpoint.mode selective or full (now none), --training.local_batch_size 4 "
         "--training.global_batch_size 128 (the same global batch in 4 gradient-accumulation micro-batches), "
-        "--fp8.recipe tensorwise (now none): FSDP then gathers weights in float8; "
+        "--fp8.recipe tensorwise (now none): FSDP then gathers weights in float8, "
+        "--parallel.reshard_after_forward always (frees every gathered weight after forward); "
         "--profiling.memory_snapshot shows what held it"
     )
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from conftest import ROOT, metrics, run_python, run_train
-from titanlike.optim import clip_grad_norm, lr_factor, step_if_finite
+from titanlike.optim import clip_and_step, lr_factor
 
 SEQ, GLOBAL = 64, 8
 COMMON = ("--data.seq_len", str(SEQ), "--training.local_batch_size", "4", "--training.global_batch_size", str(GLOBAL),
@@ -75,7 +75,7 @@ def error_lines(proc) -> list[str]:
     return [line for line in proc.stderr.splitlines() if line.startswith("error:")]
 
 
-# ---- optim.step_if_finite ---------------------------------------------------------------------------
+# ---- optim.clip_and_step with skip_nonfinite ------------------------------------------------------
 
 
 def pair(fused: bool):
@@ -85,32 +85,32 @@ def pair(fused: bool):
     return model, opt
 
 
-def backward(model, x, poison=False) -> torch.Tensor:
+def train_step(model, opt, x, poison=False) -> tuple[torch.Tensor, torch.Tensor]:
     model.zero_grad(set_to_none=True)
     loss = model(x).square().mean()
     (loss * float("nan") if poison else loss).backward()
-    return clip_grad_norm(list(model.parameters()), 1.0)
+    return clip_and_step(opt, list(model.parameters()), 1.0, skip_nonfinite=True)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
-def test_step_if_finite_skips_exactly(fused, monkeypatch):
+def test_skip_nonfinite_skips_exactly(fused, monkeypatch):
     a, opt_a = pair(fused)
     b, opt_b = pair(fused)  # the same model, trained without ever seeing the bad step
     x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
     if fused:
         # The fused path (the CUDA default) decides on the device: no value ever comes to the host.
         def no_sync(*_):
-            raise AssertionError("host sync in step_if_finite")
+            raise AssertionError("host sync in clip_and_step")
 
         monkeypatch.setattr(torch.Tensor, "item", no_sync)
         monkeypatch.setattr(torch.Tensor, "__bool__", no_sync)
     for model, opt in ((a, opt_a), (b, opt_b)):
-        assert float(step_if_finite(opt, backward(model, x)).tolist()) == 0.0
+        assert float(train_step(model, opt, x)[1].tolist()) == 0.0
 
     before = copy.deepcopy((a.state_dict(), opt_a.state_dict()))
-    norm = backward(a, x, poison=True)
+    norm, skipped = train_step(a, opt_a, x, poison=True)
     assert not torch.isfinite(norm).tolist()
-    assert step_if_finite(opt_a, norm).tolist() == 1.0
+    assert skipped.tolist() == 1.0
     after = (a.state_dict(), opt_a.state_dict())
     for k, v in before[0].items():
         assert torch.equal(v, after[0][k]), k
@@ -120,7 +120,7 @@ def test_step_if_finite_skips_exactly(fused, monkeypatch):
 
     # The next good step lands exactly where it would have without the bad one.
     for model, opt in ((a, opt_a), (b, opt_b)):
-        step_if_finite(opt, backward(model, x * 2))
+        train_step(model, opt, x * 2)
     for (k, v), w in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(v, w), k
         assert not torch.equal(v, before[0][k]), k  # and the good steps did update
@@ -235,20 +235,22 @@ def test_rollback_gives_up_after_three_in_a_row_and_without_a_checkpoint(tmp_pat
 
 
 @pytest.mark.gpu
-def test_step_if_finite_never_syncs_on_cuda():
-    """The CUDA default (fused AdamW): skipping is decided on the GPU, with no host synchronisation."""
+def test_clip_and_step_never_syncs_on_cuda():
+    """The CUDA default (fused AdamW): clipping and skipping are decided on the GPU, with no host sync."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
     x = torch.randn(16, 64, device="cuda")
-    step_if_finite(opt, backward(model, x))  # creates the optimizer state
+    train_step(model, opt, x)  # creates the optimizer state
     before = [p.detach().clone() for p in model.parameters()]
     flags = []
     for poison in (True, False):
-        norm = backward(model, x, poison=poison)
+        model.zero_grad(set_to_none=True)
+        loss = model(x).square().mean()
+        (loss * float("nan") if poison else loss).backward()
         torch.cuda.set_sync_debug_mode("error")  # any host sync in here raises
         try:
-            flags.append(step_if_finite(opt, norm))
+            flags.append(clip_and_step(opt, list(model.parameters()), 1.0, skip_nonfinite=True)[1])
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert [f.item() for f in flags] == [1.0, 0.0]

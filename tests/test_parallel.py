@@ -145,3 +145,18 @@ def test_allocator_default_leaves_the_users_choice_alone():
         env = dict(mine)
         parallel.default_allocator_settings(env)
         assert env == mine
+
+
+def test_default_reshard_keeps_small_models_gathered():
+    from titanlike.model import PRESETS, count_params
+
+    gb = 10**9
+    one_b, eight_b = (2 * count_params(PRESETS[f])[0] for f in ("1b", "8b"))
+    assert parallel.resolve_reshard("default", one_b, 80 * gb) == "never"  # 3.0 GB on an H100
+    assert parallel.resolve_reshard("default", eight_b, 141 * gb) == "default"  # 16 GB, even on an H200
+    assert parallel.resolve_reshard("default", one_b, 32 * gb) == "default"  # a 32 GB cap is too tight
+    assert parallel.resolve_reshard("default", one_b, None) == "default"  # CPU: no memory to judge by
+    for asked in ("always", "never"):  # an explicit choice is the user's
+        assert parallel.resolve_reshard(asked, one_b, 80 * gb) == asked
+        assert parallel.resolve_reshard(asked, eight_b, None) == asked
+    assert parallel.device_memory_bytes(torch.device("cpu"), 0) is None

@@ -2,7 +2,7 @@
 that makes a step's loss non-finite on purpose.
 
 What a non-finite loss does (training.nonfinite: abort, skip, rollback) is part of the training
-loop's story and lives in train.py; skipping an update without a host sync is optim.step_if_finite.
+loop's story and lives in train.py; skipping an update without a host sync is optim.clip_and_step.
 """
 
 from __future__ import annotations
@@ -79,6 +79,8 @@ def oom_message(cfg, world_size: int, rank: int, step: int | None, memory: dict 
         # Measured, not derived: 1b, seq 4096, batch 6 on one H100 (docs/benchmarks/2026-11-22-stacked-qkv-gqa.md).
         knobs.append(f"--fp8.recipe tensorwise (now {cfg.fp8.recipe}): compiled, it lowered the 1b preset's peak "
                      f"from 64 to 53 GiB on one GPU")
+    if world_size > 1 and cfg.parallel.reshard_after_forward != "always":
+        knobs.append("--parallel.reshard_after_forward always (frees every gathered weight after forward)")
     allocator = os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     if memory and memory["reserved"] > 1.2 * memory["allocated"] + 1 and "expandable_segments:true" not in allocator.lower():
         knobs.append("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (reserved far above allocated: fragmentation)")

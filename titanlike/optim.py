@@ -48,42 +48,53 @@ def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_s
     )
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Global L2 norm of all gradients (over every shard and rank), clipping to max_norm if > 0.
+def grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm of all gradients, over every shard and rank.
 
     With FSDP the gradients are sharded DTensors: their norm is a partial value that
-    `full_tensor()` completes with one all-reduce, so every rank clips by the same factor.
+    `full_tensor()` completes with one all-reduce, so every rank sees (and clips by) the same number.
     """
     from torch.distributed.tensor import DTensor
 
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-    return total
+    total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], norm_type=2.0, foreach=True)
+    return total.full_tensor() if isinstance(total, DTensor) else total
 
 
-def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> torch.Tensor:
-    """optimizer.step() unless the (global) gradient norm is not finite; returns 1.0 if skipped, else 0.0.
+def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float,
+                  skip_nonfinite: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip the gradients to max_norm (if > 0) and update; returns (pre-clip gradient norm, skipped).
 
-    A skipped update leaves the weights and the optimizer state (moments, step count) exactly as they
-    were. Fused AdamW (the CUDA default) takes the decision on the GPU, through the same `found_inf`
-    input that the AMP grad scaler uses: no host synchronisation, the CPU keeps queueing work. The
-    foreach and for-loop implementations have no such input, so the flag is read on the host; they run
-    on the CPU here, where kernels execute as they are called and reading a value costs nothing.
+    `skipped` is 1.0 where skip_nonfinite is set and the norm is not finite, else 0.0. A skipped
+    update leaves the weights and the optimizer state (moments, step count) exactly as they were.
 
-    The gradient norm is the same number on every rank (clip_grad_norm all-reduces it), so all ranks
-    skip together; a non-finite loss on any rank makes its gradients, and so the norm, non-finite.
+    Fused AdamW (the CUDA default) takes the two inputs of the AMP grad scaler, and both spare work:
+    `grad_scale`, which the kernel divides every gradient by as it reads it, so clipping needs no
+    pass of its own over the gradients (one read and one write of every fp32 gradient, 12 GB for
+    1b: 73.0k vs 72.7k tok/s on one H100); and `found_inf`, which makes the update a no-op on the
+    device, so skipping needs no host synchronisation and the CPU keeps queueing work. The foreach
+    and for-loop implementations have neither: they clip in place and read the flag on the host;
+    they run on the CPU here, where kernels execute as they are called and reading a value costs
+    nothing.
+
+    The norm is the same number on every rank (grad_norm all-reduces it), so all ranks clip by the
+    same factor and skip together; a non-finite loss on any rank makes the norm non-finite.
     """
-    skipped = (~torch.isfinite(grad_norm)).float()
-    if optimizer.defaults.get("fused"):
-        optimizer.found_inf = skipped  # read by Adam/AdamW's fused step
-        try:
+    total = grad_norm(params)
+    skipped = (~torch.isfinite(total)).float() if skip_nonfinite else torch.zeros((), device=total.device)
+    if not optimizer.defaults.get("fused"):
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        if not (skip_nonfinite and skipped.item()):
             optimizer.step()
-        finally:
-            del optimizer.found_inf
-    elif not skipped.item():
+        return total, skipped
+    # The same factor as clip_grads_with_norm_, as the divisor the fused kernel expects.
+    if max_norm > 0:
+        optimizer.grad_scale = (max_norm / (total + 1e-6)).clamp(max=1.0).reciprocal()
+    if skip_nonfinite:
+        optimizer.found_inf = skipped
+    try:
         optimizer.step()
-    return skipped
+    finally:
+        optimizer.__dict__.pop("grad_scale", None)
+        optimizer.__dict__.pop("found_inf", None)
+    return total, skipped

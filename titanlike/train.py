@@ -27,8 +27,8 @@ from titanlike.config import ConfigError, JobConfig, load_config, to_toml
 from titanlike.data import build_train_loader, open_dataset, resolve_paths, validation_batches
 from titanlike.errors import UserError
 from titanlike.metrics import MetricsLogger
-from titanlike.model import Transformer, flops_per_token, model_args
-from titanlike.optim import build_optimizer, build_scheduler, clip_grad_norm, step_if_finite
+from titanlike.model import Transformer, count_params, flops_per_token, model_args
+from titanlike.optim import build_optimizer, build_scheduler, clip_and_step
 from titanlike.profiling import Profiler
 
 logger = logging.getLogger("titanlike")
@@ -124,8 +124,13 @@ class Trainer:
         # bf16 compute on GPU: FSDP casts the gathered parameters; one GPU uses autocast instead.
         gpu_bf16 = self.device.type == "cuda" and t.mixed_precision == "bf16"
         if self.dims.sharded:
-            parallel.apply_fsdp(model, self.mesh, torch.bfloat16 if gpu_bf16 else None,
-                                cfg.parallel.reshard_after_forward)
+            gathered = 2 * count_params(self.margs)[0]  # bytes of every weight gathered in bf16
+            reshard = parallel.resolve_reshard(cfg.parallel.reshard_after_forward, gathered,
+                                               parallel.device_memory_bytes(self.device, t.gpu_memory_limit_gib))
+            parallel.apply_fsdp(model, self.mesh, torch.bfloat16 if gpu_bf16 else None, reshard)
+            if self.is_main and reshard != cfg.parallel.reshard_after_forward:
+                logger.info(f"FSDP keeps the gathered weights from forward to backward ({gathered / 1e9:.1f} GB in bf16, "
+                            f"small next to the GPU's memory); --parallel.reshard_after_forward always frees them")
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16) if gpu_bf16 and not self.dims.sharded else contextlib.nullcontext()
         )
@@ -197,14 +202,11 @@ class Trainer:
             # FSDP averages over ranks in its reduce-scatter.
             (loss / self.accum_steps).backward()
             step_loss += loss.detach() / self.accum_steps
-        grad_norm = clip_grad_norm([p for p in self.model.parameters()], self.cfg.training.max_norm)
-        self.lr = self.optimizer.param_groups[0]["lr"]  # the LR this update used, for the log
+        self.lr = self.optimizer.param_groups[0]["lr"]  # the LR this update uses, for the log
         self.checkpointer.before_update()  # a background save may still be copying the weights
-        if self.cfg.training.nonfinite == "skip":
-            skipped = step_if_finite(self.optimizer, grad_norm)  # decided on the device: no host sync on GPU
-        else:
-            self.optimizer.step()
-            skipped = torch.zeros((), device=self.device)
+        # training.nonfinite = skip decides on the device whether to update: no host sync on GPU.
+        grad_norm, skipped = clip_and_step(self.optimizer, list(self.model.parameters()), self.cfg.training.max_norm,
+                                           skip_nonfinite=self.cfg.training.nonfinite == "skip")
         self.scheduler.step()
         float8.post_optimizer_step(self.model, self.fp8)
         self.state.step += 1
@@ -238,7 +240,7 @@ class Trainer:
             if mode == "rollback":
                 self.rollback(step, what, value, advice)
                 return None
-            if mode == "skip" and skipped > 0:  # the update was skipped on the device (step_if_finite)
+            if mode == "skip" and skipped > 0:  # the update was skipped on the device (clip_and_step)
                 self.state.skipped_steps += 1
                 self._skips_in_a_row += 1
                 if self._skips_in_a_row >= faults.MAX_IN_A_ROW:
