@@ -130,7 +130,7 @@ class Parallel:
     """Replicas of the sharded model (HSDP); ranks = dp_replicate × dp_shard; -1 = ranks / dp_shard."""
     reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free gathered parameters after forward: default = yes except for the root module and the
-    output layer, and no at all when every weight in bf16 takes at most 1/16 of the GPU's memory."""
+    output layer, and for none of them when all weights in bf16 take at most 1/16 of a GPU's memory."""
     backend_timeout_s: int = 600
     """Seconds a collective may wait for another rank before the run fails with its name."""
 
