@@ -59,6 +59,15 @@ def run_python(*args: str, check: bool = False, timeout: int = 300, env: dict | 
     return proc
 
 
+def run_probe(script: str, out: Path) -> dict:
+    """`torchrun --nproc_per_node=2 tests/<script> OUT.json` on CPU; the JSON rank 0 wrote there."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(ROOT / "tests" / script), str(out)],
+                          env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return json.loads(Path(out).read_text())
+
+
 def metrics(dump: Path, kind: str = "train") -> list[dict]:
     """The metrics.jsonl records of one kind (train or val), in order."""
     path = Path(dump) / "metrics.jsonl"

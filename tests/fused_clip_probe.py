@@ -44,7 +44,7 @@ def train(fused: bool, mesh, steps: int = 3) -> tuple[list[torch.Tensor], list[f
         loss.backward()
         norm, _ = clip_and_step(opt, list(model.parameters()), 0.5, skip_nonfinite=True)
         norms.append(float(norm))
-    return [p.full_tensor() for p in model.parameters()], norms
+    return [p.detach().full_tensor() for p in model.parameters()], norms
 
 
 def main(out: str) -> None:
@@ -58,6 +58,7 @@ def main(out: str) -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump({"max_diff": diff, "moved": moved, "fused_norms": fused_norms, "foreach_norms": foreach_norms}, f)
+    dist.barrier()  # neither rank tears gloo down while the other still uses it
     dist.destroy_process_group()
 
 

@@ -6,17 +6,14 @@ and what FSDP puts on the wire are the real ones.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 from torch import nn
 
-from conftest import ROOT, _env, losses, metrics, run_train
+from conftest import losses, metrics, run_probe, run_train
 from titanlike import float8
 from titanlike.config import Fp8
 from titanlike.errors import UserError
@@ -250,12 +247,7 @@ def test_float8_two_ranks_all_gather_on_by_default(tmp_path, corpus, high_precis
 @pytest.mark.slow
 def test_fsdp_all_gather_carries_float8_bytes(tmp_path):
     """What FSDP puts on the wire, recorded inside 2 gloo ranks by tests/float8_fsdp_probe.py."""
-    out = tmp_path / "probe.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(ROOT / "tests" / "float8_fsdp_probe.py"), str(out)],
-                          env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    result = json.loads(out.read_text())
+    result = run_probe("float8_fsdp_probe.py", tmp_path / "probe.json")
     world = result["world"]
     fp8, plain = result["fp8"], result["plain"]
 

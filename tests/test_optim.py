@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 from torch import nn
 
-from conftest import ROOT, _env
+from conftest import run_probe
 from titanlike.model import ModelArgs, Transformer
 from titanlike.optim import build_optimizer, build_scheduler, clip_and_step, lr_factor
 
@@ -189,12 +186,7 @@ def test_fused_step_clips_like_clipping_in_place(max_norm):
 @pytest.mark.slow
 def test_fused_clipping_over_fsdp_shards(tmp_path):
     """Over 2 gloo ranks with sharded (DTensor) gradients, fused and in-place clipping train alike."""
-    out = tmp_path / "probe.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(ROOT / "tests" / "fused_clip_probe.py"), str(out)],
-                          env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    result = json.loads(out.read_text())
+    result = run_probe("fused_clip_probe.py", tmp_path / "probe.json")
     assert min(result["foreach_norms"]) > 0.5  # the probe clips at 0.5: clipping was active
     assert result["fused_norms"] == pytest.approx(result["foreach_norms"], rel=1e-5)
     assert result["moved"] > 1e-3 and result["max_diff"] < 1e-5
