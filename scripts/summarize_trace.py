@@ -27,6 +27,32 @@ def kind(name: str) -> str:
     return "other"
 
 
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def timeline(kernels: list[dict], windows: list[tuple[float, float]]) -> None:
+    """Where the recorded steps' wall time on the GPU went: kernels summed over streams overstate a
+    step when streams overlap (communication beside compute), so measure unions of intervals."""
+    span = sum(b - a for a, b in windows)
+    spans = lambda ks: [(e["ts"], e["ts"] + e["dur"]) for e in ks]
+    comm = [e for e in kernels if kind(e["name"]) == "communication"]
+    compute = [e for e in kernels if kind(e["name"]) != "communication"]
+    busy, compute_busy = union_us(spans(kernels)), union_us(spans(compute))
+    steps = len(windows)
+    print(f"\nper step on the GPU timeline: {span / 1e3 / steps:.1f} ms wall, compute kernels busy "
+          f"{compute_busy / 1e3 / steps:.1f} ms, idle (no kernel at all) {(span - busy) / 1e3 / steps:.1f} ms")
+    if comm:
+        print(f"communication {union_us(spans(comm)) / 1e3 / steps:.1f} ms, of which exposed (no compute "
+              f"beside it) {(busy - compute_busy) / 1e3 / steps:.1f} ms")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace")
@@ -54,6 +80,8 @@ def main() -> None:
     print(f"{'kind':<16} {'ms/step':>9} {'share':>6}")
     for k, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"{k:<16} {us / 1e3 / steps:>9.2f} {us / total:>6.1%}")
+    if windows:
+        timeline(kernels, windows)
     print(f"\n{'ms/step':>9} {'share':>6} {'calls':>6}  kernel")
     for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[: args.top]:
         print(f"{sum(durs) / 1e3 / steps:>9.2f} {sum(durs) / total:>6.1%} {len(durs) // steps:>6}  {name[:110]}")

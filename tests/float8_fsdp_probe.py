@@ -5,7 +5,8 @@ small Llama twice, with torchao tensorwise float8 + float8 all-gather and withou
 titanlike's own float8.convert and parallel.apply_fsdp, and records during a forward pass:
 every all-gather collective (dtype, bytes sent by this rank), and every float8 weight's
 fsdp_pre_all_gather (dtype and element count of what it hands to FSDP, and whether a
-precomputed scale was used). Rank 0 writes the records as JSON.
+precomputed scale was used; with one, whether titanlike's fused cast gave the same bytes as
+torchao's own). Rank 0 writes the records as JSON.
 """
 
 from __future__ import annotations
@@ -58,10 +59,13 @@ class Recorder:
             used_precomputed = weight._precomputed_scale is not None
             out, meta = pre(weight, mesh)
             if self.active:
-                self.pre_all_gather.append({"dtypes": [str(t.dtype) for t in out], "numel": sum(t.numel() for t in out),
-                                            "bytes": sum(t.numel() * t.element_size() for t in out),
-                                            "shard_numel": weight.numel(), "precomputed": used_precomputed,
-                                            "scale": float(meta[0])})
+                record = {"dtypes": [str(t.dtype) for t in out], "numel": sum(t.numel() for t in out),
+                          "bytes": sum(t.numel() * t.element_size() for t in out),
+                          "shard_numel": weight.numel(), "precomputed": used_precomputed, "scale": float(meta[0])}
+                if used_precomputed:  # titanlike's fused cast (float8.fuse_all_gather_cast) vs torchao's
+                    (torchao_out,), _ = pre.__wrapped__(weight, mesh)
+                    record["same_as_torchao"] = torch.equal(out[0].view(torch.uint8), torchao_out.view(torch.uint8))
+                self.pre_all_gather.append(record)
             return out, meta
 
         for name, fn in originals.items():
@@ -137,6 +141,9 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+    # The fused cast of the all-gather runs on CUDA only; here on CPU too, to compare it with torchao's.
+    float8.FUSED_CAST_DEVICES.add("cpu")
+    float8.fuse_all_gather_cast()
     rec = Recorder()
     with rec.patch():
         out = {"world": dist.get_world_size(), "fp8": case(True, mesh, rec), "plain": case(False, mesh, rec)}

@@ -244,6 +244,33 @@ def test_float8_two_ranks_all_gather_on_by_default(tmp_path, corpus, high_precis
     assert_tracks(losses(tmp_path), high_precision)
 
 
+def test_fused_all_gather_cast_gives_torchaos_bytes(monkeypatch):
+    """The all-gather's weight cast as one compiled kernel: the same float8 bytes as torchao's eager
+    cast, saturation included (a stale scale pushes some weights past 448), and a real compile."""
+    from torch._dynamo.utils import counters
+    from torchao.float8.float8_linear import LinearMMConfig
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    float8.fuse_all_gather_cast()
+    monkeypatch.setattr(float8, "FUSED_CAST_DEVICES", {"cpu"})
+    torch.manual_seed(0)
+    shard = torch.randn(48, 32)
+    scale = torch.tensor(448.0) / shard.abs().max() * 1.5  # stale: the largest third saturates
+    weight = WeightWithDynamicFloat8CastTensor(shard, LinearMMConfig(), torch.float8_e4m3fn, scale)
+    graphs = counters["stats"]["unique_graphs"]
+    (fused,), (fused_scale,) = weight.fsdp_pre_all_gather(None)
+    assert counters["stats"]["unique_graphs"] > graphs  # the compiled kernel ran, not torchao's path
+    (eager,), (eager_scale,) = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather.__wrapped__(weight, None)
+    assert fused.dtype == torch.float8_e4m3fn and fused_scale is scale
+    assert torch.equal(fused.view(torch.uint8), eager.view(torch.uint8))
+    assert (fused.float().abs() == 448).sum() > 10
+
+    # Without a precomputed scale (the first step) torchao's own dynamic cast runs unchanged.
+    fresh = WeightWithDynamicFloat8CastTensor(shard, LinearMMConfig(), torch.float8_e4m3fn)
+    (data,), (dynamic_scale,) = fresh.fsdp_pre_all_gather(None)
+    assert float(dynamic_scale) == pytest.approx(448.0 / float(shard.abs().max()))
+
+
 @pytest.mark.slow
 def test_fsdp_all_gather_carries_float8_bytes(tmp_path):
     """What FSDP puts on the wire, recorded inside 2 gloo ranks by tests/float8_fsdp_probe.py."""
@@ -291,6 +318,8 @@ def test_fsdp_all_gather_carries_float8_bytes(tmp_path):
         assert rec["scale"] == pytest.approx(rec["expected"], rel=1e-6), name
     second = fp8["second"]["pre_all_gather"]
     assert len(second) == len(converted) and all(r["precomputed"] for r in second)
+    # ...through titanlike's one-kernel cast, which gave torchao's bytes exactly.
+    assert all(r["same_as_torchao"] for r in second)
     assert sorted(r["scale"] for r in second) == pytest.approx(sorted(r["scale"] for r in fp8["precomputed"].values()))
     assert not any(r["precomputed"] for r in pre)  # before the first step: computed on the fly
 

@@ -12,6 +12,7 @@ the next all-gather (one all-reduce for all layers) when float8 all-gather is on
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import warnings
@@ -150,6 +151,8 @@ def convert(model: nn.Module, plan: Float8Plan) -> None:
         return reason is None
 
     convert_to_float8_training(model, config=_torchao_config(plan), module_filter_fn=want)
+    if plan.fsdp_float8_all_gather:
+        fuse_all_gather_cast()
 
 
 def log_plan(plan: Float8Plan, share: float) -> None:
@@ -227,6 +230,47 @@ def post_optimizer_step(model: nn.Module, plan: Float8Plan) -> None:
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+# ---- float8 all-gather: casting each weight shard ------------------------------------------------
+
+# Devices on which the all-gather's weight cast runs as one compiled kernel (see below); elsewhere
+# torchao's own eager cast runs. Tests add "cpu" to check the two give the same bytes.
+FUSED_CAST_DEVICES = {"cuda"}
+_fused_cast_installed = False
+
+
+def _cast_shard(shard: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, fmax: float) -> torch.Tensor:
+    # The same operations, in the same order, as torchao's cast (fp32, scale, saturate, convert).
+    return (shard.to(torch.float32) * scale).clamp(-fmax, fmax).to(dtype)
+
+
+def fuse_all_gather_cast() -> None:
+    """Before each float8 all-gather FSDP asks every weight shard for its float8 bytes. With the
+    scale precomputed (post_optimizer_step), torchao casts the fp32 shard in three eager kernels
+    (multiply, clamp, convert), moving about 21 bytes per weight where one fused kernel moves 5:
+    4.2 ms of a 344 ms step for 1b on two H200s, twice per step where weights are resharded after
+    forward. Route that case through one compiled kernel computing the same bytes (tested equal);
+    without a precomputed scale torchao's own path runs unchanged. Idempotent."""
+    global _fused_cast_installed
+    if _fused_cast_installed:
+        return
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    original = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
+    cast = torch.compile(_cast_shard, dynamic=True)
+
+    # functools.wraps keeps the original signature visible (FSDP inspects it to decide what to
+    # pass) and the original itself as __wrapped__.
+    @functools.wraps(original)
+    def fsdp_pre_all_gather(self, *args, **kwargs):
+        scale = self._precomputed_scale  # read once: the next precompute may replace it
+        if scale is None or self._tensor.device.type not in FUSED_CAST_DEVICES:
+            return original(self, *args, **kwargs)
+        return (cast(self._tensor, scale, self._dtype, torch.finfo(self._dtype).max),), (scale,)
+
+    WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = fsdp_pre_all_gather
+    _fused_cast_installed = True
 
 
 # ---- health of the weight casts -------------------------------------------------------------------
