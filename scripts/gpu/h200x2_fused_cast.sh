@@ -2,8 +2,7 @@
 # Two H200s: the float8 all-gather's fused weight cast (float8.fuse_all_gather_cast).
 # (1) its bytes equal torchao's eager cast on CUDA; (2) 1b tensorwise per-GPU tokens/s, 1 GPU vs
 # FSDP over 2, with the previous code (_old/: `git archive f31f329 | tar -x -C _old`, untracked) and
-# the fused cast, and
-# with NCCL's protocol forced; (3) 8b tensorwise on 2 GPUs. Tables last.
+# the fused cast, and with NCCL's protocol forced; (3) 8b tensorwise on 2 GPUs. Tables last.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
