@@ -250,8 +250,9 @@ def fuse_all_gather_cast() -> None:
     scale precomputed (post_optimizer_step), torchao casts the fp32 shard in three eager kernels
     (multiply, clamp, convert), moving about 21 bytes per weight where one fused kernel moves 5:
     4.2 ms of a 344 ms step for 1b on two H200s, twice per step where weights are resharded after
-    forward. Route that case through one compiled kernel computing the same bytes (tested equal);
-    without a precomputed scale torchao's own path runs unchanged. Idempotent."""
+    forward. Route that case through one compiled kernel computing the same bytes (tested equal):
+    tensorwise tokens/s per GPU on two H200s 74.2k -> 74.8k (1b), 13.1k -> 13.6k (8b). Without a
+    precomputed scale torchao's own path runs unchanged. Idempotent."""
     global _fused_cast_installed
     if _fused_cast_installed:
         return
@@ -264,10 +265,13 @@ def fuse_all_gather_cast() -> None:
     # pass) and the original itself as __wrapped__.
     @functools.wraps(original)
     def fsdp_pre_all_gather(self, *args, **kwargs):
-        scale = self._precomputed_scale  # read once: the next precompute may replace it
-        if scale is None or self._tensor.device.type not in FUSED_CAST_DEVICES:
+        # Read once: the next precompute may replace it. getattr: a torchao that renamed these
+        # private fields still works, through its own cast.
+        scale = getattr(self, "_precomputed_scale", None)
+        shard = getattr(self, "_tensor", None)
+        if scale is None or shard is None or shard.device.type not in FUSED_CAST_DEVICES:
             return original(self, *args, **kwargs)
-        return (cast(self._tensor, scale, self._dtype, torch.finfo(self._dtype).max),), (scale,)
+        return (cast(shard, scale, self._dtype, torch.finfo(self._dtype).max),), (scale,)
 
     WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = fsdp_pre_all_gather
     _fused_cast_installed = True
