@@ -7,7 +7,8 @@ The component has three moments in a run:
   convert()      swap the chosen nn.Linear modules for torchao Float8Linear (on the meta model,
                  before activation checkpointing, compile and FSDP);
 and after every optimizer step, post_optimizer_step() precomputes the float8 weight scales for
-the next all-gather (one all-reduce for all layers) when float8 all-gather is on.
+the next all-gather (one all-reduce for all layers) when float8 all-gather is on; with those scales
+each shard's cast for the all-gather runs as one compiled kernel (fuse_all_gather_cast).
 """
 
 from __future__ import annotations
