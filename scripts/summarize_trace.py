@@ -1,12 +1,18 @@
-"""Top GPU kernels of a torch.profiler chrome trace: total time, share, calls, grouped by kind.
+"""Top GPU kernels of a torch.profiler chrome trace: total time, share, calls, grouped by kind, and
+where the recorded steps' time went on the GPU timeline (compute, idle, exposed communication).
 
     python scripts/summarize_trace.py outputs/run/profile/step-10/rank0_trace.json [--top 25]
+    python scripts/summarize_trace.py two_gpus/rank0_trace.json --against one_gpu/rank0_trace.json
+
+--against prints, kernel by kernel, what the first trace spends more or less than the second (per
+step): e.g. what FSDP adds to a step, or what a change did to each kernel.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections import defaultdict
 
 
@@ -53,22 +59,57 @@ def timeline(kernels: list[dict], windows: list[tuple[float, float]]) -> None:
               f"beside it) {(busy - compute_busy) / 1e3 / steps:.1f} ms")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("trace")
-    p.add_argument("--top", type=int, default=20)
-    args = p.parse_args()
-    with open(args.trace) as f:
+def load(path: str) -> tuple[list[dict], list[tuple[float, float]]]:
+    """The GPU kernels of a trace's recorded steps, and those steps' spans on the GPU timeline."""
+    with open(path) as f:
         events = json.load(f)["traceEvents"]
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
     if not kernels:
-        raise SystemExit("error: no GPU kernels in this trace (was it recorded on a GPU?)")
+        raise SystemExit(f"error: no GPU kernels in {path} (was it recorded on a GPU?)")
     # The CPU runs ahead of the GPU, so a trace also holds kernels of the step before the recorded
     # one; keep those inside the recorded steps' span on the GPU timeline.
     windows = [(e["ts"], e["ts"] + e["dur"]) for e in events
                if e.get("cat") == "gpu_user_annotation" and str(e.get("name", "")).startswith("ProfilerStep")]
     if windows:
         kernels = [e for e in kernels if any(a <= e["ts"] < b for a, b in windows)]
+    return kernels, windows
+
+
+def stable_name(name: str) -> str:
+    # Inductor numbers its kernels per graph (..._view_4 here, ..._view_3 there): drop the number
+    # so that the same fusion in two traces compares.
+    return re.sub(r"_\d+$", "", name) if name.startswith("triton_") else name
+
+
+def per_step(kernels: list[dict], steps: int) -> dict[str, tuple[float, int]]:
+    """stable kernel name -> (ms per step, calls per step)."""
+    out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in kernels:
+        row = out[stable_name(e["name"])]
+        row[0] += e["dur"] / 1e3 / steps
+        row[1] += 1
+    return {name: (ms, calls // steps) for name, (ms, calls) in out.items()}
+
+
+def compare(kernels: list[dict], steps: int, other_path: str, top: int) -> None:
+    other, other_windows = load(other_path)
+    mine, theirs = per_step(kernels, steps), per_step(other, max(1, len(other_windows)))
+    rows = [(mine.get(n, (0.0, 0))[0] - theirs.get(n, (0.0, 0))[0], n) for n in set(mine) | set(theirs)]
+    total = sum(ms for ms, _ in mine.values()) - sum(ms for ms, _ in theirs.values())
+    print(f"\nagainst {other_path}: {total:+.2f} ms of GPU time per step")
+    print(f"{'ms/step':>9} {'this':>8} {'calls':>5} {'other':>8} {'calls':>5}  kernel")
+    for diff, name in sorted(rows, key=lambda r: -abs(r[0]))[:top]:
+        (a, ac), (b, bc) = mine.get(name, (0.0, 0)), theirs.get(name, (0.0, 0))
+        print(f"{diff:>+9.2f} {a:>8.2f} {ac:>5} {b:>8.2f} {bc:>5}  {name[:100]}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace")
+    p.add_argument("--top", type=int, default=20)
+    p.add_argument("--against", default="", help="another trace: print the per-kernel differences")
+    args = p.parse_args()
+    kernels, windows = load(args.trace)
     total = sum(e["dur"] for e in kernels)
     by_name: dict[str, list[float]] = defaultdict(list)
     by_kind: dict[str, float] = defaultdict(float)
@@ -85,6 +126,8 @@ def main() -> None:
     print(f"\n{'ms/step':>9} {'share':>6} {'calls':>6}  kernel")
     for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[: args.top]:
         print(f"{sum(durs) / 1e3 / steps:>9.2f} {sum(durs) / total:>6.1%} {len(durs) // steps:>6}  {name[:110]}")
+    if args.against:
+        compare(kernels, steps, args.against, args.top)
 
 
 if __name__ == "__main__":

@@ -107,3 +107,45 @@ def test_memory_snapshot_and_oom_snapshot_on_cuda(tmp_path):
     assert path == str(tmp_path / "profile" / "oom-after-step-4" / "rank0_memory_snapshot.pickle")
     assert pickle.loads(open(path, "rb").read())["segments"]
     p.close()
+
+
+# ---- scripts/summarize_trace.py ------------------------------------------------------------------
+
+
+def write_trace(path, window_ms: float, kernels: list[tuple[str, float, float]]) -> str:
+    """A chrome trace as torch.profiler writes it, reduced to what the summary reads: one recorded
+    step's span on the GPU and (name, start ms, duration ms) kernels."""
+    events = [{"cat": "gpu_user_annotation", "name": "ProfilerStep#10", "ts": 0, "dur": window_ms * 1e3}]
+    events += [{"cat": "kernel", "name": n, "ts": t * 1e3, "dur": d * 1e3} for n, t, d in kernels]
+    path.write_text(json.dumps({"traceEvents": events}))
+    return str(path)
+
+
+def summarize(*args: str) -> str:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "summarize_trace.py"
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_summarize_trace_timeline_and_comparison(tmp_path):
+    two = write_trace(tmp_path / "two.json", 100, [
+        ("nvjet_gemm", 0, 40),
+        ("ncclDevKernel_ReduceScatter", 30, 30),  # 10 ms beside the gemm, 20 ms exposed
+        ("triton_poi_fused_mul_silu_4", 70, 20),
+        ("triton_poi_fused_mul_silu_4", 150, 5),  # after the recorded step: not counted
+    ])
+    one = write_trace(tmp_path / "one.json", 80, [("nvjet_gemm", 0, 35), ("triton_poi_fused_mul_silu_3", 50, 20)])
+    out = summarize(two, "--against", one)
+    assert "3 kernels, 90.0 ms of GPU time over 1 profiled step(s)" in out
+    assert "100.0 ms wall, compute kernels busy 60.0 ms, idle (no kernel at all) 20.0 ms" in out
+    assert "communication 30.0 ms, of which exposed (no compute beside it) 20.0 ms" in out
+    assert "+35.00 ms of GPU time per step" in out  # 90 - 55
+    diffs = {line.split()[-1]: float(line.split()[0]) for line in out.split("against")[1].splitlines()
+             if line.strip()[:1] in "+-" and not line.startswith("against")}
+    # Inductor's per-graph kernel numbers are dropped, so the same fusion compares across traces.
+    assert diffs == {"ncclDevKernel_ReduceScatter": 30.0, "nvjet_gemm": 5.0, "triton_poi_fused_mul_silu": 0.0}
