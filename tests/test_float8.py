@@ -251,7 +251,8 @@ def test_fused_all_gather_cast_gives_torchaos_bytes(monkeypatch):
     from torchao.float8.float8_linear import LinearMMConfig
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    float8.fuse_all_gather_cast()
+    float8.configure_compile(plan(all_gather=True, precompute=True))  # what the trainer calls with compile on
+    assert hasattr(WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather, "__wrapped__")
     monkeypatch.setattr(float8, "FUSED_CAST_DEVICES", {"cpu"})
     torch.manual_seed(0)
     shard = torch.randn(48, 32)

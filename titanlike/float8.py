@@ -8,7 +8,8 @@ The component has three moments in a run:
                  before activation checkpointing, compile and FSDP);
 and after every optimizer step, post_optimizer_step() precomputes the float8 weight scales for
 the next all-gather (one all-reduce for all layers) when float8 all-gather is on; with those scales
-each shard's cast for the all-gather runs as one compiled kernel (fuse_all_gather_cast).
+and compile on, each shard's cast for the all-gather runs as one compiled kernel
+(configure_compile -> fuse_all_gather_cast).
 """
 
 from __future__ import annotations
@@ -152,8 +153,6 @@ def convert(model: nn.Module, plan: Float8Plan) -> None:
         return reason is None
 
     convert_to_float8_training(model, config=_torchao_config(plan), module_filter_fn=want)
-    if plan.fsdp_float8_all_gather:
-        fuse_all_gather_cast()
 
 
 def log_plan(plan: Float8Plan, share: float) -> None:
@@ -217,12 +216,16 @@ def check_device(plan: Float8Plan, device: torch.device) -> None:
 
 
 def configure_compile(plan: Float8Plan) -> None:
+    """What float8 needs from torch.compile, when compile.enable is on (and only then: a run without
+    compile may be one where inductor cannot run)."""
     # Without emulated precision casts, inductor may fuse away the rounding of the rowwise
     # recipes' intermediate casts, a known source of NaNs; tensorwise does not need it.
     if plan.enabled and plan.recipe.startswith("rowwise"):
         import torch._inductor.config as inductor_config
 
         inductor_config.emulate_precision_casts = True
+    if plan.fsdp_float8_all_gather:
+        fuse_all_gather_cast()
 
 
 def post_optimizer_step(model: nn.Module, plan: Float8Plan) -> None:
