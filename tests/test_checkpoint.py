@@ -208,6 +208,45 @@ def test_async_save_killed_mid_write_resumes_from_last_complete_and_exactly(ref,
     assert folders(dump) == [f"step-{s}" for s in range(2, STEPS + 1, 2)]
 
 
+@pytest.mark.slow
+def test_background_save_and_the_step_vote_never_share_a_group(ref, tmp_path, corpus):
+    """A background save runs collectives in its own thread (planning, then gathering every rank's
+    write results), while the training loop votes every step on its CPU group (preemption, is the
+    save written everywhere). Rank 0 here writes slowly, so rank 1 reaches the save's last collective
+    while rank 0 is still voting: had the two shared one group, they would pair up out of order on
+    the two ranks and hang. The run must finish, publish every checkpoint and train like the reference."""
+    hooked = tmp_path / "slow_rank0_save.py"
+    hooked.write_text(textwrap.dedent("""
+        import os, sys, time
+        import torch.distributed.checkpoint.filesystem as fs
+
+        real_write = fs._FileSystemWriter.write_data
+
+        def slow_write(self, plan, planner):
+            if os.environ["RANK"] == "0":
+                time.sleep(2)  # several training steps
+            return real_write(self, plan, planner)
+
+        fs._FileSystemWriter.write_data = slow_write
+        from titanlike.train import main
+        sys.exit(main())
+    """))
+    dump = tmp_path / "run"
+    args = train_args(dump, corpus, "--checkpoint.interval", "4", "--checkpoint.async_mode", "async",
+                      "--parallel.backend_timeout_s", "60")
+    proc = start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(hooked),
+                  *args], tmp_path / "slow")
+    try:
+        wait_for(lambda: proc.poll() is not None, "the run to end (hung?)", proc, tmp_path / "slow", timeout=150)
+    finally:
+        signal_job(proc, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == 0, output(tmp_path / "slow")[-5000:]
+    assert folders(dump) == ["step-4", "step-8", "step-12"]
+    full = step_losses(ref[0])
+    assert step_losses(dump) == full
+
+
 # ---- 2. another world size ------------------------------------------------------------------------
 
 

@@ -117,12 +117,17 @@ class Checkpointer:
         self.staging = None  # future of the host copy of an async_with_pinned_mem save
         self.stager = None  # keeps the pinned host buffers from one save to the next
         self._preempt_signal: int | None = None
-        # Background saves and the preemption vote run their collectives on a CPU group, so they
-        # never queue behind (or block) the training step's NCCL work.
-        self.cpu_group = None
+        # Checkpoint collectives run on CPU (gloo) groups, so they never queue behind (or block) the
+        # training step's NCCL work. Two of them: the main thread's (barriers, synchronous saves,
+        # loads, the per-step vote) and the background saves' own. A background save runs its
+        # collectives in a thread of its own; on a group shared with the per-step vote, the two
+        # would be paired up in a different order on different ranks, and the run would hang.
+        self.cpu_group = self.save_group = None
         if self.sharded:
             timeout = datetime.timedelta(seconds=trainer.cfg.parallel.backend_timeout_s)
             self.cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+            if cfg.async_mode != "disabled":  # every rank has the same config: groups are made in step
+                self.save_group = dist.new_group(backend="gloo", timeout=timeout)
 
     # ---- paths --------------------------------------------------------------------------------
 
@@ -188,7 +193,7 @@ class Checkpointer:
 
     def _async_save(self, state: dict, tmp: str):
         """Start a background save; returns the future of the upload (the files written)."""
-        kwargs: dict = {"checkpoint_id": tmp, "process_group": self.cpu_group, "no_dist": not self.sharded}
+        kwargs: dict = {"checkpoint_id": tmp, "process_group": self.save_group, "no_dist": not self.sharded}
         if self.cfg.async_mode == "async_with_pinned_mem":
             # The GPU→host copy runs on a side stream into pinned buffers that are kept between
             # saves, in a background thread, overlapping the next forward and backward. Only the
