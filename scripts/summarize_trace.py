@@ -111,10 +111,8 @@ def main() -> None:
     args = p.parse_args()
     kernels, windows = load(args.trace)
     total = sum(e["dur"] for e in kernels)
-    by_name: dict[str, list[float]] = defaultdict(list)
     by_kind: dict[str, float] = defaultdict(float)
     for e in kernels:
-        by_name[e["name"]].append(e["dur"])
         by_kind[kind(e["name"])] += e["dur"]
     steps = max(1, len(windows))
     print(f"{len(kernels)} kernels, {total / 1e3:.1f} ms of GPU time over {steps} profiled step(s)\n")
@@ -124,8 +122,8 @@ def main() -> None:
     if windows:
         timeline(kernels, windows)
     print(f"\n{'ms/step':>9} {'share':>6} {'calls':>6}  kernel")
-    for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[: args.top]:
-        print(f"{sum(durs) / 1e3 / steps:>9.2f} {sum(durs) / total:>6.1%} {len(durs) // steps:>6}  {name[:110]}")
+    for name, (ms, calls) in sorted(per_step(kernels, steps).items(), key=lambda kv: -kv[1][0])[: args.top]:
+        print(f"{ms:>9.2f} {ms * 1e3 * steps / total:>6.1%} {calls:>6}  {name[:110]}")
     if args.against:
         compare(kernels, steps, args.against, args.top)
 

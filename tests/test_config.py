@@ -5,9 +5,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
-import os
 import subprocess
-import sys
 import tomllib
 import traceback
 from pathlib import Path
@@ -16,7 +14,6 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, _env
-from titanlike import config as config_mod
 from titanlike.config import ConfigError, JobConfig, field_docs, load_config, sections, to_toml, validate
 from titanlike.data import DataError, write_shard
 from titanlike.parallel import resolve_dims

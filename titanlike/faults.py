@@ -11,6 +11,8 @@ import os
 
 import torch
 
+from titanlike import parallel
+
 # training.nonfinite = skip stops once this many consecutive steps had their update skipped (the
 # weights themselves have diverged: skipping more batches cannot help); rollback stops once it has
 # rolled back this many times to the same checkpoint and meets a non-finite value again.
@@ -81,7 +83,7 @@ def oom_message(cfg, world_size: int, rank: int, step: int | None, memory: dict 
                      f"from 64 to 53 GiB on one GPU")
     if world_size > 1 and cfg.parallel.reshard_after_forward != "always":
         knobs.append("--parallel.reshard_after_forward always (frees every gathered weight after forward)")
-    allocator = os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    allocator = parallel.allocator_settings() or ""
     if memory and memory["reserved"] > 1.2 * memory["allocated"] + 1 and "expandable_segments:true" not in allocator.lower():
         knobs.append("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (reserved far above allocated: fragmentation)")
     seen = f"; memory snapshot in {snapshot}" if snapshot else "; --profiling.memory_snapshot shows what held it"

@@ -43,17 +43,13 @@ def to_hf_name(name: str) -> str:
     return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
 
 
-def _qkv_rows(a: ModelArgs) -> list[int]:
-    return [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]
-
-
 def to_hf_state(state: dict[str, torch.Tensor], a: ModelArgs) -> dict[str, torch.Tensor]:
     """Our full tensors under Hugging Face names: wqkv splits into q, k and v projections."""
     out = {}
     for name, tensor in state.items():
         m = _LAYER.match(name)
         if m and m.group(2) == "attention.wqkv":
-            for hf, part in zip(_QKV, tensor.split(_qkv_rows(a), dim=0)):
+            for hf, part in zip(_QKV, tensor.split(a.qkv_widths, dim=0)):
                 out[f"model.layers.{m.group(1)}.{hf}.weight"] = part
         else:
             out[to_hf_name(name)] = tensor
@@ -81,7 +77,7 @@ def from_hf_state(hf_state: dict[str, torch.Tensor], a: ModelArgs, where: str) -
         missing = [p for p in _QKV if p not in parts]
         if missing:
             raise UserError(f"{where} has no model.layers.{layer}.{missing[0]}.weight: it holds a different model")
-        if [parts[p].shape[0] for p in _QKV] != _qkv_rows(a) or len({parts[p].shape[1:] for p in _QKV}) != 1:
+        if [parts[p].shape[0] for p in _QKV] != a.qkv_widths or len({parts[p].shape[1:] for p in _QKV}) != 1:
             shapes = ", ".join(f"{p.split('.')[-1]} {tuple(parts[p].shape)}" for p in _QKV)
             raise UserError(f"{where} holds a different model shape: layer {layer} has {shapes} (check "
                             f"--model.flavor / --model.vocab_size)")

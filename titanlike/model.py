@@ -36,6 +36,12 @@ class ModelArgs:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def qkv_widths(self) -> list[int]:
+        """Rows of the stacked wqkv projection that are q, k and v, in that order (the model splits
+        its output so; Hugging Face export and import split and stack the weight so)."""
+        return [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim]
+
 
 PRESETS: dict[str, ModelArgs] = {
     # A few million parameters: trains visibly in a minute on a laptop CPU. Its vocabulary
@@ -88,19 +94,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim, self.qkv_widths = a.n_heads, a.n_kv_heads, a.head_dim, a.qkv_widths
         # q, k and v projections stacked in one Linear (rows: q, then k, then v): one matmul of
         # width (n_heads + 2·n_kv_heads)·head_dim instead of three narrow ones, and in backward one
         # matmul for the gradient of x instead of three and two additions. 1b, tensorwise float8,
         # one H100: 71.7-72.3k tok/s against 71.2k (docs/benchmarks/2026-11-22-stacked-qkv-gqa.md).
         # Hugging Face export splits it into q_proj, k_proj, v_proj (interchange.py).
-        self.wqkv = nn.Linear(a.dim, (a.n_heads + 2 * a.n_kv_heads) * a.head_dim, bias=False)
+        self.wqkv = nn.Linear(a.dim, sum(a.qkv_widths), bias=False)
         self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
-        kv_width = self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([self.n_heads * self.head_dim, kv_width, kv_width], dim=-1)
+        q, k, v = self.wqkv(x).split(self.qkv_widths, dim=-1)
         q = q.view(bsz, seq, self.n_heads, self.head_dim)
         k = k.view(bsz, seq, self.n_kv_heads, self.head_dim)
         v = v.view(bsz, seq, self.n_kv_heads, self.head_dim)

@@ -19,7 +19,6 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from titanlike.config import ConfigError
 from titanlike.model import Transformer
@@ -76,10 +75,16 @@ def world_from_env() -> tuple[int, int, int]:
 ALLOCATOR_DEFAULT = "expandable_segments:True"
 
 
+def allocator_settings(environ=os.environ) -> str | None:
+    """The allocator settings the user chose: PYTORCH_ALLOC_CONF, or its older name
+    PYTORCH_CUDA_ALLOC_CONF; None if neither is set."""
+    return environ.get("PYTORCH_ALLOC_CONF", environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+
+
 def default_allocator_settings(environ=os.environ) -> None:
-    """Set PYTORCH_CUDA_ALLOC_CONF when neither it nor PYTORCH_ALLOC_CONF (its newer name) is set.
-    Read when CUDA allocates first, so call this before anything touches the GPU."""
-    if "PYTORCH_CUDA_ALLOC_CONF" not in environ and "PYTORCH_ALLOC_CONF" not in environ:
+    """Set PYTORCH_CUDA_ALLOC_CONF when the user chose no allocator settings. Read when CUDA
+    allocates first, so call this before anything touches the GPU."""
+    if allocator_settings(environ) is None:
         environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_DEFAULT
 
 
