@@ -5,7 +5,8 @@
         -- --data.seq_len 4096 --training.local_batch_size 6
 
 Each variant is `name=overrides` (overrides split like a shell would); arguments after `--` apply
-to every variant. Each run is `torchrun --nproc_per_node=N run_train.sh ...`, one after the
+to every variant. Leading `NAME=value` words set environment variables for that variant only, as in a
+shell: `--variant "ctas16=NCCL_MAX_CTAS=16 --fp8.recipe tensorwise"`. Each run is `torchrun --nproc_per_node=N run_train.sh ...`, one after the
 other on the same machine. Tokens/s is the median over the logged windows after the first
 window (the first step, with compilation, is reported separately as "first step").
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -26,7 +28,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_variant(name: str, overrides: list[str], args, workdir: Path) -> dict:
+def split_env(words: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Leading `NAME=value` words (NAME in capitals, as environment variables are) and the rest."""
+    env = {}
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    return env, words
+
+
+def run_variant(name: str, overrides: list[str], args, workdir: Path, extra_env: dict[str, str]) -> dict:
     dump = workdir / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ngpu}",
            str(ROOT / "run_train.sh"), "--job.config_file", args.config, "--job.dump_folder", str(dump),
@@ -38,13 +49,14 @@ def run_variant(name: str, overrides: list[str], args, workdir: Path) -> dict:
         link = dump / "corpus"
         if not link.exists():
             link.symlink_to(Path(args.corpus).resolve(), target_is_directory=True)
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **extra_env)
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
     log = proc.stdout + proc.stderr
     (workdir / f"{name}.log").write_text(" ".join(map(shlex.quote, cmd)) + "\n\n" + log)
-    result = {"variant": name, "overrides": " ".join(overrides), "rc": proc.returncode, "wall_s": wall}
+    result = {"variant": name, "env": extra_env, "overrides": " ".join(overrides), "rc": proc.returncode,
+              "wall_s": wall}
     records = []
     metrics_file = dump / "metrics.jsonl"
     if metrics_file.exists():
@@ -106,7 +118,8 @@ def main() -> None:
     results = []
     for spec in args.variant:
         name, _, overrides = spec.partition("=")
-        results.append(run_variant(name, shlex.split(overrides), args, workdir))
+        env, words = split_env(shlex.split(overrides))
+        results.append(run_variant(name, words, args, workdir, env))
         print(table(results[-1:]).splitlines()[-1], flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"config": args.config, "steps": args.steps, "ngpu": args.ngpu,

@@ -244,6 +244,41 @@ def test_float8_two_ranks_all_gather_on_by_default(tmp_path, corpus, high_precis
     assert_tracks(losses(tmp_path), high_precision)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_rowwise_blocks_compile_with_their_inductor_options(monkeypatch, recipe):
+    """What float8 asks of inductor reaches each compiled block's graphs, forward and backward, and
+    nothing else: rowwise gets emulated precision casts and 2-D tiling, tensorwise no options. A
+    stand-in for inductor records the options and runs the graph as it is (no code generation)."""
+    import torch._inductor.compile_fx as compile_fx
+
+    from titanlike import parallel
+    from titanlike.model import ModelArgs
+
+    seen = []
+
+    def record(gm, example_inputs, config_patches=None, **kwargs):
+        seen.append(dict(config_patches or {}))
+        return gm.forward
+
+    monkeypatch.setattr(compile_fx, "compile_fx", record)
+    torch._dynamo.reset()
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97))
+    model.to_empty(device="cpu")
+    model.init_weights(0, 16)
+    p = plan(recipe, auto_filter=False)
+    float8.convert(model, p)
+    options = float8.configure_compile(p)
+    parallel.apply_compile(model, options)
+    model(torch.randint(0, 97, (2, 16))).float().sum().backward()
+    torch._dynamo.reset()
+    assert seen  # the blocks were compiled
+    expected = {"emulate_precision_casts": True, "triton.prefer_nd_tiling": True} if recipe != "tensorwise" else {}
+    assert options == expected
+    for patches in seen:
+        assert {k: patches.get(k) for k in expected} == expected
+
+
 def test_fused_all_gather_cast_gives_torchaos_bytes(monkeypatch):
     """The all-gather's weight cast as one compiled kernel: the same float8 bytes as torchao's eager
     cast, saturation included (a stale scale pushes some weights past 448), and a real compile."""

@@ -25,14 +25,15 @@ CACHE = Path(os.environ.get("TITANLIKE_CACHE", Path.home() / ".cache" / "titanli
 def time_linear_ms(tokens: int, in_features: int, out_features: int, recipe: str, device: torch.device,
                    iters: int = 20, warmup: int = 5) -> float:
     """Median ms of forward + backward of one compiled Linear on `tokens` bf16 rows."""
-    from titanlike.float8 import Float8Plan, convert
+    from titanlike.float8 import Float8Plan, convert, inductor_options
 
     torch._dynamo.reset()  # a fresh compile per shape, never the recompile limit's eager fallback
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(in_features, out_features, bias=False)).to(device)
     if recipe != "none":
         convert(model, Float8Plan(recipe, False, False, False, [], False))
-    model = torch.compile(model)
+    # The trainer's settings for this recipe's compiled blocks, so that the timing is the trainer's.
+    model = torch.compile(model, options=inductor_options(recipe) or None)
     x = torch.randn(tokens, in_features, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(tokens, out_features, device=device, dtype=torch.bfloat16)
 

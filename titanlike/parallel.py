@@ -193,11 +193,12 @@ def apply_activation_checkpointing(model: Transformer, mode: str, option: str) -
 # ---- compile and FSDP ----------------------------------------------------------------------------
 
 
-def apply_compile(model: Transformer) -> None:
+def apply_compile(model: Transformer, options: dict[str, object] | None = None) -> None:
     # Per block rather than whole-model: blocks are identical, so inductor compiles one graph
-    # and reuses it, and FSDP's per-block hooks stay outside the graphs.
+    # and reuses it, and FSDP's per-block hooks stay outside the graphs. `options` are inductor
+    # settings for these graphs only (float8.inductor_options), not for the whole process.
     for block in model.layers:
-        block.compile(fullgraph=True)
+        block.compile(fullgraph=True, options=options or None)
 
 
 # `reshard_after_forward = default` keeps the gathered weights from forward to backward (so backward

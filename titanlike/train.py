@@ -119,8 +119,7 @@ class Trainer:
         parallel.apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
                                                 cfg.activation_checkpoint.selective_ac_option)
         if cfg.compile.enable:
-            float8.configure_compile(self.fp8)
-            parallel.apply_compile(model)
+            parallel.apply_compile(model, float8.configure_compile(self.fp8))
         # bf16 compute on GPU: FSDP casts the gathered parameters; one GPU uses autocast instead.
         gpu_bf16 = self.device.type == "cuda" and t.mixed_precision == "bf16"
         if self.dims.sharded:

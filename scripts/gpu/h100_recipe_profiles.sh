@@ -2,8 +2,8 @@
 # One H100: one profiled 1b step per recipe (bf16, tensorwise, rowwise with every layer but the
 # output converted, rowwise_with_gw_hp), each summarised, and each float8 recipe compared kernel by
 # kernel against bf16 (scripts/summarize_trace.py --against). Where does rowwise lose its matmul
-# gain: its GEMM kernels or its casts? Summaries last. (Written 2026-11-22 for the next GPU session;
-# checked with a stub python3 only.)
+# gain: its GEMM kernels or its casts? Summaries last. (Written 2026-11-22; run in the fifth session:
+# its casts, docs/benchmarks/2026-11-22-h100-1b-recipe-profiles.txt.)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
