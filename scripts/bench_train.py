@@ -5,10 +5,11 @@
         -- --data.seq_len 4096 --training.local_batch_size 6
 
 Each variant is `name=overrides` (overrides split like a shell would); arguments after `--` apply
-to every variant. Leading `NAME=value` words set environment variables for that variant only, as in a
-shell: `--variant "ctas16=NCCL_MAX_CTAS=16 --fp8.recipe tensorwise"`. Each run is `torchrun --nproc_per_node=N run_train.sh ...`, one after the
-other on the same machine. Tokens/s is the median over the logged windows after the first
-window (the first step, with compilation, is reported separately as "first step").
+to every variant. Leading `NAME=value` words set environment variables for that variant only, as
+in a shell: `--variant "ctas16=NCCL_MAX_CTAS=16 --fp8.recipe tensorwise"`. Each run is
+`torchrun --nproc_per_node=N run_train.sh ...`, one after the other on the same machine. Tokens/s
+is the median over the logged windows after the first window (the first step, with compilation,
+is reported separately as "first step").
 """
 
 from __future__ import annotations
