@@ -1,20 +1,12 @@
 #!/usr/bin/env bash
 # One H100, 1b tensorwise: does an inductor option make the float8 casts cheaper? Each variant sets
-# inductor options through TL_INDUCTOR ("a.b=value,c=value"), which a sitecustomize written here
-# applies at interpreter start (the options are part of inductor's cache key, so one warm cache
-# serves all variants). The generated source of the SwiGLU backward's cast kernel is kept in
+# inductor options through TL_INDUCTOR ("a.b=value,c=value"), which scripts/gpu/inductor_env's
+# sitecustomize applies at interpreter start (the options are part of inductor's cache key, so one
+# warm cache serves all variants). The generated source of the SwiGLU backward's cast kernel is kept in
 # $OUT/kernels.tar for reading. Written 2026-11-22 (fifth session).
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/knobs
-cat > /tmp/knobs/sitecustomize.py <<'PY'
-import os
-if os.environ.get("TL_INDUCTOR"):
-    import torch._inductor.config as config
-    for item in os.environ["TL_INDUCTOR"].split(","):
-        key, value = item.split("=")
-        setattr(config, key, {"True": True, "False": False}.get(value, value))
-PY
-export PYTHONPATH=/tmp/knobs:${PYTHONPATH:-}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD/scripts/gpu/inductor_env:${PYTHONPATH:-}
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 python3 -c "import torch, torchao; print('torch', torch.__version__, 'torchao', torchao.__version__, torch.cuda.get_device_name())"
 python3 -c "from titanlike.data import build_default_corpus; build_default_corpus('/tmp/corpus')"

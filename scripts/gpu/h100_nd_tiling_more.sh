@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
 # One H100, 1b: does 2-D tiling help bf16 too, and do tiled reductions add to rowwise's options?
-# (TL_INDUCTOR as in h100_inductor_knobs.sh.) Written 2026-11-22 (fifth session).
+# (TL_INDUCTOR: scripts/gpu/inductor_env.) Written 2026-11-22 (fifth session).
 set -uo pipefail
-mkdir -p /tmp/knobs
-sed -n '/^cat > \/tmp\/knobs\/sitecustomize.py/,/^PY$/p' scripts/gpu/h100_inductor_knobs.sh | sed '1d;$d' > /tmp/knobs/sitecustomize.py
-export PYTHONPATH=/tmp/knobs:$PYTHONPATH TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
+export PYTHONPATH=$PWD/scripts/gpu/inductor_env:${PYTHONPATH:-} TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 python3 -c "from titanlike.data import build_default_corpus; build_default_corpus('/tmp/corpus')"
 python3 scripts/bench_train.py --config train_configs/llama3_1b.toml --steps 20 --log-freq 5 --corpus /tmp/corpus --workdir /tmp/k \
   --variant "bf16=--fp8.recipe none" --variant "bf16_nd=TL_INDUCTOR=triton.prefer_nd_tiling=True --fp8.recipe none" \

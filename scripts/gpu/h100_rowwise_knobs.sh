@@ -3,25 +3,20 @@
 # fast as tensorwise's (cuBLAS with outer-vector scales) and the loss in the casts, above all one
 # standalone kernel per weight-gradient operand that casts with per-column scales and transposes.
 # Does an inductor option, or dropping emulate_precision_casts, make those cheaper? Inductor
-# options through TL_INDUCTOR as in h100_inductor_knobs.sh; the generated sources of the cast
-# kernels go to $OUT/kernels.tar. Written 2026-11-22 (fifth session).
+# options through TL_INDUCTOR (scripts/gpu/inductor_env); the generated sources of the cast
+# kernels go to $OUT/kernels.tar. Written 2026-11-22 (fifth session); run as call 3 on code 6c4379a,
+# before float8.inductor_options (since then rowwise compiles with 2-D tiling by default).
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/knobs
-cat > /tmp/knobs/sitecustomize.py <<'PY'
-import os
-if os.environ.get("TL_INDUCTOR"):
-    import torch._inductor.config as config
-    for item in os.environ["TL_INDUCTOR"].split(","):
-        key, value = item.split("=")
-        setattr(config, key, {"True": True, "False": False}.get(value, value))
-PY
-export PYTHONPATH=/tmp/knobs:${PYTHONPATH:-}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD/scripts/gpu/inductor_env:${PYTHONPATH:-}
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 python3 -c "from titanlike.data import build_default_corpus; build_default_corpus('/tmp/corpus')"
-# A copy of the code without emulate_precision_casts (the one line in float8.configure_compile).
+# A copy of the code without emulate_precision_casts (one line: in float8.configure_compile up to
+# 6c4379a, in float8.inductor_options since).
 rm -rf /tmp/noemu && mkdir /tmp/noemu && cp -r titanlike scripts train_configs run_train.sh /tmp/noemu/
-sed -i 's/inductor_config.emulate_precision_casts = True/pass/' /tmp/noemu/titanlike/float8.py
-grep -c "emulate_precision_casts = True" /tmp/noemu/titanlike/float8.py
+sed -i -e 's/inductor_config.emulate_precision_casts = True/pass/' -e '/"emulate_precision_casts": True,/d' \
+  /tmp/noemu/titanlike/float8.py
+grep -cE 'emulate_precision_casts = True|"emulate_precision_casts": True' /tmp/noemu/titanlike/float8.py
 common=(--data.seq_len 4096 --training.local_batch_size 6 --compile.enable)
 rw=(--fp8.recipe rowwise --fp8.auto_filter false)
 python3 scripts/bench_train.py --config train_configs/llama3_1b.toml --steps ${STEPS:-20} --log-freq 5 \
