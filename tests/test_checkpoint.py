@@ -161,6 +161,22 @@ def test_float8_resume_is_bitwise_exact(ref_fp8, tmp_path, corpus):
 
 
 @pytest.mark.slow
+def test_float8_delayed_scaling_resume_is_bitwise_exact(ref_fp8, tmp_path, corpus):
+    """Two ranks, float8 all-gather, delayed scaling measured every third step: the amax history
+    (maximum over ranks) is checkpointed, so the resumed run casts with the same scales."""
+    delayed = (*FP8, "--fp8.scaling", "delayed", "--fp8.amax_every", "3", "--checkpoint.interval", "4")
+    full_dump, resumed_dump = tmp_path / "full", tmp_path / "resumed"
+    run_train(full_dump, *SCHEDULE, *delayed, nproc=2, corpus=corpus)
+    copy_step(full_dump, 4, resumed_dump)
+    proc = run_train(resumed_dump, *SCHEDULE, *delayed, nproc=2, corpus=corpus)
+    assert "delayed scaling" in proc.stderr and "resumed from" in proc.stderr
+    full, resumed, dynamic = step_losses(full_dump), step_losses(resumed_dump), step_losses(ref_fp8[0])
+    assert sorted(resumed) == list(range(5, STEPS + 1))
+    assert resumed == {s: full[s] for s in resumed}  # bit for bit
+    assert full[1] == dynamic[1] and all(full[s] != dynamic[s] for s in range(2, STEPS + 1))  # really delayed
+
+
+@pytest.mark.slow
 def test_async_save_killed_mid_write_resumes_from_last_complete_and_exactly(ref, tmp_path, corpus):
     """SIGKILL to every process while an async save of step 6 is being written (the write is made
     slow on purpose): step-6.tmp stays behind, is reported and never loaded; the next run resumes

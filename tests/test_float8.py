@@ -236,6 +236,16 @@ def test_float8_trains_and_tracks_high_precision(tmp_path, corpus, high_precisio
 
 
 @pytest.mark.slow
+def test_delayed_scaling_trains_and_tracks_high_precision(tmp_path, corpus, high_precision):
+    proc = run_train(tmp_path, *COMMON, "--fp8.recipe", "tensorwise", *FP8, "--fp8.scaling", "delayed",
+                     "--fp8.amax_every", "2", corpus=corpus)
+    assert_tracks(losses(tmp_path), high_precision)
+    log = proc.stdout + proc.stderr
+    assert ("float8 tensorwise (emulated), delayed scaling (amax history 16, measured every 2 step(s)): "
+            "20 Linears converted") in log
+
+
+@pytest.mark.slow
 def test_float8_two_ranks_all_gather_on_by_default(tmp_path, corpus, high_precision):
     # 2 ranks × local 2 = the same global batch of 4 as the single-process reference.
     proc = run_train(tmp_path, *COMMON, "--training.local_batch_size", "2", "--fp8.recipe", "tensorwise", *FP8, nproc=2, corpus=corpus)

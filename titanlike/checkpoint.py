@@ -11,7 +11,7 @@ after DCP has written the metadata, which it does after every rank has finished 
 
 What a checkpoint holds: the model and optimizer (sharded, through DCP's get_state_dict, so
 any world size can load them: DCP reshards on load), the LR scheduler, the step and tokens
-seen, and per rank the data-loader position and the RNG states. When the data-parallel world
+seen, float8 delayed scaling's amax history when that is on, and per rank the data-loader position and the RNG states. When the data-parallel world
 size changes on resume, the per-rank parts cannot apply; the data position is then derived from
 the step, which gives the same samples (see data.py: a step's samples do not depend on ranks).
 """
@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from titanlike import float8
 from titanlike.errors import UserError
 
 logger = logging.getLogger("titanlike")
@@ -157,6 +158,7 @@ class Checkpointer:
             "optimizer": get_optimizer_state_dict(t.model, t.optimizer),
             "lr_scheduler": t.scheduler.state_dict(),
             "train_state": {**asdict(t.state), "dp_world": t.dims.dp, "global_batch": t.global_batch},
+            **float8.scaling_state(t.model, t.fp8),  # delayed scaling's amax history, if on
             # Unique per rank; pickled to bytes so DCP stores them as opaque objects.
             f"rank{self.rank}": pickle.dumps(per_rank),
         }
@@ -343,10 +345,15 @@ class Checkpointer:
             # Checkpoints written before a TrainState field existed lack it: it keeps its default.
             "train_state": {k: v for k, v in train_state.items() if f"train_state.{k}" in saved},
         }
+        # Delayed scaling's history, where the checkpoint has one of this shape (else it starts afresh).
+        scaling = {k: v for k, v in float8.scaling_state(t.model, t.fp8).items()
+                   if k in saved and tuple(saved[k].size) == tuple(v.shape)}
+        state.update(scaling)
         dcp.load(state, checkpoint_id=path, process_group=self.cpu_group, no_dist=not self.sharded)
         set_model_state_dict(t.model, state["model"])
         set_optimizer_state_dict(t.model, t.optimizer, state["optimizer"])
         t.scheduler.load_state_dict(state["lr_scheduler"])
+        float8.load_scaling_state(t.model, t.fp8, {k: state[k] for k in scaling})
         ts = state["train_state"]
         for key, default in asdict(TrainState()).items():
             setattr(t.state, key, int(ts.get(key, default)))

@@ -149,6 +149,17 @@ class Fp8:
     """Which Linears convert: true = those large enough to pay (by a size rule); measure = time each
     shape in bf16 and float8 on this GPU at start-up and convert the winners (cached); false = all
     (dimensions not multiples of 16 always stay high precision)."""
+    scaling: Literal["dynamic", "delayed"] = "dynamic"
+    """How tensorwise casts each Linear's input and output gradient: dynamic = with a scale from the
+    tensor's own amax (which costs a read of the whole tensor before the cast); delayed = with a scale
+    from the amaxes of the last amax_history steps, recorded during the cast, faster (float8_delayed.py).
+    Weights scale dynamically either way."""
+    amax_history: int = 16
+    """Measurements of the largest magnitudes that delayed scaling takes the maximum of."""
+    amax_every: int = 1
+    """Delayed scaling measures the largest magnitudes on every this-many-th step only (1 = every
+    step): the steps between skip the measuring and run faster; a value that grew since the last
+    measurement saturates until the next."""
     emulate: bool = False
     """Emulate float8 matmuls in high precision (CPU tests, GPUs without float8)."""
     health_log_freq: int = 10
@@ -473,6 +484,13 @@ def validate(cfg: JobConfig) -> None:
         f"fp8.enable_fsdp_float8_all_gather needs fp8.recipe = tensorwise (got {f8.recipe!r}): rowwise "
         f"scales are per row of each matmul input, so a weight cannot be gathered in float8 once for all uses",
     )
+    need(
+        f8.scaling == "dynamic" or f8.recipe == "tensorwise",
+        f"fp8.scaling = delayed needs fp8.recipe = tensorwise (got {f8.recipe!r}): rowwise scales are per row "
+        f"of each tensor, which changes from step to step",
+    )
+    need(f8.amax_history >= 1, f"fp8.amax_history = {f8.amax_history} must be >= 1")
+    need(f8.amax_every >= 1, f"fp8.amax_every = {f8.amax_every} must be >= 1")
     need(
         not (f8.precompute_float8_dynamic_scale_for_fsdp and f8.enable_fsdp_float8_all_gather is False),
         "fp8.precompute_float8_dynamic_scale_for_fsdp needs fp8.enable_fsdp_float8_all_gather",

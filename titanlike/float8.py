@@ -9,7 +9,8 @@ The component has three moments in a run:
 and after every optimizer step, post_optimizer_step() precomputes the float8 weight scales for
 the next all-gather (one all-reduce for all layers) when float8 all-gather is on; with those scales
 and compile on, each shard's cast for the all-gather runs as one compiled kernel
-(configure_compile -> fuse_all_gather_cast).
+(configure_compile -> fuse_all_gather_cast). With fp8.scaling = delayed (float8_delayed.py),
+convert() goes on to DelayedFloat8Linear and record_step() keeps its amax history after each step.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ class Float8Plan:
     precompute_scales: bool
     filter_fqns: list[str]
     auto_filter: bool | str  # True: by size; False: off; "measure": by timing each shape on this GPU
+    scaling: str = "dynamic"  # tensorwise activations and gradients: "dynamic" or "delayed" (float8_delayed.py)
+    amax_history: int = 16
+    amax_every: int = 1
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     measured: dict[tuple[int, int], float] = field(default_factory=dict)  # (in, out) -> float8 speed-up
@@ -56,7 +60,8 @@ def resolve(fp8_cfg, dp_shard: int) -> Float8Plan:
         precompute = all_gather
     auto_filter = {"true": True, "false": False}.get(fp8_cfg.auto_filter, fp8_cfg.auto_filter)
     return Float8Plan(fp8_cfg.recipe, fp8_cfg.emulate, bool(all_gather and dp_shard > 1),
-                      bool(precompute and all_gather and dp_shard > 1), list(fp8_cfg.filter_fqns), auto_filter)
+                      bool(precompute and all_gather and dp_shard > 1), list(fp8_cfg.filter_fqns), auto_filter,
+                      scaling=fp8_cfg.scaling, amax_history=fp8_cfg.amax_history, amax_every=fp8_cfg.amax_every)
 
 
 def _torchao_config(plan: Float8Plan):
@@ -155,13 +160,19 @@ def convert(model: nn.Module, plan: Float8Plan) -> None:
         return reason is None
 
     convert_to_float8_training(model, config=_torchao_config(plan), module_filter_fn=want)
+    if plan.scaling == "delayed":
+        from titanlike import float8_delayed
+
+        float8_delayed.convert(model, plan.amax_history)
 
 
 def log_plan(plan: Float8Plan, share: float) -> None:
     if not plan.enabled:
         return
     logger.info(
-        f"float8 {plan.recipe}{' (emulated)' if plan.emulate else ''}: {len(plan.converted)} Linears converted, "
+        f"float8 {plan.recipe}{' (emulated)' if plan.emulate else ''}"
+        f"{f', delayed scaling (amax history {plan.amax_history}, measured every {plan.amax_every} step(s))' if plan.scaling == 'delayed' else ''}: "
+        f"{len(plan.converted)} Linears converted, "
         f"{len(plan.skipped)} kept in high precision; {share:.0%} of matmul FLOPs in float8; "
         f"float8 all-gather {'on' if plan.fsdp_float8_all_gather else 'off'}"
     )
@@ -246,6 +257,47 @@ def configure_compile(plan: Float8Plan) -> dict[str, object]:
     if plan.fsdp_float8_all_gather:
         fuse_all_gather_cast()
     return inductor_options(plan.recipe) if plan.enabled else {}
+
+
+def after_materialize(model: nn.Module, plan: Float8Plan) -> None:
+    """Once the model has memory (to_empty): delayed scaling starts without history."""
+    if plan.scaling == "delayed":
+        from titanlike import float8_delayed
+
+        float8_delayed.reset(model)
+
+
+def before_step(model: nn.Module, plan: Float8Plan, step: int) -> None:
+    """Before training step `step`: whether delayed scaling measures amaxes in it (fp8.amax_every)."""
+    if plan.scaling == "delayed":
+        from titanlike import float8_delayed
+
+        float8_delayed.set_recording(model, step, plan.amax_every)
+
+
+def record_step(model: nn.Module, plan: Float8Plan) -> None:
+    """After each training step's update: its activation and gradient amaxes into the delayed
+    scales' history (one all-reduce for all layers). Only after a step: a load or rollback has none."""
+    if plan.scaling == "delayed":
+        from titanlike import float8_delayed
+
+        float8_delayed.update_scales(model)
+
+
+def scaling_state(model: nn.Module, plan: Float8Plan) -> dict[str, torch.Tensor]:
+    """What float8 adds to a checkpoint: delayed scaling's amax history (nothing otherwise)."""
+    if plan.scaling != "delayed":
+        return {}
+    from titanlike import float8_delayed
+
+    return float8_delayed.checkpoint_state(model)
+
+
+def load_scaling_state(model: nn.Module, plan: Float8Plan, state: dict[str, torch.Tensor]) -> None:
+    if plan.scaling == "delayed":
+        from titanlike import float8_delayed
+
+        float8_delayed.load_checkpoint_state(model, state)
 
 
 def post_optimizer_step(model: nn.Module, plan: Float8Plan) -> None:

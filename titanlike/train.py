@@ -135,6 +135,7 @@ class Trainer:
         )
         model.to_empty(device=self.device)
         model.init_weights(cfg.job.seed, cfg.data.seq_len)
+        float8.after_materialize(model, self.fp8)
         self.model = model
         self.loss_fn = torch.compile(cross_entropy) if cfg.compile.enable else cross_entropy
         self.flops_per_token = flops_per_token(self.margs, cfg.data.seq_len)
@@ -189,6 +190,7 @@ class Trainer:
         step_loss = torch.zeros((), device=self.device)
         data_wait = 0.0
         batch_number = self.state.step + self.state.data_offset + 1  # global batches in data order, from 1
+        float8.before_step(self.model, self.fp8, self.state.step + 1)
         for _ in range(self.accum_steps):
             batch, wait = self.next_batch()
             data_wait += wait
@@ -207,6 +209,7 @@ class Trainer:
         grad_norm, skipped = clip_and_step(self.optimizer, list(self.model.parameters()), self.cfg.training.max_norm,
                                            skip_nonfinite=self.cfg.training.nonfinite == "skip")
         self.scheduler.step()
+        float8.record_step(self.model, self.fp8)
         float8.post_optimizer_step(self.model, self.fp8)
         self.state.step += 1
         self.state.tokens_seen += self.global_batch * self.cfg.data.seq_len
