@@ -4,7 +4,6 @@ SwiGLU backward (gate, up and incoming gradient to two float8 gradients, each al
 Written 2026-11-22 (sixth session) for fp8.scaling = delayed; prints a table."""
 
 import torch
-import torch.nn.functional as F
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 dev = "cuda"
