@@ -11,9 +11,10 @@ after DCP has written the metadata, which it does after every rank has finished 
 
 What a checkpoint holds: the model and optimizer (sharded, through DCP's get_state_dict, so
 any world size can load them: DCP reshards on load), the LR scheduler, the step and tokens
-seen, float8 delayed scaling's amax history when that is on, and per rank the data-loader position and the RNG states. When the data-parallel world
-size changes on resume, the per-rank parts cannot apply; the data position is then derived from
-the step, which gives the same samples (see data.py: a step's samples do not depend on ranks).
+seen, float8 delayed scaling's amax history when that is on, and per rank the data-loader
+position and the RNG states. When the data-parallel world size changes on resume, the per-rank
+parts cannot apply; the data position is then derived from the step, which gives the same samples
+(see data.py: a step's samples do not depend on ranks).
 """
 
 from __future__ import annotations

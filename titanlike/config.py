@@ -150,10 +150,10 @@ class Fp8:
     shape in bf16 and float8 on this GPU at start-up and convert the winners (cached); false = all
     (dimensions not multiples of 16 always stay high precision)."""
     scaling: Literal["dynamic", "delayed"] = "dynamic"
-    """How tensorwise casts each Linear's input and output gradient: dynamic = with a scale from the
-    tensor's own amax (which costs a read of the whole tensor before the cast); delayed = with a scale
-    from the amaxes of the last amax_history steps, recorded during the cast, faster (float8_delayed.py).
-    Weights scale dynamically either way."""
+    """How tensorwise scales each Linear's input, weight and output gradient: dynamic = from the
+    tensor's own amax (a read of the whole tensor before the cast); delayed = from the amaxes of the
+    last amax_history measurements, taken during the casts: faster (float8_delayed.py). Weights that
+    FSDP all-gathers in float8 keep their precomputed dynamic scales either way."""
     amax_history: int = 16
     """Measurements of the largest magnitudes that delayed scaling takes the maximum of."""
     amax_every: int = 1

@@ -37,7 +37,7 @@ class Float8Plan:
     precompute_scales: bool
     filter_fqns: list[str]
     auto_filter: bool | str  # True: by size; False: off; "measure": by timing each shape on this GPU
-    scaling: str = "dynamic"  # tensorwise activations and gradients: "dynamic" or "delayed" (float8_delayed.py)
+    scaling: str = "dynamic"  # tensorwise scales: "dynamic" or "delayed" (float8_delayed.py)
     amax_history: int = 16
     amax_every: int = 1
     converted: list[str] = field(default_factory=list)
@@ -169,10 +169,10 @@ def convert(model: nn.Module, plan: Float8Plan) -> None:
 def log_plan(plan: Float8Plan, share: float) -> None:
     if not plan.enabled:
         return
+    delayed = (f", delayed scaling (amax history {plan.amax_history}, measured every {plan.amax_every} step(s))"
+               if plan.scaling == "delayed" else "")
     logger.info(
-        f"float8 {plan.recipe}{' (emulated)' if plan.emulate else ''}"
-        f"{f', delayed scaling (amax history {plan.amax_history}, measured every {plan.amax_every} step(s))' if plan.scaling == 'delayed' else ''}: "
-        f"{len(plan.converted)} Linears converted, "
+        f"float8 {plan.recipe}{' (emulated)' if plan.emulate else ''}{delayed}: {len(plan.converted)} Linears converted, "
         f"{len(plan.skipped)} kept in high precision; {share:.0%} of matmul FLOPs in float8; "
         f"float8 all-gather {'on' if plan.fsdp_float8_all_gather else 'off'}"
     )

@@ -2,8 +2,9 @@
 
 Dynamic scaling casts each Linear's input, weight and output gradient with a scale from that very
 tensor's largest magnitude (amax), so it reads every one of them twice: once for the amax, once for
-the cast. Delayed scaling casts with a scale from the amaxes of the last `fp8.amax_history` steps
-and records this step's amax in the same pass as the cast. On one H100 (1b) the amax passes are 7 %
+the cast. Delayed scaling casts with a scale from the last `fp8.amax_history` measured amaxes
+(measured on every step, or on every `fp8.amax_every`-th) and measures this step's amax in the same
+pass as the cast. On one H100 (1b) the amax passes are 7 %
 of a tensorwise step (scripts/gpu/h100_scale_bounds.sh). A value beyond a delayed scale's range
 saturates at the float8 maximum (the cast clamps), as in Transformer Engine's delayed scaling.
 Weights that FSDP all-gathers in float8 arrive cast, with the scales post_optimizer_step
@@ -90,7 +91,6 @@ class DelayedFloat8Linear(Float8Linear):
         for name, buf in list(new.named_buffers(recurse=False)):  # where the weight is (meta or not)
             new.register_buffer(name, torch.zeros(buf.shape, device=linear.weight.device), persistent=False)
         return new
-
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled():
