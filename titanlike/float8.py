@@ -160,10 +160,8 @@ def convert(model: nn.Module, plan: Float8Plan) -> None:
         return reason is None
 
     convert_to_float8_training(model, config=_torchao_config(plan), module_filter_fn=want)
-    if plan.scaling == "delayed":
-        from titanlike import float8_delayed
-
-        float8_delayed.convert(model, plan.amax_history)
+    if delayed := _delayed(plan):
+        delayed.convert(model, plan.amax_history)
 
 
 def log_plan(plan: Float8Plan, share: float) -> None:
@@ -259,45 +257,44 @@ def configure_compile(plan: Float8Plan) -> dict[str, object]:
     return inductor_options(plan.recipe) if plan.enabled else {}
 
 
+def _delayed(plan: Float8Plan):
+    """The float8_delayed module when fp8.scaling = delayed, else None (imported only then: it
+    imports torchao)."""
+    if plan.scaling != "delayed":
+        return None
+    from titanlike import float8_delayed
+
+    return float8_delayed
+
+
 def after_materialize(model: nn.Module, plan: Float8Plan) -> None:
     """Once the model has memory (to_empty): delayed scaling starts without history."""
-    if plan.scaling == "delayed":
-        from titanlike import float8_delayed
-
-        float8_delayed.reset(model)
+    if delayed := _delayed(plan):
+        delayed.reset(model)
 
 
 def before_step(model: nn.Module, plan: Float8Plan, step: int) -> None:
     """Before training step `step`: whether delayed scaling measures amaxes in it (fp8.amax_every)."""
-    if plan.scaling == "delayed":
-        from titanlike import float8_delayed
-
-        float8_delayed.set_recording(model, step, plan.amax_every)
+    if delayed := _delayed(plan):
+        delayed.set_recording(model, step, plan.amax_every)
 
 
 def record_step(model: nn.Module, plan: Float8Plan) -> None:
-    """After each training step's update: its activation and gradient amaxes into the delayed
-    scales' history (one all-reduce for all layers). Only after a step: a load or rollback has none."""
-    if plan.scaling == "delayed":
-        from titanlike import float8_delayed
-
-        float8_delayed.update_scales(model)
+    """After each training step's update: its amaxes into the delayed scales' history (one
+    all-reduce for all layers). Only after a step: a load or rollback has none."""
+    if delayed := _delayed(plan):
+        delayed.update_scales(model)
 
 
 def scaling_state(model: nn.Module, plan: Float8Plan) -> dict[str, torch.Tensor]:
     """What float8 adds to a checkpoint: delayed scaling's amax history (nothing otherwise)."""
-    if plan.scaling != "delayed":
-        return {}
-    from titanlike import float8_delayed
-
-    return float8_delayed.checkpoint_state(model)
+    delayed = _delayed(plan)
+    return delayed.checkpoint_state(model) if delayed else {}
 
 
 def load_scaling_state(model: nn.Module, plan: Float8Plan, state: dict[str, torch.Tensor]) -> None:
-    if plan.scaling == "delayed":
-        from titanlike import float8_delayed
-
-        float8_delayed.load_checkpoint_state(model, state)
+    if delayed := _delayed(plan):
+        delayed.load_checkpoint_state(model, state)
 
 
 def post_optimizer_step(model: nn.Module, plan: Float8Plan) -> None:

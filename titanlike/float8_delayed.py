@@ -4,8 +4,8 @@ Dynamic scaling casts each Linear's input, weight and output gradient with a sca
 tensor's largest magnitude (amax), so it reads every one of them twice: once for the amax, once for
 the cast. Delayed scaling casts with a scale from the last `fp8.amax_history` measured amaxes
 (measured on every step, or on every `fp8.amax_every`-th) and measures this step's amax in the same
-pass as the cast. On one H100 (1b) the amax passes are 7 %
-of a tensorwise step (scripts/gpu/h100_scale_bounds.sh). A value beyond a delayed scale's range
+pass as the cast. On one H100 (1b) the amax passes are 7 % of a tensorwise step
+(scripts/gpu/h100_scale_bounds.sh). A value beyond a delayed scale's range
 saturates at the float8 maximum (the cast clamps), as in Transformer Engine's delayed scaling.
 Weights that FSDP all-gathers in float8 arrive cast, with the scales post_optimizer_step
 precomputed from the new weights (dynamic, exact); they are not recorded.
@@ -155,7 +155,8 @@ def update_scales(model: nn.Module) -> None:
     found = layers(model)
     if not found or not found[0].recording:
         return
-    amax = torch.stack([torch.stack([getattr(m, f"{row}_amax") for row in ROWS]) for m in found])  # (layers, rows)
+    # One stack for all layers (a stack per layer would be a launch per layer, every step).
+    amax = torch.stack([getattr(m, f"{row}_amax") for m in found for row in ROWS]).view(len(found), len(ROWS))
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX)
     # A step whose loss or gradients went non-finite (and was skipped, or is about to be rolled
@@ -195,7 +196,7 @@ def load_checkpoint_state(model: nn.Module, state: dict[str, torch.Tensor]) -> N
     another amax_history) starts the history afresh, with one dynamically scaled step."""
     found = layers(model)
     history = state.get(CHECKPOINT_KEY)
-    if history is None or tuple(history.shape) != tuple(checkpoint_state(model)[CHECKPOINT_KEY].shape):
+    if not found or history is None or tuple(history.shape) != (len(found), len(ROWS), found[0].history):
         reset(model)
         return
     _set_history(found, history.to(found[0].amax_history.device), calibrated=bool(history.gt(0).any()))
