@@ -1,5 +1,6 @@
-"""Operating at scale on CPU: two nodes through the SLURM script and torchrun's c10d rendezvous, and
-what a rank says when a collective times out.
+"""Operating at scale on CPU: two nodes through the SLURM script and torchrun's c10d rendezvous, the
+eight-rank path of an 8-GPU node (HSDP 2 × 4, then resumed on 4 ranks), and what a rank says when a
+collective times out.
 
 The two "nodes" are two torchrun processes on this machine, each started by run_train.sh with
 NNODES=2 exactly as scripts/slurm/train.sbatch starts them under srun (a stand-in `srun` runs
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -88,6 +90,30 @@ def test_two_nodes_through_slurm_script_match_one_node(tmp_path, corpus):
     for step in one_node:
         assert math.isfinite(two_nodes[step])
         assert abs(two_nodes[step] - one_node[step]) <= 1e-6 * abs(one_node[step]), (step, two_nodes, one_node)
+
+
+@pytest.mark.slow
+def test_eight_ranks_hsdp_checkpoint_resumes_on_four(tmp_path, corpus):
+    """The path of `torchrun --nproc_per_node=8` on one node, on gloo: an HSDP mesh of 2 replicas × 4
+    shards trains and checkpoints; its step-2 checkpoint resumes on 4 ranks (FSDP over 4) and the
+    resumed steps match the 8-rank run's (same global batch, so the same samples)."""
+    common = (*COMMON, "--training.global_batch_size", "16", "--checkpoint.enable", "true",
+              "--checkpoint.interval", "2", "--training.deterministic")
+    eight = tmp_path / "eight"
+    proc = run_train(eight, *common, "--parallel.dp_replicate", "2", "--parallel.dp_shard", "4", nproc=8,
+                     corpus=corpus)
+    assert "8 rank(s) on cpu (dp_replicate 2 × dp_shard 4)" in proc.stdout + proc.stderr
+    four = tmp_path / "four"
+    (four / "checkpoint").mkdir(parents=True)
+    shutil.copytree(eight / "checkpoint" / "step-2", four / "checkpoint" / "step-2")
+    proc = run_train(four, *common, nproc=4, corpus=corpus)
+    assert "resumed from" in proc.stdout + proc.stderr
+    assert "4 rank(s) on cpu (dp_replicate 1 × dp_shard 4)" in proc.stdout + proc.stderr
+    eight_losses, four_losses = losses(eight), losses(four)
+    assert set(four_losses) == set(range(3, STEPS + 1)), four_losses
+    for step, loss in four_losses.items():
+        assert math.isfinite(loss)
+        assert abs(loss - eight_losses[step]) <= 1e-5 * abs(eight_losses[step]), (step, eight_losses, four_losses)
 
 
 @pytest.mark.slow
