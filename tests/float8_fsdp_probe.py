@@ -2,7 +2,7 @@
 
 Run as `torchrun --nproc_per_node=2 tests/float8_fsdp_probe.py OUT.json` (CPU, gloo). Builds a
 small Llama twice, with torchao tensorwise float8 + float8 all-gather and without, each through
-titanlike's own float8.convert and parallel.apply_fsdp, and records during a forward pass:
+titanlike's own Float8Training.convert and parallel.apply_fsdp, and records during a forward pass:
 every all-gather collective (dtype, bytes sent by this rank), and every float8 weight's
 fsdp_pre_all_gather (dtype and element count of what it hands to FSDP, and whether a
 precomputed scale was used; with one, whether titanlike's fused cast gave the same bytes as
@@ -18,8 +18,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from titanlike import float8, parallel
+from titanlike import parallel
 from titanlike.config import Fp8
+from titanlike.float8 import Float8Training, all_gather
 from titanlike.model import ModelArgs, Transformer
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=64)
@@ -62,7 +63,7 @@ class Recorder:
                 record = {"dtypes": [str(t.dtype) for t in out], "numel": sum(t.numel() for t in out),
                           "bytes": sum(t.numel() * t.element_size() for t in out),
                           "shard_numel": weight.numel(), "precomputed": used_precomputed, "scale": float(meta[0])}
-                if used_precomputed:  # titanlike's fused cast (float8.fuse_all_gather_cast) vs torchao's
+                if used_precomputed:  # titanlike's fused cast (all_gather.fuse_all_gather_cast) vs torchao's
                     (torchao_out,), _ = pre.__wrapped__(weight, mesh)
                     record["same_as_torchao"] = torch.equal(out[0].view(torch.uint8), torchao_out.view(torch.uint8))
                 self.pre_all_gather.append(record)
@@ -83,12 +84,12 @@ def build(fp8: bool, mesh):
     with torch.device("meta"):
         model = Transformer(ARGS)
     cfg = Fp8(recipe="tensorwise" if fp8 else "none", emulate=True, auto_filter=False, filter_fqns=["output"])
-    plan = float8.resolve(cfg, dp_shard=mesh.size())  # all-gather and precompute left to their defaults
-    float8.convert(model, plan)
+    fp8 = Float8Training.from_config(cfg, dp_shard=mesh.size())  # all-gather and precompute left to their defaults
+    fp8.convert(model, tokens=2 * SEQ, device=torch.device("cpu"))
     parallel.apply_fsdp(model, mesh, None, "default")
     model.to_empty(device="cpu")
     model.init_weights(seed=0, seq_len=SEQ)
-    return model, plan
+    return model, fp8
 
 
 def full_amax(weight) -> float:
@@ -100,7 +101,7 @@ def full_amax(weight) -> float:
 
 
 def case(fp8: bool, mesh, rec: Recorder) -> dict:
-    model, plan = build(fp8, mesh)
+    model, component = build(fp8, mesh)
     params = {name: (p.shape.numel(), p.to_local().numel(), type(p.to_local()).__name__)
               for name, p in model.named_parameters()}
     torch.manual_seed(1)
@@ -113,7 +114,7 @@ def case(fp8: bool, mesh, rec: Recorder) -> dict:
     first = {"collectives": rec.collectives, "pre_all_gather": rec.pre_all_gather}
     logits.float().pow(2).mean().backward()
     optimizer.step()
-    float8.post_optimizer_step(model, plan)
+    component.after_optimizer_step()
 
     precomputed = {}
     for name, module in model.named_modules():
@@ -130,8 +131,10 @@ def case(fp8: bool, mesh, rec: Recorder) -> dict:
         model(tokens)
     rec.active = False
     second = {"collectives": rec.collectives, "pre_all_gather": rec.pre_all_gather}
-    return {"plan": {"fsdp_float8_all_gather": plan.fsdp_float8_all_gather, "precompute_scales": plan.precompute_scales,
-                     "converted": plan.converted, "skipped": plan.skipped},
+    options, report = component.options, component.report
+    return {"plan": {"fsdp_float8_all_gather": options.fsdp_float8_all_gather,
+                     "precompute_scales": options.precompute_scales,
+                     "converted": report.converted, "skipped": report.skipped},
             "params": params, "first": first, "second": second, "precomputed": precomputed,
             "logits": logits.detach().flatten()[:512].tolist()}
 
@@ -142,8 +145,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
     # The fused cast of the all-gather runs on CUDA only; here on CPU too, to compare it with torchao's.
-    float8.FUSED_CAST_DEVICES.add("cpu")
-    float8.fuse_all_gather_cast()
+    all_gather.FUSED_CAST_DEVICES.add("cpu")
+    all_gather.fuse_all_gather_cast()
     rec = Recorder()
     with rec.patch():
         out = {"world": dist.get_world_size(), "fp8": case(True, mesh, rec), "plain": case(False, mesh, rec)}

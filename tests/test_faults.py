@@ -14,10 +14,11 @@ import torch
 
 from conftest import ROOT, metrics, run_python, run_train
 from test_checkpoint import SCHEDULE, STEPS, ckpt, folders, output, signal_job, start, step_losses, train_args, wait_for
-from titanlike import faults, float8
+from titanlike import faults
 from titanlike.config import JobConfig
 from titanlike.errors import UserError
-from titanlike.float8 import Float8Plan
+from titanlike.float8 import Float8Options
+from titanlike.float8.layers import check_device
 
 # ---- out of memory ----------------------------------------------------------------------------------
 
@@ -122,13 +123,13 @@ def test_gpu_without_float8_is_one_line(monkeypatch, gpu, capability):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: gpu)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability)
     with pytest.raises(UserError) as e:
-        float8.check_device(Float8Plan("rowwise", False, False, False, [], True), torch.device("cuda", 0))
+        check_device(Float8Options(recipe="rowwise", auto_filter=True), torch.device("cuda", 0))
     assert str(e.value) == (
         f"fp8.recipe = rowwise: {gpu} (compute capability {capability[0]}.{capability[1]}) has no float8 tensor "
         f"cores (they start at 8.9: Ada, Hopper, Blackwell); use --fp8.recipe none"
     )
     # Emulation runs anywhere: no check.
-    float8.check_device(Float8Plan("rowwise", True, False, False, [], True), torch.device("cuda", 0))
+    check_device(Float8Options(recipe="rowwise", emulate=True, auto_filter=True), torch.device("cuda", 0))
 
 
 # ---- SIGKILL at random moments -----------------------------------------------------------------------

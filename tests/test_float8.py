@@ -14,16 +14,17 @@ import torch
 from torch import nn
 
 from conftest import losses, metrics, run_probe, run_train
-from titanlike import float8
 from titanlike.config import Fp8
 from titanlike.errors import UserError
-from titanlike.float8 import Float8Plan, resolve, skip_reason
+from titanlike.float8 import Float8Options, Float8Training, all_gather, layers
+from titanlike.float8.layers import skip_reason
 from titanlike.model import PRESETS, Transformer, flops_per_token
 
 
 def plan(recipe="tensorwise", *, emulate=True, filter_fqns=("output",), auto_filter=True, all_gather=False,
-         precompute=False) -> Float8Plan:
-    return Float8Plan(recipe, emulate, all_gather, precompute, list(filter_fqns), auto_filter)
+         precompute=False) -> Float8Options:
+    return Float8Options(recipe=recipe, emulate=emulate, fsdp_float8_all_gather=all_gather,
+                         precompute_scales=precompute, filter_fqns=tuple(filter_fqns), auto_filter=auto_filter)
 
 
 def linear(k: int, n: int) -> nn.Linear:
@@ -74,8 +75,7 @@ def test_skip_reason_auto_filter_sizes():
 def test_convert_debug_model():
     with torch.device("meta"):
         model = Transformer(PRESETS["debug"])
-    p = plan("tensorwise", auto_filter=False)
-    float8.convert(model, p)
+    p = layers.convert(model, plan("tensorwise", auto_filter=False))
     from torchao.float8.float8_linear import Float8Linear
 
     expected = [f"layers.{i}.{m}" for i in range(4) for m in
@@ -89,14 +89,13 @@ def test_convert_debug_model():
     a, seq = PRESETS["debug"], 64
     per_block = 2 * a.dim * a.dim + 2 * a.dim * (a.dim // 2) + 3 * a.dim * a.ffn_dim
     share = 6 * a.n_layers * per_block / flops_per_token(a, seq)
-    assert float8.float8_matmul_share(model, flops_per_token(a, seq)) == pytest.approx(share)
+    assert layers.float8_matmul_share(model, flops_per_token(a, seq)) == pytest.approx(share)
 
 
 def test_convert_with_auto_filter_keeps_small_model_high_precision():
     with torch.device("meta"):
         model = Transformer(PRESETS["debug"])
-    p = plan("tensorwise")
-    float8.convert(model, p)
+    p = layers.convert(model, plan("tensorwise"))
     assert p.converted == [] and len(p.skipped) == 21
     assert p.skipped["layers.0.feed_forward.w1"] == "256×768 is too small for float8 to pay (fp8.auto_filter)"
 
@@ -105,8 +104,7 @@ def test_convert_none_is_a_no_op():
     with torch.device("meta"):
         model = Transformer(PRESETS["debug"])
     before = [type(m) for m in model.modules()]
-    p = plan("none")
-    float8.convert(model, p)
+    p = layers.convert(model, plan("none"))
     assert [type(m) for m in model.modules()] == before and not p.converted and not p.skipped
 
 
@@ -114,9 +112,9 @@ def test_log_plan_says_what_and_why(caplog):
     p = plan("tensorwise")
     with torch.device("meta"):
         model = Transformer(PRESETS["debug"])
-    float8.convert(model, p)
+    report = layers.convert(model, p)
     with caplog.at_level(logging.INFO, logger="titanlike"):
-        float8.log_plan(p, 0.0)
+        layers.log_report(p, report, 0.0)
     text = caplog.text
     assert "float8 tensorwise (emulated): 0 Linears converted, 21 kept in high precision" in text
     assert "0% of matmul FLOPs in float8" in text and "float8 all-gather off" in text
@@ -128,6 +126,7 @@ def test_log_plan_says_what_and_why(caplog):
 
 
 def test_resolve_defaults():
+    resolve = Float8Options.from_config
     tw = Fp8(recipe="tensorwise")
     p = resolve(tw, dp_shard=2)
     assert p.fsdp_float8_all_gather and p.precompute_scales
@@ -140,7 +139,7 @@ def test_resolve_defaults():
     p = resolve(Fp8(recipe="tensorwise", precompute_float8_dynamic_scale_for_fsdp=False), dp_shard=8)
     assert p.fsdp_float8_all_gather and not p.precompute_scales
     p = resolve(Fp8(recipe="rowwise", filter_fqns=["output", "wq"], auto_filter=False, emulate=True), dp_shard=1)
-    assert (p.recipe, p.filter_fqns, p.auto_filter, p.emulate) == ("rowwise", ["output", "wq"], False, True)
+    assert (p.recipe, p.filter_fqns, p.auto_filter, p.emulate) == ("rowwise", ("output", "wq"), False, True)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
@@ -148,7 +147,7 @@ def test_resolve_defaults():
 def test_torchao_config(recipe, emulate):
     from torchao.float8.config import ScalingGranularity
 
-    config = float8._torchao_config(plan(recipe, emulate=emulate, all_gather=recipe == "tensorwise"))
+    config = plan(recipe, emulate=emulate, all_gather=recipe == "tensorwise").torchao_config()
     assert config.emulate is emulate
     assert config.enable_fsdp_float8_all_gather is (recipe == "tensorwise")
     expected = ScalingGranularity.TENSORWISE if recipe == "tensorwise" else ScalingGranularity.AXISWISE
@@ -162,9 +161,9 @@ def test_check_device_skips_when_emulated_or_off(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("no probe expected")
 
-    monkeypatch.setattr(float8, "convert", boom)
-    float8.check_device(plan("tensorwise", emulate=True), torch.device("cpu"))
-    float8.check_device(plan("none", emulate=False), torch.device("cpu"))
+    monkeypatch.setattr(layers, "convert", boom)
+    layers.check_device(plan("tensorwise", emulate=True), torch.device("cpu"))
+    layers.check_device(plan("none", emulate=False), torch.device("cpu"))
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -177,7 +176,7 @@ def test_check_device_runs_a_real_float8_matmul_on_cpu(monkeypatch, recipe):
         return real(*a, **k)
 
     monkeypatch.setattr(torch, "_scaled_mm", counting)
-    float8.check_device(plan(recipe, emulate=False), torch.device("cpu"))  # this torch has CPU float8 kernels
+    layers.check_device(plan(recipe, emulate=False), torch.device("cpu"))  # this torch has CPU float8 kernels
     assert calls and set(calls) <= {torch.float8_e4m3fn, torch.float8_e5m2}
 
 
@@ -188,7 +187,7 @@ def test_check_device_failure_is_one_clear_line(monkeypatch, recipe, other):
 
     monkeypatch.setattr(torch, "_scaled_mm", unsupported)
     with pytest.raises(UserError) as e:
-        float8.check_device(plan(recipe, emulate=False), torch.device("cpu"))
+        layers.check_device(plan(recipe, emulate=False), torch.device("cpu"))
     msg = str(e.value)
     assert "\n" not in msg
     assert msg.startswith(f"fp8.recipe = {recipe} cannot run on CPU with torch {torch.__version__}")
@@ -276,9 +275,9 @@ def test_rowwise_blocks_compile_with_their_inductor_options(monkeypatch, recipe)
         model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97))
     model.to_empty(device="cpu")
     model.init_weights(0, 16)
-    p = plan(recipe, auto_filter=False)
-    float8.convert(model, p)
-    options = float8.configure_compile(p)
+    fp8 = Float8Training(plan(recipe, auto_filter=False))
+    fp8.convert(model, 32, torch.device("cpu"))
+    options = fp8.compile_options()
     parallel.apply_compile(model, options)
     model(torch.randint(0, 97, (2, 16))).float().sum().backward()
     torch._dynamo.reset()
@@ -296,9 +295,9 @@ def test_fused_all_gather_cast_gives_torchaos_bytes(monkeypatch):
     from torchao.float8.float8_linear import LinearMMConfig
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    float8.configure_compile(plan(all_gather=True, precompute=True))  # what the trainer calls with compile on
+    Float8Training(plan(all_gather=True, precompute=True)).compile_options()  # what the trainer calls with compile on
     assert hasattr(WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather, "__wrapped__")
-    monkeypatch.setattr(float8, "FUSED_CAST_DEVICES", {"cpu"})
+    monkeypatch.setattr(all_gather, "FUSED_CAST_DEVICES", {"cpu"})
     torch.manual_seed(0)
     shard = torch.randn(48, 32)
     scale = torch.tensor(448.0) / shard.abs().max() * 1.5  # stale: the largest third saturates
@@ -356,7 +355,7 @@ def test_fsdp_all_gather_carries_float8_bytes(tmp_path):
     assert sent_plain - sent_fp8 == converted_fp32_bytes * 3 // 4  # 4 bytes → 1 byte per weight element
     assert plain["first"]["pre_all_gather"] == []
 
-    # 3. After the optimizer step, post_optimizer_step precomputed every weight's scale
+    # 3. After the optimizer step, after_optimizer_step precomputed every weight's scale
     #    (float8 max / amax of the full weight), and the next all-gather used it.
     assert set(fp8["precomputed"]) == converted
     for name, rec in fp8["precomputed"].items():

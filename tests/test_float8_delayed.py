@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from titanlike import float8_delayed
-from titanlike.float8_delayed import DelayedFloat8Linear
+from titanlike.float8 import delayed as float8_delayed
+from titanlike.float8.delayed import DelayedFloat8Linear
 
 E4M3, E5M2 = torch.finfo(torch.float8_e4m3fn).max, torch.finfo(torch.float8_e5m2).max
 

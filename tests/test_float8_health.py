@@ -9,14 +9,14 @@ from torch import nn
 
 from conftest import metrics, run_train
 from titanlike import float8
-from titanlike.float8 import Float8Plan
+from titanlike.float8 import Float8Options, layers
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def converted(recipe: str, weight: torch.Tensor) -> nn.Module:
     model = nn.Sequential(nn.Linear(weight.shape[1], weight.shape[0], bias=False))
-    float8.convert(model, Float8Plan(recipe, True, False, False, [], False))
+    layers.convert(model, Float8Options(recipe=recipe, emulate=True))
     with torch.no_grad():
         model[0].weight.copy_(weight)
     return model
@@ -102,7 +102,7 @@ def test_two_sharded_ranks_log_the_health_of_the_full_weights(tmp_path, corpus):
     from titanlike.model import Transformer, model_args
 
     model = Transformer(model_args("debug"))
-    float8.convert(model, Float8Plan("tensorwise", True, False, False, ["output"], False))
+    layers.convert(model, Float8Options(recipe="tensorwise", emulate=True, filter_fqns=("output",)))
     model.load_state_dict(read_checkpoint(tmp_path / "checkpoint" / "step-4", tmp_path)["model"])
     want = float8.weight_health(model)
     assert len(want) == 20 and all(h["amax"] > 0 for h in want.values())

@@ -46,7 +46,6 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from titanlike import float8
 from titanlike.errors import UserError
 
 logger = logging.getLogger("titanlike")
@@ -159,7 +158,7 @@ class Checkpointer:
             "optimizer": get_optimizer_state_dict(t.model, t.optimizer),
             "lr_scheduler": t.scheduler.state_dict(),
             "train_state": {**asdict(t.state), "dp_world": t.dims.dp, "global_batch": t.global_batch},
-            **float8.scaling_state(t.model, t.fp8),  # delayed scaling's amax history, if on
+            **t.fp8.state_dict(),  # delayed scaling's amax history, if on
             # Unique per rank; pickled to bytes so DCP stores them as opaque objects.
             f"rank{self.rank}": pickle.dumps(per_rank),
         }
@@ -347,14 +346,14 @@ class Checkpointer:
             "train_state": {k: v for k, v in train_state.items() if f"train_state.{k}" in saved},
         }
         # Delayed scaling's history, where the checkpoint has one of this shape (else it starts afresh).
-        scaling = {k: v for k, v in float8.scaling_state(t.model, t.fp8).items()
+        scaling = {k: v for k, v in t.fp8.state_dict().items()
                    if k in saved and tuple(saved[k].size) == tuple(v.shape)}
         state.update(scaling)
         dcp.load(state, checkpoint_id=path, process_group=self.cpu_group, no_dist=not self.sharded)
         set_model_state_dict(t.model, state["model"])
         set_optimizer_state_dict(t.model, t.optimizer, state["optimizer"])
         t.scheduler.load_state_dict(state["lr_scheduler"])
-        float8.load_scaling_state(t.model, t.fp8, {k: state[k] for k in scaling})
+        t.fp8.load_state_dict({k: state[k] for k in scaling})
         ts = state["train_state"]
         for key, default in asdict(TrainState()).items():
             setattr(t.state, key, int(ts.get(key, default)))

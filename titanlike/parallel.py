@@ -1,6 +1,6 @@
 """Process group, device mesh, and the model transforms, applied in this order:
 
-    float8 conversion (float8.py) → activation checkpointing → per-block torch.compile → FSDP2
+    float8 conversion (titanlike/float8/) → activation checkpointing → per-block torch.compile → FSDP2
 
 Float8 comes first so compile sees the float8 casts and fuses them; AC before compile so the
 recomputation is part of each compiled block; FSDP last so it shards the final modules. With

@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from titanlike import faults, float8, parallel
+from titanlike import faults, parallel
 from titanlike.checkpoint import Checkpointer, TrainState
 from titanlike.config import ConfigError, JobConfig, load_config, to_toml
 from titanlike.data import build_train_loader, open_dataset, resolve_paths, validation_batches
 from titanlike.errors import UserError
+from titanlike.float8 import Float8Training, health_summary
 from titanlike.metrics import MetricsLogger
 from titanlike.model import Transformer, count_params, flops_per_token, model_args
 from titanlike.optim import build_optimizer, build_scheduler, clip_and_step
@@ -83,8 +84,8 @@ class Trainer:
         if t.gpu_memory_limit_gib and self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, t.gpu_memory_limit_gib * 2**30 / total), self.device)
-        self.fp8 = float8.resolve(cfg.fp8, dp_shard)
-        float8.check_device(self.fp8, self.device)  # before the process group: fail fast, alone
+        self.fp8 = Float8Training.from_config(cfg.fp8, dp_shard)
+        self.fp8.check_device(self.device)  # before the process group: fail fast, alone
         if t.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)
@@ -114,12 +115,11 @@ class Trainer:
         # ---- 3. Model: meta → float8 → AC → compile → FSDP → materialise → init ------------------
         with torch.device("meta"):
             model = Transformer(self.margs)
-        float8.measure(model, self.fp8, t.local_batch_size * cfg.data.seq_len, self.device)
-        float8.convert(model, self.fp8)
+        self.fp8.convert(model, t.local_batch_size * cfg.data.seq_len, self.device)
         parallel.apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
                                                 cfg.activation_checkpoint.selective_ac_option)
         if cfg.compile.enable:
-            parallel.apply_compile(model, float8.configure_compile(self.fp8))
+            parallel.apply_compile(model, self.fp8.compile_options())
         # bf16 compute on GPU: FSDP casts the gathered parameters; one GPU uses autocast instead.
         gpu_bf16 = self.device.type == "cuda" and t.mixed_precision == "bf16"
         if self.dims.sharded:
@@ -135,13 +135,13 @@ class Trainer:
         )
         model.to_empty(device=self.device)
         model.init_weights(cfg.job.seed, cfg.data.seq_len)
-        float8.after_materialize(model, self.fp8)
+        self.fp8.after_materialize()
         self.model = model
         self.loss_fn = torch.compile(cross_entropy) if cfg.compile.enable else cross_entropy
         self.flops_per_token = flops_per_token(self.margs, cfg.data.seq_len)
-        float8_share = float8.float8_matmul_share(model, self.flops_per_token)
+        float8_share = self.fp8.matmul_share(self.flops_per_token)
         if self.is_main:
-            float8.log_plan(self.fp8, float8_share)
+            self.fp8.log(float8_share)
 
         # ---- 4. Optimizer and LR schedule ---------------------------------------------------------
         o, s = cfg.optimizer, cfg.lr_scheduler
@@ -153,8 +153,7 @@ class Trainer:
         # ---- 5. Checkpoints: resume from the newest complete one, if any ---------------------------
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.job.dump_folder, self, is_main=self.is_main)
         self.checkpointer.load_or_initialize()
-        # Scales depend on the (possibly just loaded) weights: compute them now, never before loading.
-        float8.post_optimizer_step(self.model, self.fp8)
+        self.fp8.after_load()  # float8 scales follow the (possibly just loaded) weights
 
         # ---- 6. Metrics and profiling ------------------------------------------------------------
         self.metrics = MetricsLogger(
@@ -190,7 +189,7 @@ class Trainer:
         step_loss = torch.zeros((), device=self.device)
         data_wait = 0.0
         batch_number = self.state.step + self.state.data_offset + 1  # global batches in data order, from 1
-        float8.before_step(self.model, self.fp8, self.state.step + 1)
+        self.fp8.before_step(self.state.step + 1)
         for _ in range(self.accum_steps):
             batch, wait = self.next_batch()
             data_wait += wait
@@ -209,8 +208,7 @@ class Trainer:
         grad_norm, skipped = clip_and_step(self.optimizer, list(self.model.parameters()), self.cfg.training.max_norm,
                                            skip_nonfinite=self.cfg.training.nonfinite == "skip")
         self.scheduler.step()
-        float8.record_step(self.model, self.fp8)
-        float8.post_optimizer_step(self.model, self.fp8)
+        self.fp8.after_optimizer_step()
         self.state.step += 1
         self.state.tokens_seen += self.global_batch * self.cfg.data.seq_len
         self.metrics.add_tokens(self.accum_steps * self.cfg.training.local_batch_size * self.cfg.data.seq_len, data_wait)
@@ -282,7 +280,7 @@ class Trainer:
         read = self.state.step + self.state.data_offset  # global batches read so far
         self.checkpointer.load(target, restore_data=False)
         self.state.data_offset = read - target
-        float8.post_optimizer_step(self.model, self.fp8)
+        self.fp8.after_load()
         self._skips_in_a_row = 0
         self.metrics.start_window()
         if self.is_main:
@@ -303,12 +301,11 @@ class Trainer:
     def float8_health(self, step: int) -> dict:
         """Every metrics.log_freq × fp8.health_log_freq steps: each float8 layer's cast health to TensorBoard,
         the worst layers' to the record (collectives: every rank calls this at the same steps)."""
-        every = self.cfg.metrics.log_freq * self.cfg.fp8.health_log_freq
-        if not (self.fp8.enabled and every and step % every == 0):
+        health = self.fp8.health(step, self.cfg.metrics.log_freq)
+        if not health:
             return {}
-        health = float8.weight_health(self.model)
         self.metrics.scalars(step, {f"fp8/{name}/{key}": v for name, h in health.items() for key, v in h.items()})
-        return float8.health_summary(health)
+        return health_summary(health)
 
     @torch.no_grad()
     def validate(self) -> None:

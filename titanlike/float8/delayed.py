@@ -4,11 +4,11 @@ Dynamic scaling casts each Linear's input, weight and output gradient with a sca
 tensor's largest magnitude (amax), so it reads every one of them twice: once for the amax, once for
 the cast. Delayed scaling casts with a scale from the last `fp8.amax_history` measured amaxes
 (measured on every step, or on every `fp8.amax_every`-th) and measures this step's amax in the same
-pass as the cast. On one H100 (1b) the amax passes are 7 % of a tensorwise step
-(scripts/gpu/h100_scale_bounds.sh). A value beyond a delayed scale's range
+pass as the cast. What the amax passes cost a tensorwise step, and what this wins back, is in
+docs/benchmarks/2026-11-22-delayed-scaling.md. A value beyond a delayed scale's range
 saturates at the float8 maximum (the cast clamps), as in Transformer Engine's delayed scaling.
-Weights that FSDP all-gathers in float8 arrive cast, with the scales post_optimizer_step
-precomputed from the new weights (dynamic, exact); they are not recorded.
+Weights that FSDP all-gathers in float8 arrive cast, with the scales all_gather.precompute_scales
+computed from the new weights (dynamic, exact); they are not recorded.
 
 A step, per converted Linear (DelayedFloat8Linear), row r of its `amax_history` and scales:
   forward   cast the input (r=0) and the weight (r=2) with their scales; record their amaxes
@@ -34,8 +34,7 @@ from torchao.float8.float8_utils import amax_to_scale
 def _record_max(amax: torch.Tensor, x: torch.Tensor) -> None:
     # Row maxima first, then their maximum: inductor folds a reduction along rows into the kernel
     # that casts the same rows, but runs a reduction over the whole tensor as a pass of its own
-    # (H100, 24576 x 8192 bf16: cast 0.20 ms, + row-wise amax 0.24 ms, + whole-tensor amax 0.35 ms;
-    # scripts/gpu/amax_fusion_bench.py). The maximum is the same either way.
+    # (timed in docs/benchmarks/2026-11-22-delayed-scaling.md). The maximum is the same either way.
     x = x.detach()
     amax.copy_(torch.maximum(amax, x.abs().amax(dim=-1).max().to(amax.dtype)))
 
@@ -58,8 +57,9 @@ class _GradientCast(torch.autograd.Function):
         if ctx.recording:
             _record_max(layer.grad_amax, grad)
         if ctx.calibrated:
-            grad = hp_tensor_and_scale_to_float8(grad, layer.grad_scale, layer.config.cast_config_grad_output.target_dtype,
-                                                 layer.linear_mm_config, GemmInputRole.GRAD_OUTPUT)
+            dtype = layer.config.cast_config_grad_output.target_dtype
+            grad = hp_tensor_and_scale_to_float8(grad, layer.grad_scale, dtype, layer.linear_mm_config,
+                                                 GemmInputRole.GRAD_OUTPUT)
         return grad, None
 
 
