@@ -8,6 +8,7 @@ the other rank, whose own loss is finite, takes the same decision (through the g
 from __future__ import annotations
 
 import copy
+import math
 import shutil
 from pathlib import Path
 
@@ -16,6 +17,8 @@ import torch
 from torch import nn
 
 from conftest import ROOT, metrics, run_python, run_train
+from titanlike import faults
+from titanlike.nonfinite import MAX_IN_A_ROW, NonFiniteLoss, NonFinitePolicy
 from titanlike.optim import clip_and_step, lr_factor
 
 SEQ, GLOBAL = 64, 8
@@ -124,6 +127,71 @@ def test_skip_nonfinite_skips_exactly(fused, monkeypatch):
     for (k, v), w in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(v, w), k
         assert not torch.equal(v, before[0][k]), k  # and the good steps did update
+
+
+# ---- the policy alone (nonfinite.py): rows in, a verdict out -------------------------------------------
+
+NAN, OK = float("nan"), 1.0
+
+
+def policy(mode: str, checkpoints=(4,)) -> NonFinitePolicy:
+    return NonFinitePolicy(mode, lambda: list(checkpoints), lambda s: f"ckpt/step-{s}")
+
+
+def test_policy_all_finite_is_ok_with_the_last_loss():
+    for mode in ("abort", "skip", "rollback"):
+        verdict = policy(mode).judge([(2.5, OK, 0), (2.25, OK, 0)], first_step=7)
+        assert (verdict.kind, verdict.loss, verdict.skipped, verdict.rollback_to) == ("ok", 2.25, 0, None)
+
+
+def test_policy_abort_names_the_first_bad_value():
+    with pytest.raises(NonFiniteLoss) as e:
+        policy("abort").judge([(2.0, OK, 0), (2.0, float("inf"), 0), (NAN, NAN, 0)], first_step=5)
+    assert str(e.value).startswith("gradient norm became inf at step 6; lower --optimizer.lr")
+    assert e.value.same_on_all_ranks
+
+
+def test_policy_skip_counts_and_stops_after_three_in_a_row():
+    p = policy("skip")
+    verdict = p.judge([(NAN, NAN, 1), (2.0, OK, 0), (NAN, NAN, 1)], first_step=1)
+    assert (verdict.kind, verdict.skipped) == ("skipped", 2) and math.isnan(verdict.loss)  # the last step's loss
+    assert p.skips_in_a_row == 1  # the good step in between reset the run
+    assert p.judge([(NAN, NAN, 1)], first_step=4).skipped == 1 and p.skips_in_a_row == MAX_IN_A_ROW - 1
+    with pytest.raises(NonFiniteLoss, match="loss became nan at step 5: 3 steps in a row had their update skipped"):
+        p.judge([(NAN, NAN, 1)], first_step=5)
+    # A non-finite value whose update was not skipped on the device cannot be skipped: abort.
+    with pytest.raises(NonFiniteLoss, match="at step 9; lower"):
+        policy("skip").judge([(NAN, NAN, 0)], first_step=9)
+
+
+def test_policy_rollback_to_the_newest_earlier_checkpoint_at_most_three_times():
+    p = policy("rollback", checkpoints=(4, 8, 12))
+    verdict = p.judge([(2.0, OK, 0), (NAN, NAN, 0), (2.0, OK, 0)], first_step=9)
+    assert (verdict.kind, verdict.rollback_to, verdict.in_a_row, verdict.loss) == ("rollback", 8, 1, None)
+    step, what, value = verdict.cause
+    assert (step, what) == (10, "loss") and math.isnan(value)
+    assert [p.judge([(NAN, NAN, 0)], first_step=9).in_a_row for _ in range(2)] == [2, 3]
+    with pytest.raises(NonFiniteLoss, match="at step 9 after 3 rollbacks in a row to ckpt/step-8"):
+        p.judge([(NAN, NAN, 0)], first_step=9)
+    assert policy("rollback", checkpoints=(4, 8)).judge([(NAN, OK, 0)], first_step=5).rollback_to == 4
+    with pytest.raises(NonFiniteLoss, match="at step 4, before the first checkpoint: nothing to roll back to"):
+        policy("rollback", checkpoints=(4, 8)).judge([(NAN, OK, 0)], first_step=4)
+
+
+def test_nan_injection_wraps_the_loss_function_only_when_asked(monkeypatch):
+    def loss_fn(x):
+        return x.sum()
+
+    batch = [1]
+    monkeypatch.delenv(faults.NAN_BATCHES_ENV, raising=False)
+    assert faults.with_nan_batches(loss_fn, lambda: batch[0], dp_rank=0) is loss_fn
+    monkeypatch.setenv(faults.NAN_BATCHES_ENV, "2,4")
+    assert faults.with_nan_batches(loss_fn, lambda: batch[0], dp_rank=1) is loss_fn  # rank 0 only
+    poisoned = faults.with_nan_batches(loss_fn, lambda: batch[0], dp_rank=0)
+    seen = []
+    for batch[0] in range(1, 6):
+        seen.append(math.isnan(poisoned(torch.ones(3)).item()))
+    assert seen == [False, True, False, True, False]
 
 
 # ---- skip -----------------------------------------------------------------------------------------------

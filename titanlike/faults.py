@@ -1,22 +1,21 @@
-"""Faults a run meets, turned into clear answers: running out of GPU memory, and the test-only hook
-that makes a step's loss non-finite on purpose.
+"""Faults a run meets, turned into clear answers: running out of GPU memory, a collective that
+failed because another rank did, and the test-only hook that makes a step's loss non-finite on
+purpose.
 
-What a non-finite loss does (training.nonfinite: abort, skip, rollback) is part of the training
-loop's story and lives in train.py; skipping an update without a host sync is optim.clip_and_step.
+What a non-finite loss then does (training.nonfinite: abort, skip, rollback) is nonfinite.py's
+decision; skipping an update without a host sync is optim.clip_and_step.
 """
 
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from titanlike import parallel
-
-# training.nonfinite = skip stops once this many consecutive steps had their update skipped (the
-# weights themselves have diverged: skipping more batches cannot help); rollback stops once it has
-# rolled back this many times to the same checkpoint and meets a non-finite value again.
-MAX_IN_A_ROW = 3
 
 # ---- fault injection, for tests only -------------------------------------------------------------
 # TITANLIKE_NAN_BATCHES="7,9": the loss that data-parallel rank 0 computes on these global batches
@@ -29,6 +28,41 @@ NAN_BATCHES_ENV = "TITANLIKE_NAN_BATCHES"
 def injected_nan_batches() -> frozenset[int]:
     raw = os.environ.get(NAN_BATCHES_ENV, "")
     return frozenset(int(b) for b in raw.split(",") if b.strip())
+
+
+def with_nan_batches(loss_fn: Callable, batch_number: Callable[[], int], dp_rank: int) -> Callable:
+    """The training loss function, poisoned on the batches TITANLIKE_NAN_BATCHES lists (on
+    data-parallel rank 0, for the batch `batch_number()` says is being read); `loss_fn` itself,
+    untouched, when the variable is unset or on other ranks."""
+    batches = injected_nan_batches()
+    if not batches or dp_rank != 0:
+        return loss_fn
+
+    def loss_with_injected_nans(*args, **kwargs) -> torch.Tensor:
+        loss = loss_fn(*args, **kwargs)
+        return loss * float("nan") if batch_number() in batches else loss
+
+    return loss_with_injected_nans
+
+
+# ---- a collective failed ---------------------------------------------------------------------------
+
+
+def collective_failure(e: BaseException) -> str | None:
+    """One line for an error raised by a collective (a peer died or hung, the network failed), else None.
+
+    NCCL raises DistBackendError (a DistError); gloo raises a plain RuntimeError whose message
+    names gloo. A collective that times out waited parallel.backend_timeout_s for another rank: that
+    rank's own log usually holds the real cause, so say so.
+    """
+    text = str(e).strip()
+    if not (isinstance(e, dist.DistError) or "gloo" in text.lower() or "nccl" in text.lower()):
+        return None
+    first = text.splitlines()[0] if text else type(e).__name__
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # gloo's "[.../unbound_buffer.cc:78] " source location
+    first = first.split(". This is typically")[0][:300]  # gloo's generic advice, said better below
+    what = "a collective timed out" if "timed out" in text.lower() else "a collective failed"
+    return f"{what} ({first}); another rank probably failed or stopped first: see its log"
 
 
 # ---- out of memory -----------------------------------------------------------------------------------

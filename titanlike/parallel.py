@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -113,23 +112,6 @@ def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: int):
     if dims.dp_replicate > 1:
         return init_device_mesh(device.type, (dims.dp_replicate, dims.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
     return init_device_mesh(device.type, (dims.dp_shard,), mesh_dim_names=("dp_shard",))
-
-
-def collective_failure(e: BaseException) -> str | None:
-    """One line for an error raised by a collective (a peer died or hung, the network failed), else None.
-
-    NCCL raises DistBackendError (a DistError); gloo raises a plain RuntimeError whose message
-    names gloo. A collective that times out waited parallel.backend_timeout_s for another rank: that
-    rank's own log usually holds the real cause, so say so.
-    """
-    text = str(e).strip()
-    if not (isinstance(e, dist.DistError) or "gloo" in text.lower() or "nccl" in text.lower()):
-        return None
-    first = text.splitlines()[0] if text else type(e).__name__
-    first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # gloo's "[.../unbound_buffer.cc:78] " source location
-    first = first.split(". This is typically")[0][:300]  # gloo's generic advice, said better below
-    what = "a collective timed out" if "timed out" in text.lower() else "a collective failed"
-    return f"{what} ({first}); another rank probably failed or stopped first: see its log"
 
 
 def destroy_process_group() -> None:

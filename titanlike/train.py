@@ -29,6 +29,7 @@ from titanlike.errors import UserError
 from titanlike.float8 import Float8Training, health_summary
 from titanlike.metrics import MetricsLogger
 from titanlike.model import Transformer, count_params, flops_per_token, model_args
+from titanlike.nonfinite import MAX_IN_A_ROW, NonFinitePolicy, Verdict
 from titanlike.optim import build_optimizer, build_scheduler, clip_and_step
 from titanlike.profiling import Profiler
 
@@ -37,11 +38,6 @@ logger = logging.getLogger("titanlike")
 
 # Exit code of a preflight (run_train.sh, before torchrun) that printed the config: stop, no error.
 PRINTED_CONFIG = 3
-
-
-class NonFiniteLoss(UserError):
-    # Decided on the all-reduced loss and gradient norm, so every rank stops with the same words.
-    same_on_all_ranks = True
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -138,6 +134,8 @@ class Trainer:
         self.fp8.after_materialize()
         self.model = model
         self.loss_fn = torch.compile(cross_entropy) if cfg.compile.enable else cross_entropy
+        # Training's loss: the same, unless a test asks for NaNs on some batches (faults.py).
+        self.train_loss_fn = faults.with_nan_batches(self.loss_fn, self.batch_number, self.dp_rank)
         self.flops_per_token = flops_per_token(self.margs, cfg.data.seq_len)
         float8_share = self.fp8.matmul_share(self.flops_per_token)
         if self.is_main:
@@ -169,10 +167,8 @@ class Trainer:
                 f"{t.local_batch_size} × {self.dims.dp} ranks × {self.accum_steps} micro-batches | seq {cfg.data.seq_len}"
             )
         self._window_losses: list[torch.Tensor] = []
-        # training.nonfinite bookkeeping (check_losses, rollback); TITANLIKE_NAN_BATCHES: see faults.py.
-        self._skips_in_a_row = 0
-        self._rollbacks = (-1, 0)  # (checkpoint step last rolled back to, times in a row)
-        self.nan_batches = faults.injected_nan_batches()
+        self.nonfinite = NonFinitePolicy(cfg.training.nonfinite, self._checkpoints_to_roll_back_to,
+                                         self.checkpointer.step_dir, is_main=self.is_main)
 
     # ---- one training step ----------------------------------------------------------------------
 
@@ -183,21 +179,22 @@ class Trainer:
         batch = next(self.batches).to(self.device, non_blocking=True)
         return batch, time.perf_counter() - start
 
+    def batch_number(self) -> int:
+        """The global batch the current step reads, numbered from 1 in data order (a rollback skips some)."""
+        return self.state.step + self.state.data_offset + 1
+
     def train_step(self) -> torch.Tensor:
         """Forward and backward over the micro-batches of one global batch, then one update."""
         self.optimizer.zero_grad(set_to_none=True)
         step_loss = torch.zeros((), device=self.device)
         data_wait = 0.0
-        batch_number = self.state.step + self.state.data_offset + 1  # global batches in data order, from 1
         self.fp8.before_step(self.state.step + 1)
         for _ in range(self.accum_steps):
             batch, wait = self.next_batch()
             data_wait += wait
             inputs, targets = batch[:, :-1], batch[:, 1:]
             with self.autocast:
-                loss = self.loss_fn(self.model(inputs), targets)
-            if batch_number in self.nan_batches and self.dp_rank == 0:
-                loss = loss * float("nan")  # test-only fault injection (faults.py), inert unless set
+                loss = self.train_loss_fn(self.model(inputs), targets)
             # Each micro-batch has the same token count, so the mean of means is the batch mean;
             # FSDP averages over ranks in its reduce-scatter.
             (loss / self.accum_steps).backward()
@@ -223,70 +220,35 @@ class Trainer:
         return values
 
     def check_losses(self) -> float | None:
-        """Reduce the (loss, grad norm, skipped) rows since the last check over ranks and meet each
-        non-finite value as training.nonfinite says: stop, count the skipped update, or roll back.
+        """Reduce the (loss, grad norm, skipped) rows since the last check over ranks and act on the
+        verdict of training.nonfinite (nonfinite.py): go on, count skipped updates, roll back, or stop.
         Return the last loss, or None after a rollback. One host sync per check, none per step."""
         rows = self.global_mean(torch.stack(self._window_losses)).tolist()
-        first = self.state.step - len(rows) + 1
         self._window_losses = []
-        advice = "lower --optimizer.lr, raise --lr_scheduler.warmup_steps or check --training.max_norm"
-        for i, (loss, grad_norm, skipped) in enumerate(rows):
-            bad = [(what, v) for what, v in (("loss", loss), ("gradient norm", grad_norm)) if not math.isfinite(v)]
-            if not bad:
-                self._skips_in_a_row = 0
-                continue
-            (what, value), step = bad[0], first + i
-            mode = self.cfg.training.nonfinite
-            if mode == "rollback":
-                self.rollback(step, what, value, advice)
-                return None
-            if mode == "skip" and skipped > 0:  # the update was skipped on the device (clip_and_step)
-                self.state.skipped_steps += 1
-                self._skips_in_a_row += 1
-                if self._skips_in_a_row >= faults.MAX_IN_A_ROW:
-                    raise NonFiniteLoss(
-                        f"{what} became {value} at step {step}: {self._skips_in_a_row} steps in a row had their update "
-                        f"skipped (training.nonfinite = skip), so the weights themselves have diverged; {advice}"
-                    )
-                if self.is_main:
-                    logger.warning(f"step {step}: {what} became {value}; update skipped (training.nonfinite = skip, "
-                                   f"{self.state.skipped_steps} skipped so far)")
-                continue
-            raise NonFiniteLoss(
-                f"{what} became {value} at step {step}; {advice} (last checkpoint kept; --training.nonfinite "
-                f"skip or rollback would go on past such steps)"
-            )
-        return rows[-1][0]
+        verdict = self.nonfinite.judge(rows, self.state.step - len(rows) + 1, self.state.skipped_steps)
+        self.state.skipped_steps += verdict.skipped
+        if verdict.rollback_to is not None:
+            self.rollback(verdict)
+        return verdict.loss
 
-    def rollback(self, step: int, what: str, value: float, advice: str) -> None:
-        """training.nonfinite = rollback: reload the newest checkpoint before `step` (model, optimizer, LR
-        schedule, step count) but keep reading data from where the loader is, so the batches read since
-        that checkpoint, the offending one among them, are never replayed."""
+    def _checkpoints_to_roll_back_to(self) -> list[int]:
         self.checkpointer.finish()  # a background save (of a checked step) lands first
-        earlier = [s for s in self.checkpointer.complete_steps() if s < step]
-        if not earlier:
-            raise NonFiniteLoss(
-                f"{what} became {value} at step {step}, before the first checkpoint: nothing to roll back to "
-                f"(training.nonfinite = rollback); {advice}, or save sooner with --checkpoint.interval"
-            )
-        target = earlier[-1]
-        times = self._rollbacks[1] + 1 if self._rollbacks[0] == target else 1
-        if times > faults.MAX_IN_A_ROW:
-            raise NonFiniteLoss(
-                f"{what} became {value} at step {step} after {times - 1} rollbacks in a row to "
-                f"{self.checkpointer.step_dir(target)} (training.nonfinite = rollback): other data does not help; {advice}"
-            )
-        self._rollbacks = (target, times)
+        return self.checkpointer.complete_steps()
+
+    def rollback(self, verdict: Verdict) -> None:
+        """Reload the checkpoint the verdict names (model, optimizer, LR schedule, step count) but keep
+        reading data from where the loader is, so the batches read since that checkpoint, the
+        offending one among them, are never replayed."""
+        target, (step, what, value), times = verdict.rollback_to, verdict.cause, verdict.in_a_row
         read = self.state.step + self.state.data_offset  # global batches read so far
         self.checkpointer.load(target, restore_data=False)
         self.state.data_offset = read - target
         self.fp8.after_load()
-        self._skips_in_a_row = 0
         self.metrics.start_window()
         if self.is_main:
             logger.warning(
                 f"{what} became {value} at step {step}: rolled back to {self.checkpointer.step_dir(target)} "
-                f"({times} of at most {faults.MAX_IN_A_ROW} in a row); training goes on with batch {read + 1}: "
+                f"({times} of at most {MAX_IN_A_ROW} in a row); training goes on with batch {read + 1}: "
                 f"the {read - target} batches read since step {target} are not replayed"
             )
         self.metrics.log(step, {"to_step": target, "not_replayed": read - target, "in_a_row": times}, prefix="rollback")
@@ -418,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {faults.oom_message(cfg, world, rank, step, faults.gpu_memory(device), snapshot)}", file=sys.stderr)
         return 2
     except RuntimeError as e:
-        failure = parallel.collective_failure(e)  # a peer died or hung, or the network failed
+        failure = faults.collective_failure(e)  # a peer died or hung, or the network failed
         if failure is None:
             raise
         print(f"error: rank {rank} on {socket.gethostname()}: {failure}", file=sys.stderr)

@@ -1,0 +1,121 @@
+"""What a non-finite loss or gradient norm does (training.nonfinite), decided in one place.
+
+The trainer hands in the losses and gradient norms of the steps since its last check, already
+reduced over ranks (so every rank reaches the same verdict), and gets a Verdict back:
+
+  ok        every value finite: training goes on;
+  skipped   (training.nonfinite = skip) some steps' updates were skipped on the device
+            (optim.clip_and_step): counted, and training goes on;
+  rollback  (training.nonfinite = rollback) reload the checkpoint of step `rollback_to`;
+  abort     raised as NonFiniteLoss, one line naming the step and what to change.
+
+Skipping stops once MAX_IN_A_ROW consecutive steps had their update skipped (the weights
+themselves have diverged: skipping more batches cannot help); rolling back stops once it has
+rolled back MAX_IN_A_ROW times to the same checkpoint and meets a non-finite value again. How a
+rollback is carried out (reload, keep the data position) is the trainer's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from titanlike.errors import UserError
+
+logger = logging.getLogger("titanlike")
+
+MAX_IN_A_ROW = 3
+
+ADVICE = "lower --optimizer.lr, raise --lr_scheduler.warmup_steps or check --training.max_norm"
+
+
+class NonFiniteLoss(UserError):
+    # Decided on the all-reduced loss and gradient norm, so every rank stops with the same words.
+    same_on_all_ranks = True
+
+
+@dataclass(frozen=True)
+class Verdict:
+    loss: float | None = None
+    """The last step's loss, when training goes on as it was (ok or skipped); None with a rollback."""
+    skipped: int = 0
+    """Updates skipped among the steps checked (training.nonfinite = skip)."""
+    rollback_to: int | None = None
+    """The checkpoint step to reload (training.nonfinite = rollback)."""
+    cause: tuple[int, str, float] | None = None
+    """(step, "loss" or "gradient norm", value) of the first non-finite value, for a rollback's log."""
+    in_a_row: int = 0
+    """With a rollback: how many times in a row it went back to this checkpoint, this one included."""
+
+    @property
+    def kind(self) -> str:
+        return "rollback" if self.rollback_to is not None else "skipped" if self.skipped else "ok"
+
+
+class NonFinitePolicy:
+    """training.nonfinite, with the counts it keeps between checks.
+
+    `checkpoints()` lists the steps of the complete checkpoints a rollback may go back to (called
+    only when one is needed; the trainer lets a background save land first); `step_dir(step)` names
+    one in messages."""
+
+    def __init__(self, mode: str, checkpoints: Callable[[], list[int]], step_dir: Callable[[int], str],
+                 is_main: bool = True):
+        self.mode = mode
+        self.checkpoints = checkpoints
+        self.step_dir = step_dir
+        self.is_main = is_main
+        self.skips_in_a_row = 0
+        self._rollbacks = (-1, 0)  # (checkpoint step last rolled back to, times in a row)
+
+    def judge(self, rows: Sequence[Sequence[float]], first_step: int, skipped_so_far: int = 0) -> Verdict:
+        """`rows`: (loss, gradient norm, update skipped on the device: 0 or 1) of steps `first_step`,
+        `first_step` + 1, ...; `skipped_so_far`: updates skipped before these (for the log).
+        Raises NonFiniteLoss to abort."""
+        skipped = 0
+        for i, (loss, grad_norm, skipped_on_device) in enumerate(rows):
+            bad = [(what, v) for what, v in (("loss", loss), ("gradient norm", grad_norm)) if not math.isfinite(v)]
+            if not bad:
+                self.skips_in_a_row = 0
+                continue
+            (what, value), step = bad[0], first_step + i
+            if self.mode == "rollback":
+                return self._rollback(step, what, value)
+            if self.mode == "skip" and skipped_on_device > 0:
+                skipped += 1
+                self.skips_in_a_row += 1
+                if self.skips_in_a_row >= MAX_IN_A_ROW:
+                    raise NonFiniteLoss(
+                        f"{what} became {value} at step {step}: {self.skips_in_a_row} steps in a row had their "
+                        f"update skipped (training.nonfinite = skip), so the weights themselves have diverged; {ADVICE}"
+                    )
+                if self.is_main:
+                    logger.warning(f"step {step}: {what} became {value}; update skipped (training.nonfinite = skip, "
+                                   f"{skipped_so_far + skipped} skipped so far)")
+                continue
+            raise NonFiniteLoss(
+                f"{what} became {value} at step {step}; {ADVICE} (last checkpoint kept; --training.nonfinite "
+                f"skip or rollback would go on past such steps)"
+            )
+        return Verdict(loss=rows[-1][0], skipped=skipped)
+
+    def _rollback(self, step: int, what: str, value: float) -> Verdict:
+        """The newest checkpoint before `step`, unless there is none or it has failed too often."""
+        earlier = [s for s in self.checkpoints() if s < step]
+        if not earlier:
+            raise NonFiniteLoss(
+                f"{what} became {value} at step {step}, before the first checkpoint: nothing to roll back to "
+                f"(training.nonfinite = rollback); {ADVICE}, or save sooner with --checkpoint.interval"
+            )
+        target = earlier[-1]
+        times = self._rollbacks[1] + 1 if self._rollbacks[0] == target else 1
+        if times > MAX_IN_A_ROW:
+            raise NonFiniteLoss(
+                f"{what} became {value} at step {step} after {times - 1} rollbacks in a row to "
+                f"{self.step_dir(target)} (training.nonfinite = rollback): other data does not help; {ADVICE}"
+            )
+        self._rollbacks = (target, times)
+        self.skips_in_a_row = 0
+        return Verdict(rollback_to=target, cause=(step, what, value), in_a_row=times)
