@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from titanlike.float8_bench import median_cuda_ms  # noqa: E402
+from titanlike.float8.measure import median_cuda_ms  # noqa: E402
 from titanlike.model import PRESETS  # noqa: E402
 
 BACKENDS = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,

@@ -25,6 +25,19 @@ def corpus(tmp_path_factory) -> tuple[str, str]:
     return build_default_corpus(str(tmp_path_factory.mktemp("corpus")))
 
 
+def pytest_collection_modifyitems(config, items):
+    """`-m gpu` tests need a CUDA GPU: without one they are skipped, so that a `-m` of one's own
+    (`pytest -m "not slow"`, which replaces the default `-m 'not gpu'`) still runs on CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(no_gpu)
+
+
 def _env() -> dict:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
@@ -60,9 +73,9 @@ def run_python(*args: str, check: bool = False, timeout: int = 300, env: dict | 
 
 
 def run_probe(script: str, out: Path) -> dict:
-    """`torchrun --nproc_per_node=2 tests/<script> OUT.json` on CPU; the JSON rank 0 wrote there."""
+    """`torchrun --nproc_per_node=2 tests/probes/<script> OUT.json` on CPU; the JSON rank 0 wrote there."""
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(ROOT / "tests" / script), str(out)],
+                           str(ROOT / "tests" / "probes" / script), str(out)],
                           env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return json.loads(Path(out).read_text())

@@ -318,7 +318,7 @@ def test_fused_all_gather_cast_gives_torchaos_bytes(monkeypatch):
 
 @pytest.mark.slow
 def test_fsdp_all_gather_carries_float8_bytes(tmp_path):
-    """What FSDP puts on the wire, recorded inside 2 gloo ranks by tests/float8_fsdp_probe.py."""
+    """What FSDP puts on the wire, recorded inside 2 gloo ranks by tests/probes/float8_fsdp_probe.py."""
     result = run_probe("float8_fsdp_probe.py", tmp_path / "probe.json")
     world = result["world"]
     fp8, plain = result["fp8"], result["plain"]

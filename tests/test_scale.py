@@ -121,7 +121,7 @@ def test_collective_timeout_names_rank_and_host(tmp_path, corpus):
     """Rank 1 stalls before its first step: rank 0's first all-gather times out after
     parallel.backend_timeout_s and says, in one line, which rank on which host saw it."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "stalled_rank_probe.py"), "10",
+           str(ROOT / "tests" / "probes" / "stalled_rank_probe.py"), "10",
            "--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--job.dump_folder", str(tmp_path),
            "--training.device", "cpu", "--data.path", corpus[0], "--parallel.backend_timeout_s", "3", *COMMON]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -184,9 +184,9 @@ def apply_compile(model: Transformer, options: dict[str, object] | None = None) 
 
 
 # `reshard_after_forward = default` keeps the gathered weights from forward to backward (so backward
-# all-gathers nothing) when all of them, in bf16, take at most this share of a GPU's memory. 1b on
-# two H200s: per-GPU tokens/s 61.5k vs 60.4k in bf16, 72.3k vs 70.9k in tensorwise, for 1.4-2.2 GiB
-# more memory (docs/benchmarks/2026-11-22-bf16-residual-fused-clip.md). An 8b (16 GB) stays resharded.
+# all-gathers nothing) when all of them, in bf16, take at most this share of a GPU's memory: 1b on
+# two H200s trains faster that way, for a little more memory
+# (docs/benchmarks/2026-11-22-bf16-residual-fused-clip.md). An 8b (16 GB) stays resharded.
 KEEP_GATHERED_MAX_SHARE = 1 / 16
 
 

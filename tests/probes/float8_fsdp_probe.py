@@ -1,6 +1,6 @@
 """Worker for tests/test_float8.py: what does FSDP really all-gather with float8 all-gather on?
 
-Run as `torchrun --nproc_per_node=2 tests/float8_fsdp_probe.py OUT.json` (CPU, gloo). Builds a
+Run as `torchrun --nproc_per_node=2 tests/probes/float8_fsdp_probe.py OUT.json` (CPU, gloo). Builds a
 small Llama twice, with torchao tensorwise float8 + float8 all-gather and without, each through
 titanlike's own Float8Training.convert and parallel.apply_fsdp, and records during a forward pass:
 every all-gather collective (dtype, bytes sent by this rank), and every float8 weight's

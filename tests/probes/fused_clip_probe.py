@@ -1,7 +1,7 @@
 """Worker for tests/test_optim.py: does clipping folded into fused AdamW match in-place clipping
 when the gradients are FSDP-sharded DTensors?
 
-Run as `torchrun --nproc_per_node=2 tests/fused_clip_probe.py OUT.json` (CPU, gloo). Trains a small
+Run as `torchrun --nproc_per_node=2 tests/probes/fused_clip_probe.py OUT.json` (CPU, gloo). Trains a small
 Llama sharded over both ranks for three steps twice, with fused AdamW (clipping through its
 `grad_scale` input) and with foreach AdamW (clipping in place), from the same weights and batches.
 Rank 0 writes the largest weight difference and the gradient norms as JSON.

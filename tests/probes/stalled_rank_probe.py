@@ -1,6 +1,6 @@
 """Worker for tests/test_scale.py: the real trainer on rank 0, and a rank 1 that stalls instead of training.
 
-Run as `torchrun --nproc_per_node=2 tests/stalled_rank_probe.py SECONDS <titanlike overrides>`. Both
+Run as `torchrun --nproc_per_node=2 tests/probes/stalled_rank_probe.py SECONDS <titanlike overrides>`. Both
 ranks build everything as usual (process group, mesh, sharded model); then rank 1 sleeps SECONDS
 instead of training and exits 0, so rank 0's first collective waits parallel.backend_timeout_s for
 a peer that never comes, which is what a hung or dead rank on another node looks like.
