@@ -81,7 +81,8 @@ def run_variant(name: str, overrides: list[str], args, workdir: Path, extra_env:
 
 def table(results: list[dict]) -> str:
     base = next((r["tps"] for r in results if r.get("tps")), None)
-    head = f"{'variant':<24} {'tok/s/GPU':>10} {'vs first':>8} {'MFU%':>6} {'TFLOPS':>7} {'fp8 share':>9} {'mem GiB':>8} {'first step s':>12} {'loss':>7}"
+    head = (f"{'variant':<24} {'tok/s/GPU':>10} {'vs first':>8} {'MFU%':>6} {'TFLOPS':>7} {'fp8 share':>9} "
+            f"{'mem GiB':>8} {'first step s':>12} {'loss':>7}")
     lines = [head, "-" * len(head)]
     for r in results:
         if r.get("tps") is None:

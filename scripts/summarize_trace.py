@@ -47,7 +47,10 @@ def timeline(kernels: list[dict], windows: list[tuple[float, float]]) -> None:
     """Where the recorded steps' wall time on the GPU went: kernels summed over streams overstate a
     step when streams overlap (communication beside compute), so measure unions of intervals."""
     span = sum(b - a for a, b in windows)
-    spans = lambda ks: [(e["ts"], e["ts"] + e["dur"]) for e in ks]
+
+    def spans(ks):
+        return [(e["ts"], e["ts"] + e["dur"]) for e in ks]
+
     comm = [e for e in kernels if kind(e["name"]) == "communication"]
     compute = [e for e in kernels if kind(e["name"]) != "communication"]
     busy, compute_busy = union_us(spans(kernels)), union_us(spans(compute))

@@ -63,7 +63,8 @@ def run_train(dump: Path, *overrides: str, nproc: int = 1, corpus: tuple[str, st
     return proc
 
 
-def run_python(*args: str, check: bool = False, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_python(*args: str, check: bool = False, timeout: int = 300,
+               env: dict | None = None) -> subprocess.CompletedProcess:
     """`python <args>` from the repository root (for single-process entry points and scripts)."""
     proc = subprocess.run([sys.executable, *args], env=env or _env(), capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)

@@ -35,7 +35,8 @@ class Recorder:
         self.model, self.inputs, self.grads = model, {}, {}
         for i, layer in enumerate(float8_delayed.layers(model)):
             layer.register_forward_pre_hook(lambda m, args, i=i: self.inputs.__setitem__(i, args[0].detach().clone()))
-            layer.register_full_backward_hook(lambda m, gin, gout, i=i: self.grads.__setitem__(i, gout[0].detach().clone()))
+            layer.register_full_backward_hook(
+                lambda m, gin, gout, i=i: self.grads.__setitem__(i, gout[0].detach().clone()))
 
     def step(self, x: torch.Tensor, step: int, every: int = 1) -> torch.Tensor:
         float8_delayed.set_recording(self.model, step, every)
@@ -64,8 +65,9 @@ def test_scales_come_from_the_amaxes_of_earlier_steps():
         expected = torch.tensor([[s[k] for s in window] + [0.0] * (2 - len(window)) for k in range(3)])
         torch.testing.assert_close(first.amax_history, expected, rtol=0, atol=0)
         for k, (row, fmax) in enumerate((("input", E4M3), ("grad", E5M2), ("weight", E4M3))):
+            newest_max = max(s[k] for s in window).double()
             torch.testing.assert_close(getattr(first, f"{row}_scale"),
-                                       torch.tensor(fmax, dtype=torch.float64).div(max(s[k] for s in window).double()).float())
+                                       torch.tensor(fmax, dtype=torch.float64).div(newest_max).float())
         assert first.calibrated and second.calibrated
         assert first.input_amax == 0 and first.grad_amax == 0  # collected for the next step afresh
 

@@ -251,7 +251,8 @@ def test_rollback_reloads_checkpoint_and_skips_the_batch(tmp_path, corpus, monke
     ckpt = dump / "checkpoint"
     assert (f"loss became nan at step 7: rolled back to {ckpt}/step-4 (1 of at most 3 in a row); training goes on "
             f"with batch 8: the 3 batches read since step 4 are not replayed") in proc.stderr
-    assert metrics(dump, "rollback") == [{"kind": "rollback", "step": 7, "to_step": 4, "not_replayed": 3, "in_a_row": 1}]
+    assert metrics(dump, "rollback") == [
+        {"kind": "rollback", "step": 7, "to_step": 4, "not_replayed": 3, "in_a_row": 1}]
     records = metrics(dump)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8, 9, 10]
     assert [r["batches_skipped"] for r in records] == [0] * 6 + [3] * 6

@@ -75,7 +75,8 @@ def test_two_nodes_through_slurm_script_match_one_node(tmp_path, corpus):
     assert proc.returncode == 0, proc.stdout + proc.stderr + "\n".join(node_logs)
     assert f"rendezvous at 127.0.0.1:{port} (id titanlike-4242)" in proc.stdout
     srun_args = (logs / "srun_args").read_text().split()
-    assert "--ntasks-per-node=1" in srun_args and srun_args[srun_args.index(str(ROOT / "run_train.sh")) + 1:] == overrides
+    assert "--ntasks-per-node=1" in srun_args
+    assert srun_args[srun_args.index(str(ROOT / "run_train.sh")) + 1:] == overrides
     # Each node's torchrun started one worker; together they form one world of 2 ranks, sharded 2 ways.
     both = "\n".join(node_logs)
     assert "2 rank(s) on cpu (dp_replicate 1 × dp_shard 2)" in both

@@ -118,7 +118,8 @@ def oom_message(cfg, world_size: int, rank: int, step: int | None, memory: dict 
     if world_size > 1 and cfg.parallel.reshard_after_forward != "always":
         knobs.append("--parallel.reshard_after_forward always (frees every gathered weight after forward)")
     allocator = parallel.allocator_settings() or ""
-    if memory and memory["reserved"] > 1.2 * memory["allocated"] + 1 and "expandable_segments:true" not in allocator.lower():
+    fragmented = memory and memory["reserved"] > 1.2 * memory["allocated"] + 1
+    if fragmented and "expandable_segments:true" not in allocator.lower():
         knobs.append("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (reserved far above allocated: fragmentation)")
     seen = f"; memory snapshot in {snapshot}" if snapshot else "; --profiling.memory_snapshot shows what held it"
     return (f"out of GPU memory on {where} {when}: {peak}; training.local_batch_size {b} × data.seq_len "

@@ -123,8 +123,9 @@ def case(fp8: bool, mesh, rec: Recorder) -> dict:
         local = getattr(weight, "_local_tensor", None)
         if local is not None and hasattr(local, "_precomputed_scale"):
             scale = local._precomputed_scale
+            amax = torch.tensor(full_amax(weight), dtype=torch.float64)
             precomputed[name] = {"scale": None if scale is None else float(scale),
-                                 "expected": float(torch.finfo(torch.float8_e4m3fn).max / torch.tensor(full_amax(weight), dtype=torch.float64))}
+                                 "expected": float(torch.finfo(torch.float8_e4m3fn).max / amax)}
 
     rec.collectives, rec.pre_all_gather, rec.active = [], [], True
     with torch.no_grad():

@@ -37,7 +37,8 @@ def train(fused: bool, mesh, steps: int = 3) -> tuple[list[torch.Tensor], list[f
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused, foreach=not fused)
     norms = []
     for step in range(steps):
-        batch = torch.randint(0, ARGS.vocab_size, (2, 17), generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        generator = torch.Generator().manual_seed(10 * step + dist.get_rank())
+        batch = torch.randint(0, ARGS.vocab_size, (2, 17), generator=generator)
         logits = model(batch[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)

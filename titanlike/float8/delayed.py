@@ -84,7 +84,7 @@ class DelayedFloat8Linear(Float8Linear):
         self.register_buffer("amax_history", torch.zeros((len(ROWS), history), dtype=torch.float32), persistent=False)
 
     @classmethod
-    def from_linear(cls, linear: Float8Linear, history: int) -> "DelayedFloat8Linear":
+    def from_linear(cls, linear: Float8Linear, history: int) -> DelayedFloat8Linear:
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=False, config=linear.config, history=history)
         new.weight, new.bias = linear.weight, linear.bias

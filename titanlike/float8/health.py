@@ -51,7 +51,8 @@ def weight_health(model: nn.Module) -> dict[str, dict[str, float]]:
         # Up to half a float8 step above the maximum a value rounds to the maximum anyway (464 for e4m3).
         limit = fmax + 2.0 ** math.floor(math.log2(fmax)) * torch.finfo(cast.target_dtype).eps / 2
         if cast.scaling_granularity is ScalingGranularity.AXISWISE:  # rows are whole on each FSDP shard
-            scale = amax_to_scale(w.abs().amax(dim=-1, keepdim=True), cast.target_dtype, config.round_scales_to_power_of_2)
+            row_amax = w.abs().amax(dim=-1, keepdim=True)
+            scale = amax_to_scale(row_amax, cast.target_dtype, config.round_scales_to_power_of_2)
         elif precomputed is not None:
             scale = precomputed.float()
         else:

@@ -89,7 +89,8 @@ def measure_shapes(shapes: list[tuple[int, int]], tokens: int, recipe: str,
     return out
 
 
-def measure(model: nn.Module, options: Float8Options, tokens: int, device: torch.device) -> dict[tuple[int, int], float]:
+def measure(model: nn.Module, options: Float8Options, tokens: int,
+            device: torch.device) -> dict[tuple[int, int], float]:
     """For auto_filter = measure: the float8 speed-up of every candidate Linear shape on this GPU
     (rank 0's timings go to every rank, so all ranks convert the same layers). Empty where nothing
     is timed: the layers are then chosen by size."""
