@@ -164,3 +164,41 @@ def test_only_plain_float8_linears_convert():
     assert all(type(m) is DelayedFloat8Linear for m in float8_delayed.layers(model))
     assert float8_delayed.convert(model, 4) == 0  # already converted: nothing left to swap
     assert "delayed scaling, amax history of 4" in repr(model)
+
+
+def test_the_component_checkpoints_one_stateful_item_under_the_old_key():
+    """Float8Training, as the trainer and the checkpointer use it: its state_dict() is delayed
+    scaling's history under the key checkpoints have always had (so old ones load), and its
+    load_state_dict() restores a run's scales; without delayed scaling it holds nothing."""
+    from titanlike.float8 import Float8Options, Float8Training
+
+    def component(seed: int) -> tuple[Float8Training, nn.Module]:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.ReLU(), nn.Linear(64, 16, bias=False))
+        fp8 = Float8Training(Float8Options(recipe="tensorwise", emulate=True, scaling="delayed", amax_history=4))
+        assert fp8.convert(model, tokens=8, device=torch.device("cpu")).converted == ["0", "2"]
+        fp8.after_materialize()
+        return fp8, model
+
+    fp8, model = component(0)
+    for step in (1, 2, 3):
+        fp8.before_step(step)
+        model(torch.randn(8, 32)).float().pow(2).mean().backward()
+        fp8.after_optimizer_step()
+    state = {k: v.clone() for k, v in fp8.state_dict().items()}
+    assert list(state) == ["float8_amax_history"] and state["float8_amax_history"].shape == (2, 3, 4)
+    assert state["float8_amax_history"][..., :3].gt(0).all()  # three steps measured
+
+    restored, other = component(5)
+    restored.load_state_dict(state)
+    for a, b in zip(float8_delayed.layers(model), float8_delayed.layers(other)):
+        assert b.calibrated
+        for name in ("amax_history", "input_scale", "grad_scale", "weight_scale"):
+            torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=0, atol=0)
+    restored.load_state_dict({})  # a checkpoint saved with dynamic scaling: the history starts afresh
+    assert not any(m.calibrated for m in float8_delayed.layers(other))
+
+    dynamic = Float8Training(Float8Options(recipe="tensorwise", emulate=True))
+    dynamic.convert(nn.Sequential(nn.Linear(32, 32, bias=False)), tokens=8, device=torch.device("cpu"))
+    assert dynamic.state_dict() == {}
+    dynamic.load_state_dict({})
