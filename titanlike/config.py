@@ -152,8 +152,8 @@ class Fp8:
     scaling: Literal["dynamic", "delayed"] = "dynamic"
     """How tensorwise scales each Linear's input, weight and output gradient: dynamic = from the
     tensor's own amax (a read of the whole tensor before the cast); delayed = from the amaxes of the
-    last amax_history measurements, taken during the casts: faster (titanlike/float8/delayed.py). Weights that
-    FSDP all-gathers in float8 keep their precomputed dynamic scales either way."""
+    last amax_history measurements, taken during the casts: faster (titanlike/float8/delayed.py).
+    Weights that FSDP all-gathers in float8 keep their precomputed dynamic scales either way."""
     amax_history: int = 16
     """Measurements of the largest magnitudes that delayed scaling takes the maximum of."""
     amax_every: int = 1

@@ -70,11 +70,11 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], 
     Fused AdamW (the CUDA default) takes the two inputs of the AMP grad scaler, and both spare work:
     `grad_scale`, which the kernel divides every gradient by as it reads it, so clipping needs no
     pass of its own over the gradients (one read and one write of every fp32 gradient, 12 GB for
-    1b; docs/benchmarks/2026-11-22-bf16-residual-fused-clip.md); and `found_inf`, which makes the update a no-op on the
-    device, so skipping needs no host synchronisation and the CPU keeps queueing work. The foreach
-    and for-loop implementations have neither: they clip in place and read the flag on the host;
-    they run on the CPU here, where kernels execute as they are called and reading a value costs
-    nothing.
+    1b; docs/benchmarks/2026-11-22-bf16-residual-fused-clip.md); and `found_inf`, which makes the
+    update a no-op on the device, so skipping needs no host synchronisation and the CPU keeps
+    queueing work. The foreach and for-loop implementations have neither: they clip in place and
+    read the flag on the host; they run on the CPU here, where kernels execute as they are called
+    and reading a value costs nothing.
 
     The norm is the same number on every rank (grad_norm all-reduces it), so all ranks clip by the
     same factor and skip together; a non-finite loss on any rank makes the norm non-finite.
