@@ -90,9 +90,9 @@ def inductor_options(recipe: str) -> dict[str, object]:
         # recipes' intermediate casts, a known source of NaNs (pytorch#150859).
         "emulate_precision_casts": True,
         # Rowwise casts each weight-gradient operand with one scale per column and writes it
-        # transposed, in kernels of their own (the scales need the whole column first). Tiled in
-        # two dimensions rather than one, those kernels take far less of the step
-        # (docs/benchmarks/2026-11-22-rowwise-tiling-four-h200.md); tensorwise needs no options.
+        # transposed, in kernels of their own (the scales need the whole column first). With those
+        # kernels tiled in two dimensions rather than one, the rowwise step runs faster
+        # (docs/benchmarks/2026-11-22-rowwise-tiling-four-h200.md); tensorwise gains nothing.
         "triton.prefer_nd_tiling": True,
     }
     # Both exist in torch 2.11-2.14; a later torch without one loses the speed-up, not the run.
