@@ -27,9 +27,11 @@ from titanlike.errors import UserError  # noqa: E402
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def load_checkpoint_model(step_dir: str):
+def load_checkpoint_model(step_dir: str, trust_pickled_dcp: bool = False):
     """(ModelArgs, full CPU state dict under our parameter names) of a checkpoint step folder."""
     import torch.distributed.checkpoint as dcp
+
+    from titanlike.checkpoint import check_trusted_dcp
 
     from titanlike.model import ModelArgs, Transformer
 
@@ -52,6 +54,8 @@ def load_checkpoint_model(step_dir: str):
     except (TypeError, ValueError) as e:
         raise UserError(f"{args_file} does not describe a model ({e})") from None
 
+    # DCP's .metadata is a pickle: only from titanlike on this account, or with --trust-pickled-dcp.
+    check_trusted_dcp(step_dir, trust_pickled_dcp, flag="--trust-pickled-dcp")
     with torch.device("meta"):
         model = Transformer(margs)
     model.to_empty(device="cpu")
@@ -73,12 +77,12 @@ def load_checkpoint_model(step_dir: str):
     return margs, state
 
 
-def export(step_dir: str, out_dir: str, dtype: torch.dtype) -> list[str]:
+def export(step_dir: str, out_dir: str, dtype: torch.dtype, trust_pickled_dcp: bool = False) -> list[str]:
     from titanlike.interchange import write_hf_folder
 
     if os.path.isfile(os.path.join(out_dir, ".metadata")):
         raise UserError(f"{out_dir} is a checkpoint; the output must be another folder")
-    margs, state = load_checkpoint_model(step_dir)
+    margs, state = load_checkpoint_model(step_dir, trust_pickled_dcp)
     return write_hf_folder(state, margs, out_dir, dtype)
 
 
@@ -88,9 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", help="the Hugging Face folder to write")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
                    help="dtype of the exported weights (default bf16; fp32 keeps the trained values exactly)")
+    p.add_argument("--trust-pickled-dcp", action="store_true",
+                   help="export a checkpoint that titanlike did not write on this account: its .metadata is a "
+                        "Python pickle, and loading it can run any code its author put there")
     a = p.parse_args(argv)
     try:
-        files = export(a.checkpoint, a.out, DTYPES[a.dtype])
+        files = export(a.checkpoint, a.out, DTYPES[a.dtype], a.trust_pickled_dcp)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -385,13 +385,9 @@ def plain_model(step_dir: Path):
 
 def load_in_process(model, path: Path) -> None:
     """The trainer's own loader for `--checkpoint.initial_load_path` (no process group, one rank)."""
-    from types import SimpleNamespace
+    from titanlike.checkpoint import load_initial_weights
 
-    from titanlike.checkpoint import Checkpointer
-    from titanlike.config import Checkpoint
-
-    trainer = SimpleNamespace(model=model, margs=model.args)
-    Checkpointer(Checkpoint(initial_load_path=str(path)), "unused", trainer, is_main=True).load_or_initialize()
+    load_initial_weights(model, model.args, str(path))
 
 
 TOKENS = torch.randint(0, 258, (2, 64), generator=torch.Generator().manual_seed(0))

@@ -2,40 +2,53 @@
 
 Layout under the checkpoint folder:
 
-    step-200/        a complete checkpoint (DCP files + model_args.json)
-    step-300.tmp/    a save in progress, or one a crash interrupted: never loaded, reported
+    step-200/            a complete checkpoint (below)
+    step-300.tmp/        a save in progress, or one a crash interrupted: never loaded, reported
+    step-400.abandoned/  set aside: a resume from an earlier step (checkpoint.load_step) went another way
+    step-500.damaged/    set aside: its files do not match its manifest
 
-A save writes into `step-N.tmp` and becomes `step-N` by one atomic rename, done by rank 0 only
-after DCP has written the metadata, which it does after every rank has finished writing. So a
-`step-N` folder is always complete, and an interrupted save cannot touch older checkpoints.
+A step folder holds the DCP files (model, optimizer moments, float8 history: tensors only),
+`model_args.json` (the model's shape), `trainer_state.json` (step, tokens, data position, the
+settings it trained with), `rng-rank{R}.json` per rank, and `manifest.json`: every file's size and
+CRC-32, written last by rank 0. A save writes into `step-N.tmp` and becomes `step-N` by one atomic
+rename after every rank has written and the manifest is complete, so a `step-N` folder is always
+whole; a load verifies the manifest first, and a damaged step is set aside for the newest intact one.
 
-What a checkpoint holds: the model and optimizer (sharded, through DCP's get_state_dict, so
-any world size can load them: DCP reshards on load), the LR scheduler, the step and tokens
-seen, float8 delayed scaling's amax history when that is on, and per rank the data-loader
-position and the RNG states. When the data-parallel world size changes on resume, the per-rank
-parts cannot apply; the data position is then derived from the step, which gives the same samples
-(see data.py: a step's samples do not depend on ranks).
+What is trusted (docs/checkpointing.md): DCP's `.metadata` is a Python pickle, and unpickling runs
+code. The run's own checkpoint folder is trusted, as is a folder whose manifest this user's key
+signed (titanlike wrote it here); a DCP folder from elsewhere loads only with
+`--checkpoint.trust_pickled_dcp`. Everything else is JSON or tensors read with weights_only.
+
+The data position is a number (global batches read): the loader seeks to it, so any world size
+and any number of loader workers resume with the samples of the uninterrupted run (data.py).
 """
 
 from __future__ import annotations
 
+import base64
 import datetime
+import hashlib
+import hmac
 import json
 import logging
 import os
-import pickle
 import random
 import re
+import resource
+import secrets
 import shutil
 import signal
 import time
 import warnings
-from dataclasses import asdict, dataclass
+import zlib
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -44,9 +57,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from torch.distributed.checkpoint.api import CheckpointException
-
 from titanlike.errors import UserError
+from titanlike.optim import resume_schedule
 
 logger = logging.getLogger("titanlike")
 # DCP warns that a single-process save is single-process (its background thread ignores no_dist).
@@ -54,6 +66,13 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_DIR = re.compile(r"^step-(\d+)\.tmp$")
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+MODEL_ARGS = "model_args.json"
+RNG_FILE = "rng-rank{}.json"
+_OWNER = re.compile(r"^(?:__(\d+)_\d+\.distcp|rng-rank(\d+)\.json)$")  # files a given rank writes
+_CHUNK = 16 * 2**20
+TRUST_FLAG = "--checkpoint.trust_pickled_dcp"
 
 
 class CheckpointError(UserError):
@@ -66,6 +85,21 @@ class CheckpointMismatch(CheckpointError):
     same_on_all_ranks = True
 
 
+class UntrustedCheckpoint(CheckpointError):
+    same_on_all_ranks = True
+
+
+# ---- the pieces a checkpoint holds ------------------------------------------------------------
+
+
+class Stateful(Protocol):
+    """torch.distributed.checkpoint.stateful.Stateful: what the Checkpointer is handed."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
 @dataclass
 class TrainState:
     step: int = 0
@@ -73,20 +107,58 @@ class TrainState:
     data_offset: int = 0  # global batches the data is ahead of `step`: those rollbacks did not replay
     skipped_steps: int = 0  # updates skipped for a non-finite gradient (training.nonfinite = skip)
 
+    @property
+    def batches_read(self) -> int:
+        """The data position: global batches read so far (what the loader seeks to)."""
+        return self.step + self.data_offset
 
-def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+    def state_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for f in fields(self):  # a field a checkpoint predates keeps its default
+            setattr(self, f.name, int(state.get(f.name, f.default)))
 
 
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+class ModelState:
+    """The model's parameters, sharded as they are (DCP reshards them on load)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return _plain_tensors(get_model_state_dict(self.model))
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        set_model_state_dict(self.model, state)
+
+
+class OptimizerState:
+    """The optimizer's per-parameter tensors (AdamW moments and step counts). Its hyperparameters are
+    not saved here: a resumed run uses the configured ones (trainer_state.json records the old)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"state": get_optimizer_state_dict(self.model, self.optimizer)["state"]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        current = get_optimizer_state_dict(self.model, self.optimizer)  # param_groups: this run's config
+        current["state"] = state["state"]
+        set_optimizer_state_dict(self.model, self.optimizer, current)
+
+
+@dataclass
+class RunFacts:
+    """What this run is, for the checks and the log at resume."""
+
+    model_args: Any  # the model's shape (a ModelArgs; model_args.json)
+    global_batch: int
+    dp_world: int
+    # The settings a resume may change, by their config names ("optimizer.lr": 3e-4, ...): each change
+    # is logged in one line; the configured value applies.
+    settings: dict = field(default_factory=dict)
 
 
 def _plain_tensors(sd: dict) -> dict:
@@ -104,19 +176,216 @@ def _plain_tensors(sd: dict) -> dict:
     return out
 
 
-class Checkpointer:
-    """Saves and restores the trainer's state; the trainer calls it, it never calls the trainer."""
+# ---- RNG states as JSON ---------------------------------------------------------------------------
 
-    def __init__(self, cfg, dump_folder: str, trainer, is_main: bool):
+
+def _rng_state() -> dict:
+    version, keys, gauss = random.getstate()
+    name, np_keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": [version, list(keys), gauss],
+        "numpy": [name, np_keys.tolist(), pos, has_gauss, cached],
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    return state
+
+
+def _bytes_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def _set_rng_state(state: dict) -> None:
+    version, keys, gauss = state["python"]
+    random.setstate((version, tuple(keys), gauss))
+    name, np_keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(np_keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_bytes_tensor(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(_bytes_tensor(state["cuda"]))
+
+
+# ---- manifest: every file's size and checksum ------------------------------------------------------
+
+
+def file_crc32(path: str) -> str:
+    """CRC-32 of a file, read in chunks: fast (zlib), and catches torn, truncated or zeroed files."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _describe_files(folder: str, names: list[str]) -> dict[str, dict]:
+    return {n: {"size": os.path.getsize(os.path.join(folder, n)), "crc32": file_crc32(os.path.join(folder, n))}
+            for n in names}
+
+
+def _owner(name: str, world: int) -> int:
+    m = _OWNER.match(name)
+    owner = int(m.group(1) or m.group(2)) if m else 0
+    return owner if owner < world else 0
+
+
+def _signing_key(create: bool) -> bytes | None:
+    """This user's key for manifests: a signed manifest says titanlike wrote the folder on this account."""
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    path = os.path.join(base, "titanlike", "checkpoint-signing.key")
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        if not create:
+            return None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(32))
+    except FileExistsError:
+        pass  # another process made it first
+    except OSError:
+        return None  # no writable home: manifests go unsigned (own-folder resume does not need it)
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _signature(key: bytes, files: dict, metadata_sha256: str) -> str:
+    body = json.dumps({"files": files, "metadata_sha256": metadata_sha256}, sort_keys=True).encode()
+    return hmac.new(key, body, hashlib.sha256).hexdigest()
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def verify_files(folder: str, names: list[str], manifest: dict) -> str | None:
+    """The first file of `names` that differs from the manifest, as 'FILE: what', or None."""
+    for name in names:
+        want = manifest["files"][name]
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            return f"{path} is missing"
+        size = os.path.getsize(path)
+        if size != want["size"]:
+            return f"{path} has {size} bytes, the manifest says {want['size']}"
+        if file_crc32(path) != want["crc32"]:
+            return f"{path} does not match its checksum (its bytes changed after the save)"
+    return None
+
+
+def read_manifest(folder: str) -> dict | None:
+    """The folder's manifest, or None when it has none (written before titanlike had manifests)."""
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        assert isinstance(manifest.get("files"), dict)
+        return manifest
+    except (OSError, ValueError, AssertionError, AttributeError):
+        return {"unreadable": True, "files": {}}
+
+
+def check_trusted_dcp(folder: str, trust_pickled_dcp: bool, flag: str = TRUST_FLAG) -> None:
+    """Raise UntrustedCheckpoint unless it is safe to unpickle this DCP folder's `.metadata`.
+
+    Safe: the caller opted in (`flag`), or the folder's manifest is signed with this user's key and
+    its `.metadata` has the signed SHA-256 (titanlike wrote it on this account, and it was not
+    replaced since). For `--checkpoint.initial_load_path` and the export; a run's own checkpoint
+    folder is trusted without this check."""
+    if trust_pickled_dcp:
+        return
+    manifest = read_manifest(folder) or {}
+    key = _signing_key(create=False)
+    meta = os.path.join(folder, ".metadata")
+    if key and manifest.get("signature") and os.path.isfile(meta):
+        files, sha = manifest.get("files", {}), manifest.get("metadata_sha256", "")
+        if hmac.compare_digest(_signature(key, files, sha), manifest["signature"]) and _sha256(meta) == sha:
+            return
+    raise UntrustedCheckpoint(
+        f"{folder} is a DCP checkpoint that titanlike did not write on this account: its .metadata is a Python "
+        f"pickle, and loading one can run any code. Load a safetensors (Hugging Face) folder instead, or pass "
+        f"{flag} if you trust whoever wrote it")
+
+
+# ---- loading weights only -------------------------------------------------------------------------------
+
+
+def check_model_shape(model: torch.nn.Module, tie_embeddings: bool, path: str) -> None:
+    """Name the first mismatching parameter rather than let DCP fail deep inside."""
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    args_file = os.path.join(path, MODEL_ARGS)
+    if tie_embeddings and os.path.isfile(args_file):
+        # Both names are in a tied model's state dict: an untied checkpoint would load its
+        # embedding and its output layer into the one shared tensor, the last one winning.
+        with open(args_file) as f:
+            if not json.load(f).get("tie_embeddings", False):
+                raise CheckpointMismatch(f"{path} was saved with untied embeddings (an output layer of its own); "
+                                         f"run with --model.tie_embeddings false")
+    for name, tensor in get_model_state_dict(model).items():
+        saved = meta.get(f"model.{name}")
+        if saved is None and name.endswith("attention.wqkv.weight") and f"model.{name.replace('wqkv', 'wq')}" in meta:
+            # Earlier titanlike versions had three Linears (wq, wk, wv). Hugging Face folders hold them
+            # apart too, and import stacks them: that is the way across.
+            raise CheckpointMismatch(
+                f"{path} was saved by an earlier titanlike, with separate wq/wk/wv projections (now one "
+                f"stacked wqkv): export it with that version's scripts/export_safetensors.py and start from "
+                f"the export with --checkpoint.initial_load_path")
+        if saved is None:
+            raise CheckpointMismatch(f"{path} has no parameter {name}: it was saved from a different model")
+        if tuple(saved.size) != tuple(tensor.shape):
+            raise CheckpointMismatch(
+                f"{path} was saved from a different model shape: {name} is {tuple(saved.size)} there, "
+                f"{tuple(tensor.shape)} here (check --model.flavor / --model.vocab_size)"
+            )
+
+
+def load_initial_weights(model: torch.nn.Module, margs, path: str, *, trust_pickled_dcp: bool = False,
+                         process_group=None) -> None:
+    """Model weights only, for a new run: a safetensors (Hugging Face) folder, or a DCP step folder
+    that is trusted (check_trusted_dcp)."""
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        check_trusted_dcp(path, trust_pickled_dcp)
+        check_model_shape(model, margs.tie_embeddings, path)
+        state = {"model": ModelState(model).state_dict()}
+        dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=not dist.is_initialized())
+        set_model_state_dict(model, state["model"])
+    else:
+        from titanlike.interchange import read_hf_folder
+
+        full = read_hf_folder(path, margs)
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+
+
+# ---- the checkpointer -------------------------------------------------------------------------------
+
+
+class Checkpointer:
+    """Saves and restores the pieces it is handed (Stateful objects); it knows nothing of the trainer."""
+
+    def __init__(self, cfg, dump_folder: str, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler, loader, train_state: TrainState, float8_state: Stateful, run: RunFacts,
+                 is_main: bool, backend_timeout_s: int, cuda: bool):
         self.cfg = cfg
-        self.trainer = trainer
-        self.is_main = is_main
+        self.model_state = ModelState(model)
+        self.optimizer_state = OptimizerState(model, optimizer)
+        self.model, self.scheduler, self.loader = model, scheduler, loader
+        self.train_state, self.float8_state, self.run = train_state, float8_state, run
+        self.is_main, self.cuda = is_main, cuda
         self.folder = cfg.folder if os.path.isabs(cfg.folder) else os.path.join(dump_folder, cfg.folder)
         self.sharded = dist.is_initialized()
         self.rank = dist.get_rank() if self.sharded else 0
+        self.world = dist.get_world_size() if self.sharded else 1
         self.pending: tuple[int, object] | None = None  # (step, future) of an async save in flight
         self.staging = None  # future of the host copy of an async_with_pinned_mem save
         self.stager = None  # keeps the pinned host buffers from one save to the next
+        self.resumed_from: int | None = None  # the step this run resumed from, if it did
+        self.resumed_preemption_save: int | None = None  # ... when that was a preemption save (no enable)
         self._preempt_signal: int | None = None
         # Checkpoint collectives run on CPU (gloo) groups, so they never queue behind (or block) the
         # training step's NCCL work. Two of them: the main thread's (barriers, synchronous saves,
@@ -125,7 +394,7 @@ class Checkpointer:
         # would be paired up in a different order on different ranks, and the run would hang.
         self.cpu_group = self.save_group = None
         if self.sharded:
-            timeout = datetime.timedelta(seconds=trainer.cfg.parallel.backend_timeout_s)
+            timeout = datetime.timedelta(seconds=backend_timeout_s)
             self.cpu_group = dist.new_group(backend="gloo", timeout=timeout)
             if cfg.async_mode != "disabled":  # every rank has the same config: groups are made in step
                 self.save_group = dist.new_group(backend="gloo", timeout=timeout)
@@ -145,40 +414,47 @@ class Checkpointer:
             return []
         return sorted(int(m.group(1)) for m in map(TMP_DIR.match, os.listdir(self.folder)) if m)
 
-    # ---- what is saved ------------------------------------------------------------------------------
-
-    def _model_sd(self) -> dict:
-        return _plain_tensors(get_model_state_dict(self.trainer.model))
-
-    def _state_dict(self) -> dict:
-        t = self.trainer
-        per_rank = {"dataloader": t.loader.state_dict(), "rng": _rng_state()}
-        return {
-            "model": self._model_sd(),
-            "optimizer": get_optimizer_state_dict(t.model, t.optimizer),
-            "lr_scheduler": t.scheduler.state_dict(),
-            "train_state": {**asdict(t.state), "dp_world": t.dims.dp, "global_batch": t.global_batch},
-            **t.fp8.state_dict(),  # delayed scaling's amax history, if on
-            # Unique per rank; pickled to bytes so DCP stores them as opaque objects.
-            f"rank{self.rank}": pickle.dumps(per_rank),
-        }
+    def check_writable(self) -> None:
+        """Before step 1: a checkpoint folder that cannot be written is found now, not after the steps."""
+        if not (self.cfg.enable or self.cfg.folder):
+            return
+        probe = os.path.join(self.folder, f".write-test-rank{self.rank}")
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.remove(probe)
+        except OSError as e:
+            raise CheckpointError(f"checkpoint folder {self.folder} is not writable ({e.strerror}: "
+                                  f"{e.filename or self.folder}); set --checkpoint.folder to a writable path") from None
 
     # ---- saving ----------------------------------------------------------------------------------
 
     def due(self, step: int, last: bool) -> bool:
         return self.cfg.enable and (step % self.cfg.interval == 0 or last)
 
-    def save(self, step: int, final: bool = False) -> None:
+    def save(self, step: int, final: bool = False, preemption: bool = False) -> None:
         start = time.perf_counter()
-        self._complete_pending()  # one save in flight at a time
+        self.wait_and_publish()  # one save in flight at a time
         tmp = self.step_dir(step) + ".tmp"
-        if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt at this step that died
-            os.makedirs(tmp)
-            with open(os.path.join(tmp, "model_args.json"), "w") as f:
-                json.dump(asdict(self.trainer.margs), f)
-        self._barrier()
-        state = self._state_dict()
+        try:
+            if self.is_main:
+                self._prune(keep=self.cfg.keep_latest_k - 1, below=step)  # room for the new one first
+                shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt at this step that died
+                os.makedirs(tmp)
+                self._write_json(os.path.join(tmp, MODEL_ARGS), asdict(self.run.model_args))
+                self._write_json(os.path.join(tmp, TRAINER_STATE), {
+                    "train_state": self.train_state.state_dict(), "dp_world": self.run.dp_world,
+                    "global_batch": self.run.global_batch, "settings": self.run.settings,
+                    "preemption": preemption,
+                })
+            self._barrier()
+            self._write_json(os.path.join(tmp, RNG_FILE.format(self.rank)), _rng_state())
+        except OSError as e:
+            self._fail(step, e)
+        state = {"model": self.model_state.state_dict(), "optimizer": self.optimizer_state.state_dict()}
+        if f8 := self.float8_state.state_dict():
+            state["float8"] = f8
         use_async = self.cfg.async_mode != "disabled" and not final
         try:
             if use_async:
@@ -193,6 +469,11 @@ class Checkpointer:
             how = "background save started" if use_async else "saved"
             logger.info(f"checkpoint step {step}: {how}; training stalled {self.last_stall_s:.2f}s")
 
+    @staticmethod
+    def _write_json(path: str, obj: object) -> None:
+        with open(path, "w") as f:
+            json.dump(obj, f)
+
     def _async_save(self, state: dict, tmp: str):
         """Start a background save; returns the future of the upload (the files written)."""
         kwargs: dict = {"checkpoint_id": tmp, "process_group": self.save_group, "no_dist": not self.sharded}
@@ -203,10 +484,10 @@ class Checkpointer:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             if self.stager is None:
-                cuda = self.trainer.device.type == "cuda"
-                self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                           use_async_staging=cuda, use_non_blocking_copy=cuda))
-            if self.trainer.device.type == "cuda":
+                self.stager = DefaultStager(StagingOptions(use_pinned_memory=self.cuda, use_shared_memory=False,
+                                                           use_async_staging=self.cuda,
+                                                           use_non_blocking_copy=self.cuda))
+            if self.cuda:
                 torch.cuda.synchronize()  # the step that produced these weights has finished
             kwargs["async_stager"] = self.stager
         result = dcp.async_save(state, **kwargs)
@@ -223,7 +504,8 @@ class Checkpointer:
             if self.is_main:
                 logger.info(f"checkpoint staging to host memory done; the update waited {time.perf_counter() - start:.2f}s")
 
-    def _complete_pending(self) -> None:
+    def wait_and_publish(self) -> None:
+        """Wait for a background save in flight, then publish it (make step-N visible)."""
         if self.pending is None:
             return
         step, future = self.pending
@@ -234,44 +516,99 @@ class Checkpointer:
             self._fail(step, e)
         self._publish(step)
 
-
     def _publish(self, step: int) -> None:
-        """All ranks have written: make the checkpoint visible, then prune old ones."""
+        """All ranks have written: checksum every file (each rank its own), write the manifest, make the
+        checkpoint visible by one rename, then prune old ones."""
         self._barrier()
+        tmp = self.step_dir(step) + ".tmp"
+        try:
+            names = sorted(os.listdir(tmp))
+            mine = _describe_files(tmp, [n for n in names if _owner(n, self.world) == self.rank])
+        except OSError as e:
+            mine = {"error": f"{e.strerror}: {e.filename}"}
+        parts = [mine]
+        if self.sharded:
+            parts = [None] * self.world
+            dist.all_gather_object(parts, mine, group=self.cpu_group)
         if self.is_main:
-            final = self.step_dir(step)
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.replace(final + ".tmp", final)
-            logger.info(f"checkpoint saved: {final}")
-            if self.cfg.keep_latest_k:
-                for old in self.complete_steps()[: -self.cfg.keep_latest_k]:
-                    shutil.rmtree(self.step_dir(old), ignore_errors=True)
-        self._barrier()
+            try:
+                if any("error" in p for p in parts):
+                    raise OSError(next(p["error"] for p in parts if "error" in p))
+                files = {k: v for p in parts for k, v in p.items()}
+                sha = _sha256(os.path.join(tmp, ".metadata"))
+                manifest: dict = {"step": step, "files": files, "metadata_sha256": sha}
+                if key := _signing_key(create=True):
+                    manifest["signature"] = _signature(key, files, sha)
+                with open(os.path.join(tmp, MANIFEST), "w") as f:
+                    json.dump(manifest, f, indent=1)
+                    f.flush()
+                    os.fsync(f.fileno())
+                final = self.step_dir(step)
+                if os.path.exists(final):
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+                logger.info(f"checkpoint saved: {final}")
+                self._prune(keep=self.cfg.keep_latest_k, below=step + 1)
+            except OSError as e:
+                failed: BaseException | None = e
+            else:
+                failed = None
+        else:
+            failed = None
+        flag = torch.tensor([int(failed is not None)])
+        if self.sharded:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        if flag.item():
+            self._fail(step, failed or OSError("rank 0 could not publish the checkpoint"))
+
+    def _prune(self, keep: int, below: int) -> None:
+        """keep_latest_k: delete all but the newest `keep` complete steps before step `below`. Only older
+        steps than the one being written: never the newest (a resume set the later ones aside), and
+        never fewer than one, so that a failed save always leaves a checkpoint behind."""
+        if not self.cfg.keep_latest_k:
+            return
+        older = [s for s in self.complete_steps() if s < below]
+        for old in older[: -max(keep, 1)]:
+            shutil.rmtree(self.step_dir(old), ignore_errors=True)
 
     def _fail(self, step: int, e: BaseException) -> None:
-        free_mb = shutil.disk_usage(self.folder).free / 2**20 if os.path.isdir(self.folder) else float("inf")
         if self.is_main:
             shutil.rmtree(self.step_dir(step) + ".tmp", ignore_errors=True)
         previous = [s for s in self.complete_steps() if s != step]
         kept = f"the previous checkpoint {self.step_dir(previous[-1])} is intact" if previous else "no earlier checkpoint exists"
-        # DCP wraps each rank's error; a full disk often surfaces as a short write deep in the
-        # serializer, so ask the file system rather than trust the message.
-        failures = getattr(e, "failures", None) or {}
-        inner = next(iter(failures.values()), e)
-        text = str(getattr(inner, "exc", inner)) or type(inner).__name__
-        if "No space left" in str(e) or free_mb < 64:
-            cause = f"No space left on device: {free_mb:.0f} MB free"
-        else:
-            cause = text.strip().splitlines()[0][:200]
-        raise CheckpointError(f"saving the checkpoint of step {step} to {self.folder} failed ({cause}); {kept}") from None
+        raise CheckpointError(f"saving the checkpoint of step {step} to {self.folder} failed: "
+                              f"{self._save_failure_cause(e, previous)}; {kept}") from None
 
-    def finish(self) -> None:
-        """Wait for a background save to land (end of run, preemption)."""
-        self._complete_pending()
-        if self.stager is not None:
-            self.stager.close()
-            self.stager = None
+    def _save_failure_cause(self, e: BaseException, previous: list[int]) -> str:
+        """One readable cause: the OSError's text and path where there is one, else what the file
+        system says (free space, the file size limit), else the first line of the message."""
+        free_mb = shutil.disk_usage(self.folder).free / 2**20 if os.path.isdir(self.folder) else float("inf")
+        size_mb = (sum(f.stat().st_size for f in os.scandir(self.step_dir(previous[-1])) if f.is_file()) / 2**20
+                   if previous and os.path.isdir(self.step_dir(previous[-1])) else 0.0)
+        errors: list[BaseException] = []
+        todo: list[BaseException] = [e]
+        while todo and len(errors) < 50:  # DCP wraps each rank's error: (exception, traceback) per rank
+            x = todo.pop()
+            errors.append(x)
+            for wrapped in (getattr(x, "failures", None) or {}).values():
+                todo.append(wrapped[0] if isinstance(wrapped, tuple) else getattr(wrapped, "exc", wrapped))
+            todo += [c for c in (x.__cause__, x.__context__) if c is not None]
+        os_error = next((x for x in errors if isinstance(x, OSError) and x.strerror), None)
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if (os_error and os_error.errno == 28) or "No space left" in str(e) or free_mb < 64:
+            k = self.cfg.keep_latest_k
+            advice = (f"free space, or keep fewer checkpoints: with --checkpoint.keep_latest_k {max(1, (k or 3) - 1)} "
+                      f"older ones are deleted before each save" if k != 1 else
+                      "free space or point --checkpoint.folder at a larger disk")
+            need = f", a checkpoint takes {size_mb:.0f} MB" if size_mb else ""
+            return f"No space left on device: {free_mb:.0f} MB free{need}; {advice}"
+        if os_error:
+            return f"{os_error.strerror}: {os_error.filename or self.folder}"
+        if limit != resource.RLIM_INFINITY:
+            return (f"a file could not be written in full, and this process may write files of at most "
+                    f"{limit / 2**20:.0f} MB (ulimit -f); raise the limit")
+        text = next((str(x) for x in errors if str(x).strip()), type(e).__name__)
+        return text.strip().splitlines()[0][:200]
 
     def _barrier(self) -> None:
         if self.sharded:
@@ -279,16 +616,23 @@ class Checkpointer:
 
     # ---- loading -----------------------------------------------------------------------------------
 
-    def load_or_initialize(self) -> None:
-        """Resume from a checkpoint if there is one; else start from checkpoint.initial_load_path, if set."""
-        if not self.cfg.enable:
-            if self.cfg.initial_load_path:
-                self.load_weights(self.cfg.initial_load_path)
-            return
+    def resume_or_start(self, initial_load_path: str = "", trust_pickled_dcp: bool = False) -> None:
+        """Resume from the newest intact checkpoint (or checkpoint.load_step); else start from
+        initial_load_path, if set. Without checkpoint.enable, only a preemption save is resumed from."""
         for step in self.incomplete_steps():
             if self.is_main:
                 logger.warning(f"ignoring {self.step_dir(step)}.tmp: a save that never completed")
         steps = self.complete_steps()
+        if not self.cfg.enable:
+            if steps and self._trainer_state(steps[-1]).get("preemption"):
+                self._resume([steps[-1]])
+                self.resumed_preemption_save = steps[-1]
+                if self.is_main:
+                    logger.info(f"{self.step_dir(steps[-1])} is the save of a preempted run: resumed from it "
+                                f"(checkpoint.enable is off: once this run completes, it is removed)")
+            elif initial_load_path:
+                self.load_weights(initial_load_path, trust_pickled_dcp)
+            return
         if self.cfg.load_step >= 0:
             if self.cfg.load_step not in steps:
                 have = ", ".join(map(str, steps)) or "none"
@@ -296,103 +640,167 @@ class Checkpointer:
                     f"checkpoint.load_step = {self.cfg.load_step}: no complete checkpoint {self.step_dir(self.cfg.load_step)} "
                     f"(complete steps in {self.folder}: {have})"
                 )
-            self.load(self.cfg.load_step)
+            self._resume([self.cfg.load_step])
         elif steps:
-            self.load(steps[-1])
-        elif self.cfg.initial_load_path:
-            self.load_weights(self.cfg.initial_load_path)
+            self._resume(steps[::-1])
+        elif initial_load_path:
+            self.load_weights(initial_load_path, trust_pickled_dcp)
 
-    def _check_model_shape(self, path: str) -> None:
-        """Name the first mismatching parameter rather than let DCP fail deep inside."""
-        meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        args_file = os.path.join(path, "model_args.json")
-        if self.trainer.margs.tie_embeddings and os.path.isfile(args_file):
-            # Both names are in a tied model's state dict: an untied checkpoint would load its
-            # embedding and its output layer into the one shared tensor, the last one winning.
-            with open(args_file) as f:
-                if not json.load(f).get("tie_embeddings", False):
-                    raise CheckpointMismatch(f"{path} was saved with untied embeddings (an output layer of its own); "
-                                             f"run with --model.tie_embeddings false")
-        for name, tensor in get_model_state_dict(self.trainer.model).items():
-            saved = meta.get(f"model.{name}")
-            if saved is None and name.endswith("attention.wqkv.weight") and f"model.{name.replace('wqkv', 'wq')}" in meta:
-                # Before 2026-11-22 the q, k and v projections were three Linears (wq, wk, wv). Hugging
-                # Face folders hold them apart too, and import stacks them: that is the way across.
-                raise CheckpointMismatch(
-                    f"{path} was saved by an earlier titanlike, with separate wq/wk/wv projections (now one "
-                    f"stacked wqkv): export it with that version's scripts/export_safetensors.py and start from "
-                    f"the export with --checkpoint.initial_load_path")
-            if saved is None:
-                raise CheckpointMismatch(f"{path} has no parameter {name}: it was saved from a different model")
-            if tuple(saved.size) != tuple(tensor.shape):
-                raise CheckpointMismatch(
-                    f"{path} was saved from a different model shape: {name} is {tuple(saved.size)} there, "
-                    f"{tuple(tensor.shape)} here (check --model.flavor / --model.vocab_size)"
-                )
+    def _resume(self, candidates: list[int]) -> None:
+        """Load the first intact step of `candidates`; set damaged ones aside, then later ones."""
+        damaged = []
+        for step in candidates:
+            problem = self._verify(step)
+            if problem is None:
+                try:
+                    self.load(step)
+                except (Exception, CheckpointException) as e:  # damage the manifest could not see
+                    if isinstance(e, UserError):
+                        raise
+                    problem = f"{self.step_dir(step)} cannot be read ({str(e).strip().splitlines()[0][:200] or type(e).__name__})"
+            if problem is None:
+                self.resumed_from = step
+                self._set_aside_later(step)
+                return
+            aside = self._set_aside(step, "damaged")
+            damaged.append(step)
+            if self.is_main:
+                logger.warning(f"checkpoint damaged: {problem}; set aside as {aside}")
+            if self.cfg.load_step >= 0:
+                raise CheckpointError(f"checkpoint.load_step = {step}: {problem}")
+            if self.is_main and step != candidates[-1]:
+                logger.warning(f"falling back to the newest intact checkpoint before step {step}")
+        raise CheckpointError(f"no intact checkpoint in {self.folder}: steps {', '.join(map(str, damaged))} are "
+                              f"damaged (set aside as step-N.damaged); remove --checkpoint.enable or use another "
+                              f"--checkpoint.folder to start afresh")
+
+    def _verify(self, step: int) -> str | None:
+        """Check the step's files against its manifest (ranks share the files), same answer on every rank."""
+        path = self.step_dir(step)
+        manifest = read_manifest(path)
+        if manifest is None:
+            problem = None if not os.path.exists(os.path.join(path, TRAINER_STATE)) else f"{path}/{MANIFEST} is missing"
+            if problem is None and not os.path.isfile(os.path.join(path, ".metadata")):
+                problem = f"{path}/.metadata is missing"
+            if problem is None and self.is_main:
+                logger.info(f"{path} has no manifest (saved by an earlier titanlike): its files are not verified")
+        elif manifest.get("unreadable"):
+            problem = f"{path}/{MANIFEST} is unreadable"
+        else:
+            names = sorted(manifest["files"])
+            problem = verify_files(path, names[self.rank :: self.world], manifest)
+            if problem is None:
+                extra = {".metadata", TRAINER_STATE, MODEL_ARGS} - set(names)
+                problem = f"{path}/{sorted(extra)[0]} is not in the manifest" if extra else None
+        if self.sharded:
+            problems = [None] * self.world
+            dist.all_gather_object(problems, problem, group=self.cpu_group)
+            problem = next((p for p in problems if p), None)
+        return problem
+
+    def _set_aside(self, step: int, why: str) -> str:
+        """Rename step-N so that it is never loaded again, keeping its bytes: step-N.<why>[.k]."""
+        base = self.step_dir(step) + f".{why}"
+        target, k = base, 1
+        while os.path.exists(target):
+            k += 1
+            target = f"{base}.{k}"
+        if self.is_main:
+            os.replace(self.step_dir(step), target)
+        self._barrier()
+        return target
+
+    def _set_aside_later(self, step: int) -> None:
+        """A resume from an older step starts a new branch: the later checkpoints must never be resumed
+        from again (nor count for keep_latest_k), but their bytes stay."""
+        later = [s for s in self.complete_steps() if s > step]
+        if not later:
+            return
+        names = [os.path.basename(self._set_aside(s, "abandoned")) for s in later]
+        if self.is_main:
+            logger.warning(f"resumed from step {step}: set aside the later checkpoints as {', '.join(names)} "
+                           f"(never resumed from again; delete them when you no longer need them)")
+
+    def _trainer_state(self, step: int) -> dict:
+        try:
+            with open(os.path.join(self.step_dir(step), TRAINER_STATE)) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return {}
 
     def load(self, step: int, restore_data: bool = True) -> None:
         """Restore everything saved at `step`; with restore_data=False (a rollback) the data loader
         and RNG stay where they are."""
-        t = self.trainer
         path = self.step_dir(step)
-        self._check_model_shape(path)
+        check_model_shape(self.model, self.run.model_args.tie_embeddings, path)
         saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        train_state = {**asdict(t.state), "dp_world": 0, "global_batch": 0}
-        state = {
-            "model": self._model_sd(),
-            "optimizer": get_optimizer_state_dict(t.model, t.optimizer),
-            "lr_scheduler": t.scheduler.state_dict(),
-            # Checkpoints written before a TrainState field existed lack it: it keeps its default.
-            "train_state": {k: v for k, v in train_state.items() if f"train_state.{k}" in saved},
-        }
+        trainer = self._trainer_state(step)
+        state: dict = {"model": self.model_state.state_dict(), "optimizer": self.optimizer_state.state_dict()}
         # Delayed scaling's history, where the checkpoint has one of this shape (else it starts afresh).
-        scaling = {k: v for k, v in t.fp8.state_dict().items()
-                   if k in saved and tuple(saved[k].size) == tuple(v.shape)}
-        state.update(scaling)
+        f8 = {k: v for k, v in self.float8_state.state_dict().items()
+              if tuple(getattr(saved.get(f"float8.{k}"), "size", ())) == tuple(v.shape)}
+        if f8:
+            state["float8"] = f8
+        if not trainer:
+            # Saved by an earlier titanlike: its step counts are DCP objects (a checkpoint of this
+            # run's own folder, so trusted); its data position comes from the step.
+            legacy = {**self.train_state.state_dict(), "dp_world": 0, "global_batch": 0}
+            state["train_state"] = {k: v for k, v in legacy.items() if f"train_state.{k}" in saved}
         dcp.load(state, checkpoint_id=path, process_group=self.cpu_group, no_dist=not self.sharded)
-        set_model_state_dict(t.model, state["model"])
-        set_optimizer_state_dict(t.model, t.optimizer, state["optimizer"])
-        t.scheduler.load_state_dict(state["lr_scheduler"])
-        t.fp8.load_state_dict({k: state[k] for k in scaling})
-        ts = state["train_state"]
-        for key, default in asdict(TrainState()).items():
-            setattr(t.state, key, int(ts.get(key, default)))
-        if int(ts["global_batch"]) != t.global_batch:
+        self.model_state.load_state_dict(state["model"])
+        self.optimizer_state.load_state_dict(state["optimizer"])
+        self.float8_state.load_state_dict(state.get("float8", {}))
+        if trainer:
+            ts, dp_world, global_batch = trainer["train_state"], trainer["dp_world"], trainer["global_batch"]
+        else:
+            ts = state["train_state"]
+            dp_world, global_batch = ts.pop("dp_world", 0), ts.pop("global_batch", 0)
+        self.train_state.load_state_dict(ts)
+        if int(global_batch) != self.run.global_batch:
             raise CheckpointMismatch(
-                f"{path} was trained with global batch {ts['global_batch']}, this run has {t.global_batch}: "
-                f"resume with --training.global_batch_size {ts['global_batch']} (the LR schedule and data order depend on it)"
+                f"{path} was trained with global batch {global_batch}, this run has {self.run.global_batch}: "
+                f"resume with --training.global_batch_size {global_batch} (the LR schedule and data order depend on it)"
             )
+        # The LR schedule is this run's (its settings may have changed), at the step reached.
+        resume_schedule(self.scheduler, self.train_state.step)
         if not restore_data:
-            how = "data position kept"
-        elif int(ts["dp_world"]) == t.dims.dp:
-            per_rank = {f"rank{self.rank}": b""}
-            dcp.load(per_rank, checkpoint_id=path, process_group=self.cpu_group, no_dist=not self.sharded)
-            restored = pickle.loads(per_rank[f"rank{self.rank}"])
-            t.loader.load_state_dict(restored["dataloader"])
-            _set_rng_state(restored["rng"])
+            if self.is_main:
+                logger.info(f"reloaded {path} (step {self.train_state.step}), data position kept")
+            return
+        self.loader.seek(self.train_state.batches_read)
+        rng_file = os.path.join(path, RNG_FILE.format(self.rank))
+        if int(dp_world) == self.run.dp_world and os.path.isfile(rng_file):
+            with open(rng_file) as f:
+                _set_rng_state(json.load(f))
             how = "data position and RNG restored"
+        elif trainer:
+            how = f"saved on {dp_world} data-parallel ranks, now {self.run.dp_world}: data position from the step"
         else:
-            # Another world size: the per-rank states do not map; the step fixes the data position.
-            t.loader.batch_sampler.start_step = t.state.step + t.state.data_offset
-            how = f"saved on {ts['dp_world']} data-parallel ranks, now {t.dims.dp}: data position from the step"
+            how = "saved by an earlier titanlike: data position from the step, RNG afresh"
         if self.is_main:
-            logger.info(f"resumed from {path} at step {t.state.step} ({how})")
+            logger.info(f"resumed from {path} at step {self.train_state.step} ({how})")
+            for key, now in self.run.settings.items():
+                before = trainer.get("settings", {}).get(key, now)
+                if before != now:
+                    logger.info(f"{key}: checkpoint {before} → config {now}")
 
-    def load_weights(self, path: str) -> None:
-        """Model weights only, for a new run: from a checkpoint step folder or a safetensors export."""
-        t = self.trainer
-        if os.path.isfile(os.path.join(path, ".metadata")):
-            self._check_model_shape(path)
-            state = {"model": self._model_sd()}
-            dcp.load(state, checkpoint_id=path, process_group=self.cpu_group, no_dist=not self.sharded)
-            set_model_state_dict(t.model, state["model"])
-        else:
-            from titanlike.interchange import read_hf_folder
-
-            full = read_hf_folder(path, t.margs)
-            set_model_state_dict(t.model, full, options=StateDictOptions(full_state_dict=True))
+    def load_weights(self, path: str, trust_pickled_dcp: bool = False) -> None:
+        """Model weights only, for a new run: from a safetensors export, or a trusted checkpoint step folder."""
+        load_initial_weights(self.model, self.run.model_args, path,
+                             trust_pickled_dcp=trust_pickled_dcp, process_group=self.cpu_group)
         if self.is_main:
             logger.info(f"initial weights loaded from {path}")
+
+    def remove_consumed_preemption_save(self) -> None:
+        """Without checkpoint.enable, a completed run removes the preemption save it resumed from: else
+        the same command would resume from it again."""
+        if self.resumed_preemption_save is None or self.cfg.enable:
+            return
+        self._barrier()
+        if self.is_main:
+            path = self.step_dir(self.resumed_preemption_save)
+            shutil.rmtree(path, ignore_errors=True)
+            logger.info(f"removed the preemption save {path}: this run completed")
 
     # ---- preemption ---------------------------------------------------------------------------------
 
@@ -403,16 +811,24 @@ class Checkpointer:
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, handler)
 
-    def preemption_requested(self) -> bool:
+    def preemption_requested_and_publish(self) -> bool:
         """True on every rank once any rank got SIGTERM/SIGUSR1: they must stop at the same step.
 
         One small all-reduce on the CPU group per step also tells whether every rank has finished
-        writing a background save, so that all of them publish it at the same step.
+        writing a background save, so that all of them publish it at the same step (here).
         """
         writing = self.pending is not None and not self.pending[1].done()
         flags = torch.tensor([int(self._preempt_signal is not None), int(writing)])
         if self.sharded:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.cpu_group)
         if self.pending is not None and not flags[1]:
-            self._complete_pending()
+            self.wait_and_publish()
         return bool(flags[0])
+
+    def finish(self) -> None:
+        """Wait for a background save to land and publish it (end of run, preemption)."""
+        self.wait_and_publish()
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
+

@@ -198,7 +198,11 @@ class Checkpoint:
     load_step: int = -1
     """Resume from this step's checkpoint (-1 = the newest complete one)."""
     initial_load_path: str = ""
-    """Start a new run from these weights: a checkpoint step folder or a safetensors export."""
+    """Start a new run from these weights: a safetensors (Hugging Face) folder, or a checkpoint step folder
+    that titanlike wrote on this account (else see trust_pickled_dcp)."""
+    trust_pickled_dcp: bool = False
+    """Load a DCP checkpoint folder from elsewhere under initial_load_path. Its .metadata is a Python pickle:
+    loading it can run any code its author put there. Only for folders from someone you trust."""
 
 
 @dataclass

@@ -27,17 +27,8 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator
 
-import warnings
-
 import numpy as np
 import torch
-
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
-# torchdata calls an API that torch deprecated; the warning says nothing to our users.
-warnings.filterwarnings("ignore", message=".*set_vital.*")
 
 from titanlike.errors import UserError
 
@@ -49,6 +40,12 @@ assert HEADER.size == 32
 
 class DataError(UserError):
     same_on_all_ranks = True
+
+
+class ShardFault(DataError):
+    """Found by one rank while reading during training (the others may never see it): it reports itself."""
+
+    same_on_all_ranks = False
 
 
 class ByteTokenizer:
@@ -106,8 +103,30 @@ class Shard:
         if width == 2 and max_id >= 2**16:
             raise DataError(f"{self.path}: largest token id {max_id} does not fit the shard's uint16 tokens")
         self.count, self.max_id = count, max_id
-        self.tokens = np.memmap(self.path, dtype=np.uint16 if width == 2 else np.uint32, mode="r",
-                                offset=HEADER.size, shape=(count,))
+        self.dtype = np.dtype(np.uint16 if width == 2 else np.uint32)
+        self._fd: int | None = None
+        self._fd_pid = -1
+
+    def read(self, start: int, n: int) -> np.ndarray:
+        """Tokens [start, start + n), by pread rather than a memory map: a file that shrinks while the
+        run reads it gives a short read and one line naming it, where a memory map would SIGBUS."""
+        if self._fd is None or self._fd_pid != os.getpid():  # a loader worker opens its own
+            self._fd, self._fd_pid = os.open(self.path, os.O_RDONLY), os.getpid()
+        want = n * self.dtype.itemsize
+        data = os.pread(self._fd, want, HEADER.size + start * self.dtype.itemsize)
+        if len(data) < want:
+            raise ShardFault(
+                f"{self.path} became shorter while training read it: tokens {start}..{start + n} are past its end "
+                f"({os.path.getsize(self.path)} bytes now); a shard must not change during a run (restore it, then resume)"
+            )
+        return np.frombuffer(data, dtype=self.dtype)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.read(0, self.count)
+
+    def __getstate__(self) -> dict:  # to loader workers: without the open file
+        return {**self.__dict__, "_fd": None, "_fd_pid": -1}
 
 
 def find_shards(path: str) -> list[Shard]:
@@ -162,8 +181,8 @@ def build_default_corpus(cache_dir: str) -> tuple[str, str]:
 class TokenWindows(torch.utils.data.Dataset):
     """Non-overlapping windows of seq_len + 1 tokens (inputs and next-token targets) over shards."""
 
-    def __init__(self, shards: list[Shard], seq_len: int):
-        self.shards, self.seq_len = shards, seq_len
+    def __init__(self, shards: list[Shard], seq_len: int, vocab_size: int | None = None):
+        self.shards, self.seq_len, self.vocab_size = shards, seq_len, vocab_size
         per_shard = [max(0, (s.count - 1) // seq_len) for s in shards]
         self.offsets = np.cumsum([0] + per_shard)
 
@@ -173,7 +192,17 @@ class TokenWindows(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> torch.Tensor:
         shard = int(np.searchsorted(self.offsets, index, side="right")) - 1
         start = (index - int(self.offsets[shard])) * self.seq_len
-        window = self.shards[shard].tokens[start : start + self.seq_len + 1]
+        window = self.shards[shard].read(start, self.seq_len + 1)
+        # The header's largest id is a claim: an id past the vocabulary would reach the embedding
+        # as an index error (or a device assert) without the shard's name, so check every window.
+        if self.vocab_size is not None and window.size and int(window.max()) >= self.vocab_size:
+            s = self.shards[shard]
+            at = start + int(np.argmax(window >= self.vocab_size))
+            raise ShardFault(
+                f"{s.path} holds token id {int(window.max())} (at token {at}), but the model's vocabulary has "
+                f"{self.vocab_size} ids (its header claims the largest id is {s.max_id}); re-tokenize it, or set "
+                f"--model.vocab_size {int(window.max()) + 1} or more"
+            )
         return torch.from_numpy(window.astype(np.int64))
 
 
@@ -249,20 +278,55 @@ def open_dataset(path: str, seq_len: int, vocab_size: int, what: str) -> TokenWi
                 f"{s.path} holds token id {s.max_id} but the model's vocabulary has {vocab_size} ids; "
                 f"set --model.vocab_size {s.max_id + 1} or more, or re-tokenize"
             )
-    ds = TokenWindows(shards, seq_len)
+    ds = TokenWindows(shards, seq_len, vocab_size)
     if len(ds) == 0:
         total = sum(s.count for s in shards)
         raise DataError(f"{what} = {path!r} holds {total} tokens, fewer than one sample of data.seq_len + 1 = {seq_len + 1}")
     return ds
 
 
+class TrainLoader:
+    """This rank's training micro-batches, positioned by a number: seek(n) makes the next batch the
+    first of global batch n + 1. The position is all a checkpoint needs (the sampler is a function of
+    it), so a resume works with any world size and any number of loader workers."""
+
+    def __init__(self, dataset: TokenWindows, sampler: GlobalBatchSampler, num_workers: int, pin_memory: bool):
+        self.sampler = sampler
+        self.loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                                  pin_memory=pin_memory)
+        self._batches: Iterator[torch.Tensor] | None = None
+
+    def seek(self, batches_read: int) -> None:
+        """Global batches read so far; workers, if any, restart from there at the next batch."""
+        self.sampler.start_step = batches_read
+        self._batches = None
+
+    def __iter__(self) -> "TrainLoader":
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self._batches is None:
+            self._batches = iter(self.loader)
+        try:
+            return next(self._batches)
+        except Exception as e:
+            # A worker's error arrives re-raised with the worker's traceback in its message: keep its line.
+            lines = str(e).strip().splitlines()
+            if isinstance(e, ShardFault) and len(lines) == 1:
+                raise
+            fault = next((ln.split("ShardFault: ", 1)[1] for ln in reversed(lines) if "ShardFault: " in ln), None)
+            if fault is None:
+                raise
+            raise ShardFault(fault) from None
+
+
 def build_train_loader(dataset: TokenWindows, local_batch: int, global_batch: int, dp_rank: int,
                        dp_world: int, seed: int, num_workers: int, pin_memory: bool,
-                       start_step: int = 0) -> StatefulDataLoader:
+                       start_step: int = 0) -> TrainLoader:
     if len(dataset) < global_batch:
         raise DataError(
             f"the training data has {len(dataset)} samples of data.seq_len + 1 tokens, fewer than one "
             f"global batch of {global_batch}; use more data, a shorter data.seq_len or a smaller batch"
         )
     sampler = GlobalBatchSampler(len(dataset), local_batch, global_batch, dp_rank, dp_world, seed, start_step)
-    return StatefulDataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory)
+    return TrainLoader(dataset, sampler, num_workers, pin_memory)

@@ -43,7 +43,7 @@ def peak_bf16_flops(device_name: str) -> float | None:
 
 class MetricsLogger:
     def __init__(self, folder: str, *, is_writer: bool, tensorboard: bool, device: torch.device,
-                 flops_per_token: int, float8_matmul_share: float):
+                 flops_per_token: int, float8_matmul_share: float, purge_step: int | None = None):
         self.is_writer = is_writer
         self.device = device
         self.flops_per_token = flops_per_token
@@ -60,7 +60,8 @@ class MetricsLogger:
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(os.path.join(folder, "tb"))
+                # purge_step: a resumed run's events replace those the interrupted attempt wrote after it.
+                self.tb = SummaryWriter(os.path.join(folder, "tb"), purge_step=purge_step)
         self._window_start: float | None = None
         self._window_tokens = 0
         self._window_data_s = 0.0

@@ -98,3 +98,16 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], 
         optimizer.__dict__.pop("grad_scale", None)
         optimizer.__dict__.pop("found_inf", None)
     return total, skipped
+
+
+def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, done_steps: int) -> None:
+    """Put this run's LR schedule (its configured peak LR, warmup, decay and steps) at `done_steps`
+    updates done, and set the optimizer's LR to the one the next update uses. A resume applies the
+    schedule as configured now, not as it was when the checkpoint was saved."""
+    state = scheduler.state_dict()
+    state.update(last_epoch=done_steps, _step_count=done_steps + 1)
+    scheduler.load_state_dict(state)
+    lrs = [base * fn(done_steps) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() reports

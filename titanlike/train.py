@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from titanlike import faults, parallel
-from titanlike.checkpoint import Checkpointer, TrainState
+from titanlike.checkpoint import Checkpointer, RunFacts, TrainState
 from titanlike.config import ConfigError, JobConfig, load_config, to_toml
 from titanlike.data import build_train_loader, open_dataset, resolve_paths, validation_batches
 from titanlike.errors import UserError
@@ -32,12 +32,22 @@ from titanlike.model import Transformer, count_params, flops_per_token, model_ar
 from titanlike.nonfinite import MAX_IN_A_ROW, NonFinitePolicy, Verdict
 from titanlike.optim import build_optimizer, build_scheduler, clip_and_step
 from titanlike.profiling import Profiler
+from titanlike.run_folder import RunFolder, check_not_in_use
 
 logger = logging.getLogger("titanlike")
 
 
 # Exit code of a preflight (run_train.sh, before torchrun) that printed the config: stop, no error.
 PRINTED_CONFIG = 3
+
+
+def resumable_settings(cfg: JobConfig) -> dict:
+    """The settings a resume may change (each change is logged; the configured value applies)."""
+    o, s = cfg.optimizer, cfg.lr_scheduler
+    return {"optimizer.lr": o.lr, "optimizer.weight_decay": o.weight_decay, "optimizer.betas": list(o.betas),
+            "optimizer.eps": o.eps, "lr_scheduler.warmup_steps": s.warmup_steps, "lr_scheduler.decay_ratio": s.decay_ratio,
+            "lr_scheduler.decay_type": s.decay_type, "lr_scheduler.min_lr_factor": s.min_lr_factor,
+            "training.steps": cfg.training.steps}
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -88,10 +98,8 @@ class Trainer:
             torch.backends.cudnn.benchmark = False
         self.mesh = parallel.init_distributed(self.dims, self.device, cfg.parallel.backend_timeout_s)
         torch.manual_seed(cfg.job.seed)
-        os.makedirs(cfg.job.dump_folder, exist_ok=True)
-        if self.is_main:
-            with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as f:
-                f.write(to_toml(cfg))
+        # The dump folder is this run's alone (a lock; checked writable before any work).
+        self.run_folder = RunFolder(cfg.job.dump_folder, self.is_main)
 
         # ---- 2. Data: every rank reads its own slice of each global batch ----------------------
         self.margs = model_args(cfg.model.flavor, cfg.model.vocab_size, cfg.model.tie_embeddings)
@@ -106,7 +114,6 @@ class Trainer:
             self.train_data, t.local_batch_size, self.global_batch, self.dp_rank, self.dims.dp,
             cfg.job.seed, cfg.data.num_workers, pin_memory=self.device.type == "cuda",
         )
-        self.batches = None  # the loader's iterator; created lazily so a resumed state applies first
 
         # ---- 3. Model: meta → float8 → AC → compile → FSDP → materialise → init ------------------
         with torch.device("meta"):
@@ -148,15 +155,26 @@ class Trainer:
                                          s.min_lr_factor)
         self.state = TrainState()
 
-        # ---- 5. Checkpoints: resume from the newest complete one, if any ---------------------------
-        self.checkpointer = Checkpointer(cfg.checkpoint, cfg.job.dump_folder, self, is_main=self.is_main)
-        self.checkpointer.load_or_initialize()
+        # ---- 5. Checkpoints: resume from the newest intact one, if any -----------------------------
+        self.checkpointer = Checkpointer(
+            cfg.checkpoint, cfg.job.dump_folder, model=model, optimizer=self.optimizer, scheduler=self.scheduler,
+            loader=self.loader, train_state=self.state, float8_state=self.fp8,
+            run=RunFacts(self.margs, self.global_batch, self.dims.dp, resumable_settings(cfg)),
+            is_main=self.is_main, backend_timeout_s=cfg.parallel.backend_timeout_s, cuda=self.device.type == "cuda",
+        )
+        self.checkpointer.check_writable()  # before step 1, not at the first save
+        self.checkpointer.resume_or_start(cfg.checkpoint.initial_load_path, cfg.checkpoint.trust_pickled_dcp)
         self.fp8.after_load()  # float8 scales follow the (possibly just loaded) weights
 
-        # ---- 6. Metrics and profiling ------------------------------------------------------------
+        # ---- 6. Records, metrics and profiling: one run's history per folder -----------------------
+        purge_step = self.run_folder.start_records(self.checkpointer.resumed_from)
+        if self.is_main:
+            with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as f:
+                f.write(to_toml(cfg))
         self.metrics = MetricsLogger(
             cfg.job.dump_folder, is_writer=self.is_main, tensorboard=cfg.metrics.enable_tensorboard,
             device=self.device, flops_per_token=self.flops_per_token, float8_matmul_share=float8_share,
+            purge_step=purge_step,
         )
         self.profiler = Profiler(cfg.profiling, cfg.job.dump_folder, rank, self.device, start_step=self.state.step)
         if self.is_main:
@@ -174,9 +192,7 @@ class Trainer:
 
     def next_batch(self) -> tuple[torch.Tensor, float]:
         start = time.perf_counter()
-        if self.batches is None:
-            self.batches = iter(self.loader)
-        batch = next(self.batches).to(self.device, non_blocking=True)
+        batch = next(self.loader).to(self.device, non_blocking=True)
         return batch, time.perf_counter() - start
 
     def batch_number(self) -> int:
@@ -314,11 +330,11 @@ class Trainer:
                     self.metrics.start_window()
             if self.val_data is not None and (step % cfg.validation.freq == 0 or last):
                 self.validate()
-            preempted = self.checkpointer.preemption_requested()
+            preempted = self.checkpointer.preemption_requested_and_publish()
             if self.checkpointer.due(step, last) or preempted:
                 if self._window_losses and self.check_losses() is None:
                     continue  # rolled back: never save the weights of a diverged run
-                self.checkpointer.save(step, final=last or preempted)
+                self.checkpointer.save(step, final=last or preempted, preemption=preempted)
             if preempted:
                 self.checkpointer.finish()
                 marker = os.environ.get("TITANLIKE_PREEMPTED_MARKER")
@@ -329,12 +345,14 @@ class Trainer:
                 return
             self.profiler.step(step)
         self.checkpointer.finish()
+        self.checkpointer.remove_consumed_preemption_save()
         if self.is_main:
             logger.info(f"done: {steps} steps in {time.perf_counter() - t0:.1f}s")
 
     def close(self) -> None:
-        self.profiler.close()
-        self.metrics.close()
+        for part in ("profiler", "metrics", "run_folder"):  # what __init__ got to build
+            if hasattr(self, part):
+                getattr(self, part).close()
 
 
 def setup_logging(rank: int) -> None:
@@ -362,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             return PRINTED_CONFIG if os.environ.get("TITANLIKE_PREFLIGHT_WORLD") else 0
         if os.environ.get("TITANLIKE_PREFLIGHT_WORLD"):
             preflight(cfg, int(os.environ["TITANLIKE_PREFLIGHT_WORLD"]))
+            check_not_in_use(cfg.job.dump_folder)  # a second run into a folder in use: stop before torchrun
             return 0
         trainer = Trainer(cfg)
         trainer.train()
