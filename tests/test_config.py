@@ -202,7 +202,14 @@ INVALID = [
     (["--lr_scheduler.min_lr_factor", "2"], "lr_scheduler.min_lr_factor = 2.0 must be in [0, 1]"),
     (["--parallel.dp_shard", "0"], "parallel.dp_shard = 0 must be -1 (all ranks) or >= 1"),
     (["--parallel.dp_replicate", "-2"], "parallel.dp_replicate = -2 must be -1 (the rest) or >= 1"),
-    (["--parallel.backend_timeout_s", "0"], "parallel.backend_timeout_s = 0 must be >= 1"),
+    (["--parallel.backend_timeout_s", "0"], "parallel.backend_timeout_s = 0 must be in [1, 1000000]"),
+    (["--parallel.backend_timeout_s", "100000000000000"], "parallel.backend_timeout_s = 100000000000000 must be in"),
+    (["--job.seed", "-1"], "job.seed = -1 must be in [0, 2^63)"),
+    (["--job.seed", str(2**63)], f"job.seed = {2**63} must be in [0, 2^63)"),
+    (["--job.dump_folder", ""], "job.dump_folder must not be empty"),
+    (["--model.vocab_size", "2000000000"], "model.vocab_size = 2000000000 is too large: at most 2^24"),
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "²"],
+     "activation_checkpoint.selective_ac_option = '²' must be 'op' or a positive integer"),
     (["--fp8.recipe", "rowwise", "--fp8.enable_fsdp_float8_all_gather"],
      "fp8.enable_fsdp_float8_all_gather needs fp8.recipe = tensorwise (got 'rowwise')"),
     (["--fp8.recipe", "rowwise_with_gw_hp", "--fp8.enable_fsdp_float8_all_gather", "true"],
@@ -376,6 +383,21 @@ def test_unset_optionals_round_trip(tmp_path):
     again = load_config(["--job.config_file", write_toml(tmp_path, to_toml(cfg))])
     again.job.config_file = ""
     assert again == cfg
+
+
+def test_non_utf8_config_file_is_one_line(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b"[job]\nseed = 1\n# \xff\xfe\n")
+    assert error_of(["--job.config_file", str(bad)]) == (
+        f"job.config_file = '{bad}' is not UTF-8 text (byte 17): TOML files are UTF-8")
+
+
+def test_config_toml_round_trips_paths_with_quotes_and_newlines(tmp_path):
+    """config.toml must stay valid TOML whatever a path holds (a newline, a quote, a backslash, a tab)."""
+    odd = str(tmp_path / 'we"ird\nna\tme\\x\x7f')
+    cfg = load_config(["--job.dump_folder", odd])
+    again = tomllib.loads(to_toml(cfg))
+    assert again["job"]["dump_folder"] == odd
 
 
 def test_every_field_has_a_docstring():

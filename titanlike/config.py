@@ -431,6 +431,10 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
                 data = tomllib.load(f)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"job.config_file = {path!r} is not valid TOML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"job.config_file = {path!r} is not UTF-8 text (byte {e.start}): TOML files are UTF-8") from None
+        except OSError as e:
+            raise ConfigError(f"job.config_file = {path!r} cannot be read: {e.strerror}") from None
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table")
@@ -454,6 +458,10 @@ def validate(cfg: JobConfig) -> None:
 
     need(cfg.model.flavor in PRESETS, f"model.flavor = {cfg.model.flavor!r} is not a preset; valid: {', '.join(PRESETS)}")
     need(cfg.model.vocab_size >= 0, f"model.vocab_size = {cfg.model.vocab_size} must be >= 0 (0 = the preset's)")
+    # Real vocabularies stay below 2^20; past 2^24 the embedding alone takes tens of GB.
+    need(cfg.model.vocab_size <= 2**24, f"model.vocab_size = {cfg.model.vocab_size} is too large: at most 2^24 = {2**24}")
+    need(0 <= cfg.job.seed < 2**63, f"job.seed = {cfg.job.seed} must be in [0, 2^63)")
+    need(bool(cfg.job.dump_folder.strip()), "job.dump_folder must not be empty (default ./outputs)")
     need(d.seq_len >= 8, f"data.seq_len = {d.seq_len} must be at least 8")
     need(d.num_workers >= 0, f"data.num_workers = {d.num_workers} must be >= 0")
     for key, path in (("data.path", d.path), ("data.val_path", d.val_path)):
@@ -481,7 +489,8 @@ def validate(cfg: JobConfig) -> None:
     p = cfg.parallel
     need(p.dp_shard == -1 or p.dp_shard >= 1, f"parallel.dp_shard = {p.dp_shard} must be -1 (all ranks) or >= 1")
     need(p.dp_replicate == -1 or p.dp_replicate >= 1, f"parallel.dp_replicate = {p.dp_replicate} must be -1 (the rest) or >= 1")
-    need(p.backend_timeout_s >= 1, f"parallel.backend_timeout_s = {p.backend_timeout_s} must be >= 1")
+    need(1 <= p.backend_timeout_s <= 10**6,
+         f"parallel.backend_timeout_s = {p.backend_timeout_s} must be in [1, 1000000] (about 11 days)")
     f8 = cfg.fp8
     need(
         not (f8.enable_fsdp_float8_all_gather and f8.recipe != "tensorwise"),
@@ -502,7 +511,8 @@ def validate(cfg: JobConfig) -> None:
     ac = cfg.activation_checkpoint
     if ac.mode == "selective":
         need(
-            ac.selective_ac_option == "op" or (ac.selective_ac_option.isdigit() and int(ac.selective_ac_option) >= 1),
+            ac.selective_ac_option == "op"
+            or (ac.selective_ac_option.isascii() and ac.selective_ac_option.isdigit() and int(ac.selective_ac_option) >= 1),
             f"activation_checkpoint.selective_ac_option = {ac.selective_ac_option!r} must be 'op' or a positive integer",
         )
     c = cfg.checkpoint
@@ -540,8 +550,16 @@ def _toml_value(v: object) -> str:
         return repr(v)
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    s = str(v).replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{s}"'
+    # A TOML basic string: backslash, quote and every control character escaped (a path may hold them).
+    out = []
+    for ch in str(v):
+        if ch in ('"', "\\"):
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
 
 
 def to_toml(cfg: JobConfig) -> str:

@@ -154,7 +154,12 @@ def read_hf_folder(folder: str, a: ModelArgs) -> dict[str, torch.Tensor]:
     hf: dict[str, torch.Tensor] = {}
     file_of: dict[str, str] = {}
     for fname in files:
-        for name, tensor in load_file(os.path.join(folder, fname)).items():
+        try:
+            tensors = load_file(os.path.join(folder, fname))
+        except Exception as e:  # safetensors' SafetensorError (header too large, truncated file, ...)
+            cause = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise UserError(f"{folder}/{fname} is not a readable safetensors file ({cause})") from None
+        for name, tensor in tensors.items():
             hf[name], file_of[name] = tensor.float(), fname
     try:
         out = from_hf_state(hf, a, folder)

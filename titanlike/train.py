@@ -399,6 +399,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {faults.oom_message(cfg, world, rank, step, faults.gpu_memory(device), snapshot)}", file=sys.stderr)
         return 2
     except RuntimeError as e:
+        if "can't allocate memory" in str(e):  # the CPU allocator: a model or batch too large for this machine
+            want = next((w for w in str(e).split("allocate ")[1:] if w[:1].isdigit()), "").split(" bytes")[0]
+            size = f"{int(want) / 2**30:.1f} GiB" if want.isdigit() else "more memory than there is"
+            print(f"error: out of host memory: an allocation of {size} failed; check --model.* sizes, "
+                  f"--training.local_batch_size and --data.seq_len", file=sys.stderr)
+            return 2
         failure = faults.collective_failure(e)  # a peer died or hung, or the network failed
         if failure is None:
             raise
