@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import errno
 import hashlib
 import hmac
 import json
@@ -595,18 +596,20 @@ class Checkpointer:
             todo += [c for c in (x.__cause__, x.__context__) if c is not None]
         os_error = next((x for x in errors if isinstance(x, OSError) and x.strerror), None)
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        if (os_error and os_error.errno == 28) or "No space left" in str(e) or free_mb < 64:
+        if (os_error and os_error.errno == errno.ENOSPC) or "No space left" in str(e) or free_mb < 64:
             k = self.cfg.keep_latest_k
             advice = (f"free space, or keep fewer checkpoints: with --checkpoint.keep_latest_k {max(1, (k or 3) - 1)} "
                       f"older ones are deleted before each save" if k != 1 else
                       "free space or point --checkpoint.folder at a larger disk")
             need = f", a checkpoint takes {size_mb:.0f} MB" if size_mb else ""
             return f"No space left on device: {free_mb:.0f} MB free{need}; {advice}"
+        size_limit = (f"this process may write files of at most {limit / 2**20:.0f} MB (ulimit -f); raise the limit"
+                      if limit != resource.RLIM_INFINITY else "")
         if os_error:
-            return f"{os_error.strerror}: {os_error.filename or self.folder}"
-        if limit != resource.RLIM_INFINITY:
-            return (f"a file could not be written in full, and this process may write files of at most "
-                    f"{limit / 2**20:.0f} MB (ulimit -f); raise the limit")
+            cause = f"{os_error.strerror}: {os_error.filename or self.folder}"
+            return f"{cause}: {size_limit}" if os_error.errno == errno.EFBIG and size_limit else cause
+        if size_limit:
+            return f"a file could not be written in full: {size_limit}"
         text = next((str(x) for x in errors if str(x).strip()), type(e).__name__)
         return text.strip().splitlines()[0][:200]
 

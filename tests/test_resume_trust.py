@@ -1,0 +1,358 @@
+"""Checkpoints and resume you can trust (issue 16): changed settings apply, nothing the user saved is
+deleted by a resume, damage is found and routed around, no code runs from a file, one folder is one
+run's history. Single-process runs (`python -m titanlike.train`, the one-GPU launch) on the debug
+model, on CPU: the two-rank paths are in test_checkpoint.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, _env, metrics, run_python
+from test_checkpoint import error_lines, logged_steps, output, start, wait_for
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+BASE = ("--data.seq_len", "64", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
+        "--training.deterministic", "--validation.enable", "false")
+K = ("--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "2")
+
+
+def args(dump: Path, corpus, *extra: str) -> list[str]:
+    return ["-m", "titanlike.train", "--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"),
+            "--job.dump_folder", str(dump), "--training.device", "cpu", "--data.path", corpus[0], *BASE, *extra]
+
+
+def train(dump: Path, corpus, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = run_python(*args(dump, corpus, *extra), timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def losses(dump: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in metrics(dump)}
+
+
+def steps_in(folder: Path) -> list[str]:
+    return sorted(os.listdir(folder), key=lambda n: (int(n.split("-")[1].split(".")[0]), n))
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory, corpus) -> Path:
+    """Eight uninterrupted steps, a checkpoint every two."""
+    dump = tmp_path_factory.mktemp("ref")
+    train(dump, corpus, *K)
+    assert sorted(losses(dump)) == list(range(1, 9))
+    return dump
+
+
+def only_steps(ref: Path, dump: Path, *steps: int) -> Path:
+    for s in steps:
+        shutil.copytree(ref / "checkpoint" / f"step-{s}", dump / "checkpoint" / f"step-{s}")
+    return dump / "checkpoint"
+
+
+# ---- 1. changed optimizer settings apply on resume ---------------------------------------------------
+
+
+def test_resume_applies_the_configured_optimizer_and_schedule(ref, tmp_path, corpus):
+    from titanlike.config import load_config
+    from titanlike.optim import lr_factor
+
+    only_steps(ref, tmp_path, 4)
+    proc = train(tmp_path, corpus, *K, "--optimizer.lr", "1e-5", "--optimizer.weight_decay", "0.9",
+                 "--optimizer.betas", "0.5,0.5", "--lr_scheduler.warmup_steps", "2")
+    cfg = load_config(["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml")])
+    o, s = cfg.optimizer, cfg.lr_scheduler
+    for line in (f"optimizer.lr: checkpoint {o.lr} → config 1e-05",
+                 f"optimizer.weight_decay: checkpoint {o.weight_decay} → config 0.9",
+                 f"optimizer.betas: checkpoint {list(o.betas)} → config [0.5, 0.5]",
+                 f"lr_scheduler.warmup_steps: checkpoint {s.warmup_steps} → config 2"):
+        assert line in proc.stderr
+    lrs = {r["step"]: r["lr"] for r in metrics(tmp_path)}
+    assert sorted(lrs) == [5, 6, 7, 8]
+    for step, lr in lrs.items():  # the configured peak LR and schedule, at the step reached
+        assert lr == pytest.approx(1e-5 * lr_factor(step, 8, 2, s.decay_ratio, s.decay_type, s.min_lr_factor))
+
+
+def test_optimizer_state_load_keeps_the_configured_hyperparameters(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from titanlike.checkpoint import OptimizerState
+    from titanlike.model import Transformer, model_args
+    from titanlike.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = Transformer(model_args("debug"))
+    model.init_weights(seed=1, seq_len=16)
+    saved = build_optimizer(model, 3e-3, 0.1, [0.9, 0.95], 1e-8, "cpu")
+    model(torch.randint(0, 200, (2, 16))).sum().backward()
+    saved.step()
+    model.zero_grad(set_to_none=True)  # as at a resume: before the first backward
+    dcp.save({"optimizer": OptimizerState(model, saved).state_dict()}, checkpoint_id=str(tmp_path), no_dist=True)
+
+    resumed = build_optimizer(model, 1e-5, 0.9, [0.5, 0.5], 1e-6, "cpu")
+    piece = OptimizerState(model, resumed)
+    state = piece.state_dict()
+    dcp.load({"optimizer": state}, checkpoint_id=str(tmp_path), no_dist=True)
+    piece.load_state_dict(state)
+    group = resumed.param_groups[0]
+    assert (group["lr"], group["weight_decay"], tuple(group["betas"]), group["eps"]) == (1e-5, 0.9, (0.5, 0.5), 1e-6)
+    for p in model.parameters():  # the moments are the checkpoint's
+        assert torch.equal(resumed.state[p]["exp_avg"], saved.state[p]["exp_avg"])
+
+
+# ---- 3. an older load_step sets the later checkpoints aside; pruning keeps what was written last -----
+
+
+def test_load_step_sets_later_steps_aside_and_keeps_the_new_ones(ref, tmp_path, corpus):
+    shutil.copytree(ref / "checkpoint", tmp_path / "checkpoint")
+    proc = train(tmp_path, corpus, *K, "--checkpoint.load_step", "2", "--checkpoint.keep_latest_k", "2")
+    assert ("resumed from step 2: set aside the later checkpoints as step-4.abandoned, step-6.abandoned, "
+            "step-8.abandoned") in proc.stderr
+    assert steps_in(tmp_path / "checkpoint") == ["step-4.abandoned", "step-6", "step-6.abandoned", "step-8",
+                                                 "step-8.abandoned"]
+    assert f"checkpoint saved: {tmp_path}/checkpoint/step-4" in proc.stderr
+    # A plain restart now resumes the new branch's newest step, never the abandoned one.
+    again = train(tmp_path, corpus, "--training.steps", "10", "--checkpoint.enable", "--checkpoint.interval", "2")
+    assert f"resumed from {tmp_path}/checkpoint/step-8 at step 8" in again.stderr
+
+
+# ---- 4. a damaged newest checkpoint: one line naming the file, fall back to the newest intact --------
+
+
+def _zero_middle(step: Path) -> str:
+    path = step / "__0_0.distcp"
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        f.write(bytes(4096))
+    return str(path)
+
+
+def _empty(step: Path) -> str:
+    (step / "__0_0.distcp").write_bytes(b"")
+    return str(step / "__0_0.distcp")
+
+
+def _no_metadata(step: Path) -> str:
+    (step / ".metadata").unlink()
+    return str(step / ".metadata")
+
+
+def _garbage_metadata(step: Path) -> str:
+    (step / ".metadata").write_bytes(b"\x80\x04garbage" * 10)
+    return str(step / ".metadata")
+
+
+@pytest.mark.parametrize("damage", [_zero_middle, _empty, _no_metadata, _garbage_metadata],
+                         ids=["zeroed-bytes", "emptied-shard", "missing-metadata", "garbage-metadata"])
+def test_damaged_newest_step_falls_back_to_the_newest_intact(ref, tmp_path, corpus, damage):
+    folder = only_steps(ref, tmp_path, 4, 6)
+    named = damage(folder / "step-6")
+    proc = train(tmp_path, corpus, *K)
+    warnings = [ln for ln in proc.stderr.splitlines() if "checkpoint damaged:" in ln]
+    assert len(warnings) == 1 and named in warnings[0], proc.stderr[-3000:]
+    assert "falling back to the newest intact checkpoint before step 6" in proc.stderr
+    assert f"resumed from {folder}/step-4 at step 4" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    full = losses(ref)
+    assert losses(tmp_path) == {s: full[s] for s in range(5, 9)}  # bit for bit from the intact step
+    assert "step-6.damaged" in os.listdir(folder)  # kept for a look, never loaded again
+
+
+def test_no_intact_checkpoint_stops_with_exit_2(ref, tmp_path, corpus):
+    folder = only_steps(ref, tmp_path, 4, 6)
+    _zero_middle(folder / "step-4")
+    _empty(folder / "step-6")
+    proc = train(tmp_path, corpus, *K, check=False)
+    assert proc.returncode == 2
+    assert error_lines(proc.stderr) == [
+        f"error: no intact checkpoint in {folder}: steps 6, 4 are damaged (set aside as step-N.damaged); remove "
+        f"--checkpoint.enable or use another --checkpoint.folder to start afresh"]
+    assert "train step" not in proc.stderr
+
+
+# ---- 2. no code from a file ---------------------------------------------------------------------------
+
+
+def test_trainer_state_is_json_and_tensors(ref):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    step = ref / "checkpoint" / "step-8"
+    meta = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    pickled = [k for k, v in meta.items() if not isinstance(v, TensorStorageMetadata)]
+    assert pickled == []  # DCP stores anything but a tensor as a pickle
+    state = json.loads((step / "trainer_state.json").read_text())
+    assert state["train_state"]["step"] == 8
+    assert set(json.loads((step / "rng-rank0.json").read_text())) >= {"python", "numpy", "torch"}
+
+
+class _Payload:
+    """Unpickling this makes a folder: the stand-in for any command a crafted pickle could run."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_a_pickle_from_elsewhere_runs_nothing(ref, tmp_path, corpus):
+    import pickle
+
+    evil = tmp_path / "downloaded" / "step-8"
+    shutil.copytree(ref / "checkpoint" / "step-8", evil)
+    marker = tmp_path / "code-ran"
+    (evil / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+
+    proc = train(tmp_path / "run", corpus, "--training.steps", "1", "--checkpoint.initial_load_path", str(evil),
+                 check=False)
+    assert proc.returncode == 2 and not marker.exists()
+    (line,) = error_lines(proc.stderr)
+    assert line.startswith(f"error: {evil} is a DCP checkpoint that titanlike did not write on this account")
+    assert "--checkpoint.trust_pickled_dcp" in line
+
+    exported = run_python(str(ROOT / "scripts" / "export_safetensors.py"), str(evil), str(tmp_path / "hf"))
+    assert exported.returncode == 2 and not marker.exists()
+    assert "--trust-pickled-dcp" in error_lines(exported.stderr)[0]
+
+    # The run's own checkpoint (its manifest signed on this account) loads without the flag.
+    own = train(tmp_path / "own", corpus, "--training.steps", "1", "--checkpoint.initial_load_path",
+                str(ref / "checkpoint" / "step-8"))
+    assert "initial weights loaded from" in own.stderr
+    assert losses(tmp_path / "own")[1] < losses(ref)[1] - 0.5  # trained weights, not a fresh init
+
+
+# ---- 5. preempted without checkpoint.enable: the same command resumes ----------------------------------
+
+
+def test_preempted_run_without_checkpoint_enable_resumes_with_the_same_command(ref, tmp_path, corpus):
+    same = args(tmp_path, corpus, "--training.steps", "8")
+    logs = tmp_path / "preempted"
+    proc = start([sys.executable, *same], logs)
+    try:
+        wait_for(lambda: logged_steps(tmp_path) >= 2, "step 2", proc, logs)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stopped = max(losses(tmp_path))
+    assert f"preempted: stopped after step {stopped}" in output(logs)
+
+    again = run_python(*same[0:], timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {tmp_path}/checkpoint/step-{stopped} at step {stopped}" in again.stderr
+    full, now = losses(ref), losses(tmp_path)
+    assert sorted(now) == list(range(1, 9))  # one history, the interrupted attempt's later steps dropped
+    assert {s: now[s] for s in range(stopped + 1, 9)} == {s: full[s] for s in range(stopped + 1, 9)}
+    # Done: the preemption save is gone, so a third run of the same command does not resume from it.
+    assert f"removed the preemption save {tmp_path}/checkpoint/step-{stopped}" in again.stderr
+    assert os.listdir(tmp_path / "checkpoint") == []
+
+
+# ---- 6. another number of loader workers on resume ---------------------------------------------------
+
+
+def test_resume_with_another_number_of_workers_is_exact(ref, tmp_path, corpus):
+    only_steps(ref, tmp_path, 4)
+    proc = train(tmp_path, corpus, *K, "--data.num_workers", "2")
+    assert "data position and RNG restored" in proc.stderr
+    full = losses(ref)
+    assert losses(tmp_path) == {s: full[s] for s in range(5, 9)}
+
+
+# ---- 7/8. unwritable folders before step 1; a failed save names its cause ------------------------------
+
+
+def test_unwritable_folders_are_found_before_step_1(tmp_path, corpus):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    bad_dump = train(blocker / "run", corpus, "--training.steps", "2", check=False)
+    assert bad_dump.returncode == 2
+    assert error_lines(bad_dump.stderr) == [
+        f"error: job.dump_folder {blocker}/run is not writable (Not a directory: {blocker}/run); "
+        f"set --job.dump_folder to a writable path"]
+    bad_ckpt = train(tmp_path / "run", corpus, *K, "--checkpoint.folder", str(blocker / "ckpt"), check=False)
+    assert bad_ckpt.returncode == 2
+    assert error_lines(bad_ckpt.stderr) == [
+        f"error: checkpoint folder {blocker}/ckpt is not writable (Not a directory: {blocker}/ckpt); "
+        f"set --checkpoint.folder to a writable path"]
+    assert "train step" not in bad_ckpt.stderr
+
+
+def test_a_save_over_the_file_size_limit_says_so_in_one_line(tmp_path, corpus):
+    limit = 20 * 2**20  # a checkpoint file of the debug model is 40 MB
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = subprocess.run([sys.executable, *args(tmp_path, corpus, *K)], env=_env(), cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, preexec_fn=small_files)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = error_lines(proc.stderr)
+    assert line == (f"error: saving the checkpoint of step 2 to {tmp_path}/checkpoint failed: File too large: "
+                    f"{tmp_path}/checkpoint: this process may write files of at most 20 MB (ulimit -f); raise the "
+                    f"limit; no earlier checkpoint exists")
+    assert not (tmp_path / "checkpoint" / "step-2.tmp").exists()
+
+
+# ---- 9. one run per dump folder ---------------------------------------------------------------------------
+
+
+def test_a_second_run_into_a_folder_in_use_refuses_and_a_dead_runs_folder_is_taken_over(tmp_path, corpus):
+    first_args = args(tmp_path, corpus, "--training.steps", "500")
+    logs = tmp_path.parent / f"{tmp_path.name}-first"
+    first = start([sys.executable, *first_args], logs)
+    try:
+        wait_for(lambda: logged_steps(tmp_path) >= 1, "step 1", first, logs)
+        second = train(tmp_path, corpus, "--training.steps", "2", check=False)
+        assert second.returncode == 2
+        (line,) = error_lines(second.stderr)
+        assert line.startswith(f"error: job.dump_folder {tmp_path} is in use by another run "
+                               f"(pid {first.pid} on {socket.gethostname()}, started ")
+        assert "use another --job.dump_folder" in line
+    finally:
+        first.kill()
+        first.wait()
+    third = train(tmp_path, corpus, "--training.steps", "2")
+    assert f"took over {tmp_path} from a run that ended without releasing it (pid {first.pid} on" in third.stderr
+    assert sorted(losses(tmp_path)) == [1, 2]  # a fresh run: the dead run's records were moved aside
+
+
+# ---- 15.4 / 12. one folder, one run's history ---------------------------------------------------------------
+
+
+def test_a_fresh_run_moves_another_runs_records_aside(ref, tmp_path, corpus):
+    for name in ("metrics.jsonl", "config.toml", "tb"):
+        src = ref / name
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
+    proc = train(tmp_path, corpus, "--training.steps", "2")
+    moved = [ln for ln in proc.stderr.splitlines() if "held another run's records: moved" in ln]
+    assert len(moved) == 1 and "metrics.jsonl, tb, config.toml" in moved[0]
+    (earlier,) = (tmp_path / "earlier-runs").iterdir()
+    assert sorted(losses(earlier)) == list(range(1, 9))
+    assert sorted(losses(tmp_path)) == [1, 2]
+    assert len(os.listdir(tmp_path / "tb")) == 1
+
+
+def test_a_resumed_run_drops_the_interrupted_attempts_records(ref, tmp_path, corpus):
+    shutil.copytree(ref, tmp_path / "run")
+    dump = tmp_path / "run"
+    proc = train(dump, corpus, *K, "--checkpoint.load_step", "4")
+    assert "metrics.jsonl: 4 records after step 4 (the interrupted attempt's) moved to metrics.dropped.jsonl" in proc.stderr
+    steps = [r["step"] for r in metrics(dump)]
+    assert steps == list(range(1, 9))  # each step once, in order
+    assert [json.loads(ln)["step"] for ln in (dump / "metrics.dropped.jsonl").read_text().splitlines()] == [5, 6, 7, 8]
