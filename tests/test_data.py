@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import struct
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -266,3 +268,46 @@ def test_validation_set_is_the_same_for_any_world_size(tmp_path):
 
     assert seen(1) == seen(2) == seen(4)
     assert len(seen(1)) == steps * global_batch
+
+
+# ---- shards that change or lie -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_shard_truncated_during_training_is_one_line_naming_it(tmp_path, num_workers):
+    """A shard cut short after it was opened (in place, as a failed copy does): a memory map would
+    die with SIGBUS; the loader says which file and what happened."""
+    from titanlike.data import ShardFault
+
+    path = tmp_path / "d.bin"
+    write_shard(path, np.arange(20 * 8 + 1) % 300)
+    ds = open_dataset(str(path), 8, 320, "data.path")
+    loader = build_train_loader(ds, 2, 4, 0, 1, seed=7, num_workers=num_workers, pin_memory=False)
+    next(loader)
+    os.truncate(path, 32 + 2 * 10)  # the header and ten tokens are left
+    loader.seek(1)  # fresh workers, which read the file as it is now
+    with pytest.raises(ShardFault) as e:
+        for _ in range(5):
+            next(loader)
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith(f"{path} became shorter while training read it: tokens ")
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_header_that_understates_the_largest_id_is_caught_in_the_loader(tmp_path, num_workers):
+    from titanlike.data import HEADER, MAGIC, ShardFault
+
+    path = tmp_path / "d.bin"
+    tokens = (np.arange(20 * 8 + 1) % 300).astype(np.uint16)
+    tokens[77] = 5000  # past the vocabulary of 320
+    with open(path, "wb") as f:  # a header that claims the largest id is 299
+        f.write(HEADER.pack(MAGIC, 1, 2, tokens.size, 299))
+        f.write(tokens.tobytes())
+    ds = open_dataset(str(path), 8, 320, "data.path")  # the header passes
+    loader = build_train_loader(ds, 2, 4, 0, 1, seed=7, num_workers=num_workers, pin_memory=False)
+    with pytest.raises(ShardFault) as e:
+        for _ in range(10):  # 5 steps make an epoch: every window is read
+            next(loader)
+    assert str(e.value) == (f"{path} holds token id 5000 (at token 77), but the model's vocabulary has 320 ids (its "
+                            f"header claims the largest id is 299); re-tokenize it, or set --model.vocab_size 5001 or more")
