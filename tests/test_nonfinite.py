@@ -33,12 +33,17 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def read_checkpoint(step_dir: Path, tmp: Path) -> dict:
-    """A DCP checkpoint as one plain nested dict (all ranks' shards joined)."""
+    """A checkpoint as one plain nested dict: the DCP tensors (all ranks' shards joined) and the
+    trainer's own state (trainer_state.json)."""
+    import json
+
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     out = tmp / f"{step_dir.parent.parent.name}-{step_dir.name}.pt"
     dcp_to_torch_save(str(step_dir), str(out))
-    return torch.load(out, weights_only=False)
+    state = torch.load(out, weights_only=True)
+    state["train_state"] = json.loads((step_dir / "trainer_state.json").read_text())["train_state"]
+    return state
 
 
 def tensors(sd: dict) -> dict[str, torch.Tensor]:

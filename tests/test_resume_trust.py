@@ -65,6 +65,7 @@ def only_steps(ref: Path, dump: Path, *steps: int) -> Path:
 # ---- 1. changed optimizer settings apply on resume ---------------------------------------------------
 
 
+@pytest.mark.slow
 def test_resume_applies_the_configured_optimizer_and_schedule(ref, tmp_path, corpus):
     from titanlike.config import load_config
     from titanlike.optim import lr_factor
@@ -116,6 +117,7 @@ def test_optimizer_state_load_keeps_the_configured_hyperparameters(tmp_path):
 # ---- 3. an older load_step sets the later checkpoints aside; pruning keeps what was written last -----
 
 
+@pytest.mark.slow
 def test_load_step_sets_later_steps_aside_and_keeps_the_new_ones(ref, tmp_path, corpus):
     shutil.copytree(ref / "checkpoint", tmp_path / "checkpoint")
     proc = train(tmp_path, corpus, *K, "--checkpoint.load_step", "2", "--checkpoint.keep_latest_k", "2")
@@ -157,6 +159,7 @@ def _garbage_metadata(step: Path) -> str:
 
 @pytest.mark.parametrize("damage", [_zero_middle, _empty, _no_metadata, _garbage_metadata],
                          ids=["zeroed-bytes", "emptied-shard", "missing-metadata", "garbage-metadata"])
+@pytest.mark.slow
 def test_damaged_newest_step_falls_back_to_the_newest_intact(ref, tmp_path, corpus, damage):
     folder = only_steps(ref, tmp_path, 4, 6)
     named = damage(folder / "step-6")
@@ -171,6 +174,7 @@ def test_damaged_newest_step_falls_back_to_the_newest_intact(ref, tmp_path, corp
     assert "step-6.damaged" in os.listdir(folder)  # kept for a look, never loaded again
 
 
+@pytest.mark.slow
 def test_no_intact_checkpoint_stops_with_exit_2(ref, tmp_path, corpus):
     folder = only_steps(ref, tmp_path, 4, 6)
     _zero_middle(folder / "step-4")
@@ -186,6 +190,7 @@ def test_no_intact_checkpoint_stops_with_exit_2(ref, tmp_path, corpus):
 # ---- 2. no code from a file ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_trainer_state_is_json_and_tensors(ref):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -209,6 +214,7 @@ class _Payload:
         return (os.mkdir, (self.marker,))
 
 
+@pytest.mark.slow
 def test_a_pickle_from_elsewhere_runs_nothing(ref, tmp_path, corpus):
     import pickle
 
@@ -238,6 +244,7 @@ def test_a_pickle_from_elsewhere_runs_nothing(ref, tmp_path, corpus):
 # ---- 5. preempted without checkpoint.enable: the same command resumes ----------------------------------
 
 
+@pytest.mark.slow
 def test_preempted_run_without_checkpoint_enable_resumes_with_the_same_command(ref, tmp_path, corpus):
     same = args(tmp_path, corpus, "--training.steps", "8")
     logs = tmp_path / "preempted"
@@ -266,6 +273,7 @@ def test_preempted_run_without_checkpoint_enable_resumes_with_the_same_command(r
 # ---- 6. another number of loader workers on resume ---------------------------------------------------
 
 
+@pytest.mark.slow
 def test_resume_with_another_number_of_workers_is_exact(ref, tmp_path, corpus):
     only_steps(ref, tmp_path, 4)
     proc = train(tmp_path, corpus, *K, "--data.num_workers", "2")
@@ -277,6 +285,7 @@ def test_resume_with_another_number_of_workers_is_exact(ref, tmp_path, corpus):
 # ---- 7/8. unwritable folders before step 1; a failed save names its cause ------------------------------
 
 
+@pytest.mark.slow
 def test_unwritable_folders_are_found_before_step_1(tmp_path, corpus):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
@@ -293,6 +302,7 @@ def test_unwritable_folders_are_found_before_step_1(tmp_path, corpus):
     assert "train step" not in bad_ckpt.stderr
 
 
+@pytest.mark.slow
 def test_a_save_over_the_file_size_limit_says_so_in_one_line(tmp_path, corpus):
     limit = 20 * 2**20  # a checkpoint file of the debug model is 40 MB
 
@@ -312,6 +322,7 @@ def test_a_save_over_the_file_size_limit_says_so_in_one_line(tmp_path, corpus):
 # ---- 9. one run per dump folder ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_folder_in_use_refuses_and_a_dead_runs_folder_is_taken_over(tmp_path, corpus):
     first_args = args(tmp_path, corpus, "--training.steps", "500")
     logs = tmp_path.parent / f"{tmp_path.name}-first"
@@ -335,6 +346,7 @@ def test_a_second_run_into_a_folder_in_use_refuses_and_a_dead_runs_folder_is_tak
 # ---- 15.4 / 12. one folder, one run's history ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_fresh_run_moves_another_runs_records_aside(ref, tmp_path, corpus):
     for name in ("metrics.jsonl", "config.toml", "tb"):
         src = ref / name
@@ -348,6 +360,7 @@ def test_a_fresh_run_moves_another_runs_records_aside(ref, tmp_path, corpus):
     assert len(os.listdir(tmp_path / "tb")) == 1
 
 
+@pytest.mark.slow
 def test_a_resumed_run_drops_the_interrupted_attempts_records(ref, tmp_path, corpus):
     shutil.copytree(ref, tmp_path / "run")
     dump = tmp_path / "run"
