@@ -266,7 +266,7 @@ def test_preempted_run_without_checkpoint_enable_resumes_with_the_same_command(r
     assert sorted(now) == list(range(1, 9))  # one history, the interrupted attempt's later steps dropped
     assert {s: now[s] for s in range(stopped + 1, 9)} == {s: full[s] for s in range(stopped + 1, 9)}
     # Done: the preemption save is gone, so a third run of the same command does not resume from it.
-    assert f"removed the preemption save {tmp_path}/checkpoint/step-{stopped}" in again.stderr
+    assert f"removed the preemption save {tmp_path}/checkpoint/step-{stopped}: this run got past it" in again.stderr
     assert os.listdir(tmp_path / "checkpoint") == []
 
 

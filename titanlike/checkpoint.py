@@ -463,6 +463,8 @@ class Checkpointer:
             else:
                 dcp.save(state, checkpoint_id=tmp, process_group=self.cpu_group, no_dist=not self.sharded)
                 self._publish(step)
+                if preemption and not self.cfg.enable and self.resumed_preemption_save not in (None, step):
+                    self._remove(self.resumed_preemption_save)  # superseded by this one
         except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
             self._fail(step, e)
         self.last_stall_s = time.perf_counter() - start
@@ -716,6 +718,7 @@ class Checkpointer:
     def _set_aside_later(self, step: int) -> None:
         """A resume from an older step starts a new branch: the later checkpoints must never be resumed
         from again (nor count for keep_latest_k), but their bytes stay."""
+        self._barrier()  # every rank lists the folder before rank 0 renames anything in it
         later = [s for s in self.complete_steps() if s > step]
         if not later:
             return
@@ -799,11 +802,13 @@ class Checkpointer:
         the same command would resume from it again."""
         if self.resumed_preemption_save is None or self.cfg.enable:
             return
+        self._remove(self.resumed_preemption_save)
+
+    def _remove(self, step: int) -> None:
         self._barrier()
         if self.is_main:
-            path = self.step_dir(self.resumed_preemption_save)
-            shutil.rmtree(path, ignore_errors=True)
-            logger.info(f"removed the preemption save {path}: this run completed")
+            shutil.rmtree(self.step_dir(step), ignore_errors=True)
+            logger.info(f"removed the preemption save {self.step_dir(step)}: this run got past it")
 
     # ---- preemption ---------------------------------------------------------------------------------
 
