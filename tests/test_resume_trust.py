@@ -369,3 +369,34 @@ def test_a_resumed_run_drops_the_interrupted_attempts_records(ref, tmp_path, cor
     steps = [r["step"] for r in metrics(dump)]
     assert steps == list(range(1, 9))  # each step once, in order
     assert [json.loads(ln)["step"] for ln in (dump / "metrics.dropped.jsonl").read_text().splitlines()] == [5, 6, 7, 8]
+
+
+@pytest.mark.slow
+def test_keep_latest_k_makes_room_before_a_save(tmp_path, corpus):
+    """With keep_latest_k = 2 a full disk needs room for two checkpoints, not three: the oldest goes
+    before the new one is written (and, with k = 1, only after: never fewer than one complete)."""
+    seen = tmp_path / "seen.jsonl"
+    hooked = tmp_path / "listing_train.py"
+    hooked.write_text(
+        "import json, os, sys\n"
+        "import torch.distributed.checkpoint.filesystem as fs\n"
+        "real = fs._FileSystemWriter.write_data\n"
+        "def listing(self, plan, planner):\n"
+        "    folder = os.path.dirname(str(self.path))\n"
+        f"    with open({str(seen)!r}, 'a') as f:\n"
+        "        f.write(json.dumps(sorted(os.listdir(folder))) + '\\n')\n"
+        "    return real(self, plan, planner)\n"
+        "fs._FileSystemWriter.write_data = listing\n"
+        "from titanlike.train import main\n"
+        "sys.exit(main())\n")
+    for k, want in (("2", [["step-2.tmp"], ["step-2", "step-4.tmp"], ["step-4", "step-6.tmp"]]),
+                    ("1", [["step-2.tmp"], ["step-2", "step-4.tmp"], ["step-4", "step-6.tmp"]])):
+        seen.unlink(missing_ok=True)
+        dump = tmp_path / f"k{k}"
+        proc = subprocess.run([sys.executable, str(hooked), *args(dump, corpus, "--training.steps", "6", "--checkpoint.enable",
+                                                                  "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", k)[2:]],
+                              env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        listings = [json.loads(ln) for ln in seen.read_text().splitlines()]
+        assert listings == want, (k, listings)
+        assert sorted(os.listdir(dump / "checkpoint")) == (["step-6"] if k == "1" else ["step-4", "step-6"])
