@@ -382,11 +382,12 @@ def plain_model(step_dir: Path):
     return model
 
 
-def load_in_process(model, path: Path) -> None:
-    """The trainer's own loader for `--checkpoint.initial_load_path` (no process group, one rank)."""
+def load_in_process(model, path: Path, trust: bool = False) -> None:
+    """The trainer's own loader for `--checkpoint.initial_load_path` (no process group, one rank);
+    trust = --checkpoint.trust_pickled_dcp, for the synthetic checkpoints written here by plain DCP."""
     from titanlike.checkpoint import load_initial_weights
 
-    load_initial_weights(model, model.args, str(path))
+    load_initial_weights(model, model.args, str(path), trust_pickled_dcp=trust)
 
 
 TOKENS = torch.randint(0, 258, (2, 64), generator=torch.Generator().manual_seed(0))
@@ -479,14 +480,14 @@ def synthetic_checkpoint(step_dir: Path, **overrides):
 def test_export_tied_embeddings(tmp_path):
     step_dir = tmp_path / "step-1"
     original = synthetic_checkpoint(step_dir, tie_embeddings=True)
-    assert export(step_dir, tmp_path / "hf", "--dtype", "fp32").returncode == 0
+    assert export(step_dir, tmp_path / "hf", "--dtype", "fp32", "--trust-pickled-dcp").returncode == 0
     from safetensors.torch import load_file
 
     assert "lm_head.weight" not in load_file(tmp_path / "hf" / "model.safetensors")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is True
     for source in (tmp_path / "hf", step_dir):  # the export, and the checkpoint itself
         loaded = plain_model(step_dir)
-        load_in_process(loaded, source)
+        load_in_process(loaded, source, trust=True)
         assert loaded.output.weight is loaded.tok_embeddings.weight
         with torch.no_grad():
             assert torch.equal(loaded(TOKENS), original(TOKENS))
@@ -499,7 +500,7 @@ def test_export_loads_in_transformers_llama(request, tmp_path, tied):
     if tied:
         step_dir, hf = tmp_path / "step-1", tmp_path / "hf"
         original = synthetic_checkpoint(step_dir, tie_embeddings=True)
-        assert export(step_dir, hf, "--dtype", "fp32").returncode == 0
+        assert export(step_dir, hf, "--dtype", "fp32", "--trust-pickled-dcp").returncode == 0
     else:
         step_dir, hf = request.getfixturevalue("exported")
         original = plain_model(step_dir)
@@ -573,11 +574,11 @@ def debug_model(**overrides):
     return model
 
 
-def load_error(model, path: Path) -> str:
+def load_error(model, path: Path, trust: bool = False) -> str:
     from titanlike.errors import UserError
 
     with pytest.raises(UserError) as e:
-        load_in_process(model, path)
+        load_in_process(model, path, trust)
     return str(e.value)
 
 
@@ -636,7 +637,7 @@ def test_import_of_another_model_names_the_first_difference(tmp_path):
     # untied checkpoint's embedding and output layer would both load into the one shared tensor.
     step_dir = tmp_path / "step-1"
     synthetic_checkpoint(step_dir)
-    assert load_error(debug_model(tie_embeddings=True), step_dir) == (
+    assert load_error(debug_model(tie_embeddings=True), step_dir, trust=True) == (
         f"{step_dir} was saved with untied embeddings (an output layer of its own); run with --model.tie_embeddings false"
     )
     # A checkpoint of an earlier titanlike, whose attention had separate wq, wk, wv: the line says how across.
@@ -653,7 +654,7 @@ def test_import_of_another_model_names_the_first_difference(tmp_path):
         else:
             state[name] = tensor
     dcp.save({"model": state}, checkpoint_id=str(old), no_dist=True)
-    assert load_error(debug_model(), old) == (
+    assert load_error(debug_model(), old, trust=True) == (
         f"{old} was saved by an earlier titanlike, with separate wq/wk/wv projections (now one stacked wqkv): export "
         f"it with that version's scripts/export_safetensors.py and start from the export with "
         f"--checkpoint.initial_load_path"
