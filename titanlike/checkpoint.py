@@ -417,8 +417,8 @@ class Checkpointer:
 
     def check_writable(self) -> None:
         """Before step 1: a checkpoint folder that cannot be written is found now, not after the steps."""
-        if not (self.cfg.enable or self.cfg.folder):
-            return
+        if not self.cfg.enable:
+            return  # (a preemption save without it makes the folder when it is needed)
         probe = os.path.join(self.folder, f".write-test-rank{self.rank}")
         try:
             os.makedirs(self.folder, exist_ok=True)

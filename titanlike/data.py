@@ -1,6 +1,7 @@
 """Tokens in, batches out: the byte tokenizer, the token-shard format, sampling and loading.
 
-Shard format (little-endian), one file per shard, read by memory map:
+Shard format (little-endian), one file per shard, read with pread (a file that shrinks mid-run is a
+line naming it, where a memory map would die with SIGBUS):
 
     offset  size  field
     0       8     magic b"TLSHARD\\0"
