@@ -32,7 +32,6 @@ def load_checkpoint_model(step_dir: str, trust_pickled_dcp: bool = False):
     import torch.distributed.checkpoint as dcp
 
     from titanlike.checkpoint import check_trusted_dcp
-
     from titanlike.model import ModelArgs, Transformer
 
     if not os.path.isdir(step_dir):

@@ -309,5 +309,6 @@ def test_a_header_that_understates_the_largest_id_is_caught_in_the_loader(tmp_pa
     with pytest.raises(ShardFault) as e:
         for _ in range(10):  # 5 steps make an epoch: every window is read
             next(loader)
-    assert str(e.value) == (f"{path} holds token id 5000 (at token 77), but the model's vocabulary has 320 ids (its "
-                            f"header claims the largest id is 299); re-tokenize it, or set --model.vocab_size 5001 or more")
+    assert str(e.value) == (f"{path} holds token id 5000 (at token 77), but the model's vocabulary has 320 ids "
+                            f"(its header claims the largest id is 299); re-tokenize it, or set "
+                            f"--model.vocab_size 5001 or more")

@@ -365,7 +365,8 @@ def test_a_resumed_run_drops_the_interrupted_attempts_records(ref, tmp_path, cor
     shutil.copytree(ref, tmp_path / "run")
     dump = tmp_path / "run"
     proc = train(dump, corpus, *K, "--checkpoint.load_step", "4")
-    assert "metrics.jsonl: 4 records after step 4 (the interrupted attempt's) moved to metrics.dropped.jsonl" in proc.stderr
+    assert ("metrics.jsonl: 4 records after step 4 (the interrupted attempt's) moved to metrics.dropped.jsonl"
+            in proc.stderr)
     steps = [r["step"] for r in metrics(dump)]
     assert steps == list(range(1, 9))  # each step once, in order
     assert [json.loads(ln)["step"] for ln in (dump / "metrics.dropped.jsonl").read_text().splitlines()] == [5, 6, 7, 8]
@@ -393,9 +394,10 @@ def test_keep_latest_k_makes_room_before_a_save(tmp_path, corpus):
                     ("1", [["step-2.tmp"], ["step-2", "step-4.tmp"], ["step-4", "step-6.tmp"]])):
         seen.unlink(missing_ok=True)
         dump = tmp_path / f"k{k}"
-        proc = subprocess.run([sys.executable, str(hooked), *args(dump, corpus, "--training.steps", "6", "--checkpoint.enable",
-                                                                  "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", k)[2:]],
-                              env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+        run = args(dump, corpus, "--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "2",
+                   "--checkpoint.keep_latest_k", k)[2:]  # without "-m titanlike.train": the hooked script
+        proc = subprocess.run([sys.executable, str(hooked), *run], env=_env(), cwd=ROOT, capture_output=True,
+                              text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         listings = [json.loads(ln) for ln in seen.read_text().splitlines()]
         assert listings == want, (k, listings)

@@ -505,7 +505,8 @@ class Checkpointer:
             self.staging.result()
             self.staging = None
             if self.is_main:
-                logger.info(f"checkpoint staging to host memory done; the update waited {time.perf_counter() - start:.2f}s")
+                waited = time.perf_counter() - start
+                logger.info(f"checkpoint staging to host memory done; the update waited {waited:.2f}s")
 
     def wait_and_publish(self) -> None:
         """Wait for a background save in flight, then publish it (make step-N visible)."""
@@ -578,7 +579,8 @@ class Checkpointer:
         if self.is_main:
             shutil.rmtree(self.step_dir(step) + ".tmp", ignore_errors=True)
         previous = [s for s in self.complete_steps() if s != step]
-        kept = f"the previous checkpoint {self.step_dir(previous[-1])} is intact" if previous else "no earlier checkpoint exists"
+        kept = (f"the previous checkpoint {self.step_dir(previous[-1])} is intact" if previous
+                else "no earlier checkpoint exists")
         raise CheckpointError(f"saving the checkpoint of step {step} to {self.folder} failed: "
                               f"{self._save_failure_cause(e, previous)}; {kept}") from None
 
@@ -642,7 +644,8 @@ class Checkpointer:
             if self.cfg.load_step not in steps:
                 have = ", ".join(map(str, steps)) or "none"
                 raise CheckpointMismatch(
-                    f"checkpoint.load_step = {self.cfg.load_step}: no complete checkpoint {self.step_dir(self.cfg.load_step)} "
+                    f"checkpoint.load_step = {self.cfg.load_step}: no complete checkpoint "
+                    f"{self.step_dir(self.cfg.load_step)} "
                     f"(complete steps in {self.folder}: {have})"
                 )
             self._resume([self.cfg.load_step])
@@ -662,7 +665,8 @@ class Checkpointer:
                 except (Exception, CheckpointException) as e:  # damage the manifest could not see
                     if isinstance(e, UserError):
                         raise
-                    problem = f"{self.step_dir(step)} cannot be read ({str(e).strip().splitlines()[0][:200] or type(e).__name__})"
+                    cause = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+                    problem = f"{self.step_dir(step)} cannot be read ({cause})"
             if problem is None:
                 self.resumed_from = step
                 self._set_aside_later(step)

@@ -118,7 +118,8 @@ class Shard:
         if len(data) < want:
             raise ShardFault(
                 f"{self.path} became shorter while training read it: tokens {start}..{start + n} are past its end "
-                f"({os.path.getsize(self.path)} bytes now); a shard must not change during a run (restore it, then resume)"
+                f"({os.path.getsize(self.path)} bytes now); a shard must not change during a run "
+                f"(restore it, then resume)"
             )
         return np.frombuffer(data, dtype=self.dtype)
 
@@ -302,7 +303,7 @@ class TrainLoader:
         self.sampler.start_step = batches_read
         self._batches = None
 
-    def __iter__(self) -> "TrainLoader":
+    def __iter__(self) -> TrainLoader:
         return self
 
     def __next__(self) -> torch.Tensor:

@@ -106,7 +106,8 @@ class RunFolder:
         if resumed_step is None:
             found = [n for n in RECORDS if os.path.exists(os.path.join(self.path, n))]
             if found:
-                stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(os.path.join(self.path, found[0]))))
+                written = os.path.getmtime(os.path.join(self.path, found[0]))
+                stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(written))
                 target = os.path.join(self.path, "earlier-runs", stamp)
                 k = 1
                 while os.path.exists(target):
