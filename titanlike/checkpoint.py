@@ -837,7 +837,7 @@ class Checkpointer:
             self.wait_and_publish()
         return bool(flags[0])
 
-    def finish(self) -> None:
+    def finish_and_publish(self) -> None:
         """Wait for a background save to land and publish it (end of run, preemption)."""
         self.wait_and_publish()
         if self.stager is not None:

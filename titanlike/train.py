@@ -248,7 +248,7 @@ class Trainer:
         return verdict.loss
 
     def _checkpoints_to_roll_back_to(self) -> list[int]:
-        self.checkpointer.finish()  # a background save (of a checked step) lands first
+        self.checkpointer.finish_and_publish()  # a background save (of a checked step) lands first
         return self.checkpointer.complete_steps()
 
     def rollback(self, verdict: Verdict) -> None:
@@ -336,7 +336,7 @@ class Trainer:
                     continue  # rolled back: never save the weights of a diverged run
                 self.checkpointer.save(step, final=last or preempted, preemption=preempted)
             if preempted:
-                self.checkpointer.finish()
+                self.checkpointer.finish_and_publish()
                 marker = os.environ.get("TITANLIKE_PREEMPTED_MARKER")
                 if marker and self.dims.local_rank == 0:  # tells run_train.sh on this node: clean stop
                     open(marker, "w").close()
@@ -344,7 +344,7 @@ class Trainer:
                     logger.info(f"preempted: stopped after step {step}; checkpoint at {self.checkpointer.step_dir(step)}")
                 return
             self.profiler.step(step)
-        self.checkpointer.finish()
+        self.checkpointer.finish_and_publish()
         self.checkpointer.remove_consumed_preemption_save()
         if self.is_main:
             logger.info(f"done: {steps} steps in {time.perf_counter() - t0:.1f}s")
