@@ -31,7 +31,7 @@ def load_checkpoint_model(step_dir: str, trust_pickled_dcp: bool = False):
     """(ModelArgs, full CPU state dict under our parameter names) of a checkpoint step folder."""
     import torch.distributed.checkpoint as dcp
 
-    from titanlike.checkpoint import check_trusted_dcp
+    from titanlike.checkpoint_manifest import check_trusted_dcp
     from titanlike.model import ModelArgs, Transformer
 
     if not os.path.isdir(step_dir):

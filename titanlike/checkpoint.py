@@ -9,8 +9,8 @@ Layout under the checkpoint folder:
 
 A step folder holds the DCP files (model, optimizer moments, float8 history: tensors only),
 `model_args.json` (the model's shape), `trainer_state.json` (step, tokens, data position, the
-settings it trained with), `rng-rank{R}.json` per rank, and `manifest.json`: every file's size and
-CRC-32, written last by rank 0. A save writes into `step-N.tmp` and becomes `step-N` by one atomic
+settings it trained with), `rng-rank{R}.json` per rank, and `manifest.json` (checkpoint_manifest.py):
+every file's size and CRC-32, written last by rank 0. A save writes into `step-N.tmp` and becomes `step-N` by one atomic
 rename after every rank has written and the manifest is complete, so a `step-N` folder is always
 whole; a load verifies the manifest first, and a damaged step is set aside for the newest intact one.
 
@@ -28,20 +28,16 @@ from __future__ import annotations
 import base64
 import datetime
 import errno
-import hashlib
-import hmac
 import json
 import logging
 import os
 import random
 import re
 import resource
-import secrets
 import shutil
 import signal
 import time
 import warnings
-import zlib
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
@@ -58,6 +54,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from titanlike.checkpoint_manifest import (  # noqa: F401 (check_trusted_dcp: re-exported)
+    MANIFEST,
+    UntrustedCheckpoint,
+    check_trusted_dcp,
+    describe_files,
+    owner,
+    read_manifest,
+    sha256,
+    sign,
+    signing_key,
+    verify_files,
+)
 from titanlike.errors import UserError
 from titanlike.optim import resume_schedule
 
@@ -67,13 +75,9 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_DIR = re.compile(r"^step-(\d+)\.tmp$")
-MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 MODEL_ARGS = "model_args.json"
 RNG_FILE = "rng-rank{}.json"
-_OWNER = re.compile(r"^(?:__(\d+)_\d+\.distcp|rng-rank(\d+)\.json)$")  # files a given rank writes
-_CHUNK = 16 * 2**20
-TRUST_FLAG = "--checkpoint.trust_pickled_dcp"
 
 
 class CheckpointError(UserError):
@@ -83,10 +87,6 @@ class CheckpointError(UserError):
 class CheckpointMismatch(CheckpointError):
     """The checkpoint on disk does not fit this run; every rank reads the same files, rank 0 reports."""
 
-    same_on_all_ranks = True
-
-
-class UntrustedCheckpoint(CheckpointError):
     same_on_all_ranks = True
 
 
@@ -207,114 +207,7 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(_bytes_tensor(state["cuda"]))
 
 
-# ---- manifest: every file's size and checksum ------------------------------------------------------
-
-
-def file_crc32(path: str) -> str:
-    """CRC-32 of a file, read in chunks: fast (zlib), and catches torn, truncated or zeroed files."""
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
-
-
-def _describe_files(folder: str, names: list[str]) -> dict[str, dict]:
-    return {n: {"size": os.path.getsize(os.path.join(folder, n)), "crc32": file_crc32(os.path.join(folder, n))}
-            for n in names}
-
-
-def _owner(name: str, world: int) -> int:
-    m = _OWNER.match(name)
-    owner = int(m.group(1) or m.group(2)) if m else 0
-    return owner if owner < world else 0
-
-
-def _signing_key(create: bool) -> bytes | None:
-    """This user's key for manifests: a signed manifest says titanlike wrote the folder on this account."""
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    path = os.path.join(base, "titanlike", "checkpoint-signing.key")
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError:
-        if not create:
-            return None
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(secrets.token_bytes(32))
-    except FileExistsError:
-        pass  # another process made it first
-    except OSError:
-        return None  # no writable home: manifests go unsigned (own-folder resume does not need it)
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def _signature(key: bytes, files: dict, metadata_sha256: str) -> str:
-    body = json.dumps({"files": files, "metadata_sha256": metadata_sha256}, sort_keys=True).encode()
-    return hmac.new(key, body, hashlib.sha256).hexdigest()
-
-
-def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
-def verify_files(folder: str, names: list[str], manifest: dict) -> str | None:
-    """The first file of `names` that differs from the manifest, as 'FILE: what', or None."""
-    for name in names:
-        want = manifest["files"][name]
-        path = os.path.join(folder, name)
-        if not os.path.isfile(path):
-            return f"{path} is missing"
-        size = os.path.getsize(path)
-        if size != want["size"]:
-            return f"{path} has {size} bytes, the manifest says {want['size']}"
-        if file_crc32(path) != want["crc32"]:
-            return f"{path} does not match its checksum (its bytes changed after the save)"
-    return None
-
-
-def read_manifest(folder: str) -> dict | None:
-    """The folder's manifest, or None when it has none (written before titanlike had manifests)."""
-    path = os.path.join(folder, MANIFEST)
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-        assert isinstance(manifest.get("files"), dict)
-        return manifest
-    except (OSError, ValueError, AssertionError, AttributeError):
-        return {"unreadable": True, "files": {}}
-
-
-def check_trusted_dcp(folder: str, trust_pickled_dcp: bool, flag: str = TRUST_FLAG) -> None:
-    """Raise UntrustedCheckpoint unless it is safe to unpickle this DCP folder's `.metadata`.
-
-    Safe: the caller opted in (`flag`), or the folder's manifest is signed with this user's key and
-    its `.metadata` has the signed SHA-256 (titanlike wrote it on this account, and it was not
-    replaced since). For `--checkpoint.initial_load_path` and the export; a run's own checkpoint
-    folder is trusted without this check."""
-    if trust_pickled_dcp:
-        return
-    manifest = read_manifest(folder) or {}
-    key = _signing_key(create=False)
-    meta = os.path.join(folder, ".metadata")
-    if key and manifest.get("signature") and os.path.isfile(meta):
-        files, sha = manifest.get("files", {}), manifest.get("metadata_sha256", "")
-        if hmac.compare_digest(_signature(key, files, sha), manifest["signature"]) and _sha256(meta) == sha:
-            return
-    raise UntrustedCheckpoint(
-        f"{folder} is a DCP checkpoint that titanlike did not write on this account: its .metadata is a Python "
-        f"pickle, and loading one can run any code. Load a safetensors (Hugging Face) folder instead, or pass "
-        f"{flag} if you trust whoever wrote it")
-
-
-# ---- loading weights only -------------------------------------------------------------------------------
+# ---- manifest: every file's size and checksum -----------------------------------------------------------
 
 
 def check_model_shape(model: torch.nn.Module, tie_embeddings: bool, path: str) -> None:
@@ -527,7 +420,7 @@ class Checkpointer:
         tmp = self.step_dir(step) + ".tmp"
         try:
             names = sorted(os.listdir(tmp))
-            mine = _describe_files(tmp, [n for n in names if _owner(n, self.world) == self.rank])
+            mine = describe_files(tmp, [n for n in names if owner(n, self.world) == self.rank])
         except OSError as e:
             mine = {"error": f"{e.strerror}: {e.filename}"}
         parts = [mine]
@@ -539,10 +432,10 @@ class Checkpointer:
                 if any("error" in p for p in parts):
                     raise OSError(next(p["error"] for p in parts if "error" in p))
                 files = {k: v for p in parts for k, v in p.items()}
-                sha = _sha256(os.path.join(tmp, ".metadata"))
+                sha = sha256(os.path.join(tmp, ".metadata"))
                 manifest: dict = {"step": step, "files": files, "metadata_sha256": sha}
-                if key := _signing_key(create=True):
-                    manifest["signature"] = _signature(key, files, sha)
+                if key := signing_key(create=True):
+                    manifest["signature"] = sign(key, files, sha)
                 with open(os.path.join(tmp, MANIFEST), "w") as f:
                     json.dump(manifest, f, indent=1)
                     f.flush()
