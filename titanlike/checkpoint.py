@@ -329,6 +329,15 @@ class Checkpointer:
                     f"{path} was saved from a different model shape: {name} is {tuple(saved.size)} there, "
                     f"{tuple(tensor.shape)} here (check --model.flavor / --model.vocab_size)"
                 )
+        if os.path.isfile(args_file):
+            # Same tensor shapes can hold another model (8 heads × 32 or 4 × 64; another rope_theta).
+            from titanlike.model_shape import shape_difference
+
+            with open(args_file) as f:
+                diff = shape_difference(json.load(f), self.trainer.margs)
+            if diff:
+                raise CheckpointMismatch(f"{path} was saved from a different model shape: {diff} "
+                                         f"(resume with the [model] options it was trained with)")
 
     def load(self, step: int, restore_data: bool = True) -> None:
         """Restore everything saved at `step`; with restore_data=False (a rollback) the data loader
