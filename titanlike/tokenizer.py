@@ -161,7 +161,7 @@ def tokenizer_from_folder(folder: str):
     if data == json.loads(json.dumps(byte_tokenizer_json(), ensure_ascii=False)):
         return ByteTokenizer()
     info = {}
-    for name in ("tokenizer_config.json", DATASET_JSON):
+    for name in ("tokenizer_config.json", "tokenizer_info.json", DATASET_JSON):
         if os.path.isfile(os.path.join(folder, name)):
             with open(os.path.join(folder, name)) as f:
                 info = json.load(f)
@@ -199,3 +199,24 @@ def read_dataset_info(data_path: str) -> dict | None:
                              f"re-make the data with titanlike-prepare") from None
     info["_path"], info["_folder"] = str(path), str(path.parent)
     return info
+
+
+def record_tokenizer(data_path: str, run_folder: str) -> None:
+    """Leave the run's tokenizer in its folder (tokenizer.json + tokenizer_info.json), where
+    titanlike-export and titanlike-generate find it: the byte tokenizer for the built-in corpus, the
+    dataset.json's tokenizer for prepared data, none (and any earlier one removed) when unknown."""
+    info = read_dataset_info(data_path) if data_path else None
+    target = Path(run_folder) / "tokenizer.json"
+    meta = Path(run_folder) / "tokenizer_info.json"
+    if not data_path:
+        text, record = ByteTokenizer().to_json(), {"kind": "byte", "bos_token": BYTE_BOS, "eos_token": BYTE_EOS}
+    elif info is not None and (Path(info["_folder"]) / info["tokenizer"]["file"]).is_file():
+        text = (Path(info["_folder"]) / info["tokenizer"]["file"]).read_text(encoding="utf-8")
+        record = {"kind": info["tokenizer"]["kind"], "bos_token": info["tokenizer"].get("bos_token"),
+                  "eos_token": info["tokenizer"].get("eos_token"), "dataset": info["_path"]}
+    else:
+        for p in (target, meta):
+            p.unlink(missing_ok=True)
+        return
+    target.write_text(text, encoding="utf-8")
+    meta.write_text(json.dumps(record, indent=1))

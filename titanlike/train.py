@@ -33,6 +33,7 @@ from titanlike.model_shape import describe, resolve_model_args
 from titanlike.nonfinite import MAX_IN_A_ROW, NonFinitePolicy, Verdict
 from titanlike.optim import build_optimizer, build_scheduler, clip_and_step
 from titanlike.profiling import Profiler
+from titanlike.tokenizer import record_tokenizer
 
 logger = logging.getLogger("titanlike")
 
@@ -97,6 +98,8 @@ class Trainer:
         # ---- 2. Data: every rank reads its own slice of each global batch ----------------------
         # The shape: the preset (or an hf config.json), the [model] overrides, the data's tokenizer.
         self.margs = resolve_model_args(cfg)
+        if self.is_main:
+            record_tokenizer(cfg.data.path, cfg.job.dump_folder)  # what the export ships with the weights
         train_path, val_path = resolve_paths(cfg.data.path, cfg.data.val_path, cfg.job.dump_folder)
         self.train_data = open_dataset(train_path, cfg.data.seq_len, self.margs.vocab_size, "data.path")
         self.val_data = (
