@@ -26,6 +26,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import time
 
@@ -39,8 +40,10 @@ from titanlike.text_sources import ALL_SUFFIXES, Chunk, expand, plan, read_chunk
 _tokenizer = None
 
 
-def _init_worker(spec: str, bos: str, eos: str) -> None:
+def _init_worker(spec: str, bos: str, eos: str, pool_worker: bool = True) -> None:
     global _tokenizer
+    if pool_worker:  # Ctrl-C is the main process's to handle (it stops the pool): no traceback per worker
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Each worker is one core: the tokenizers package's own thread pool would only oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from titanlike.tokenizer import load_tokenizer
@@ -150,7 +153,7 @@ class Progress:
 def _tokenized(chunks, workers: int, spec: str, bos: str, eos: str):
     """Tokenized chunks in input order; with several workers, computed in parallel."""
     if workers == 1:
-        _init_worker(spec, bos, eos)
+        _init_worker(spec, bos, eos, pool_worker=False)
         yield from map(tokenize_chunk, chunks)
         return
     # fork where there is one: the workers start at once, with the parsed modules already imported.
