@@ -40,7 +40,8 @@ def main() -> None:
         model.to_empty(device=device)
         model.init_weights(0, a.prompt_tokens + a.new_tokens)
         model = model.to(dtype).eval()
-        prompt = torch.randint(0, args.vocab_size, (a.prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+        seeded = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, args.vocab_size, (a.prompt_tokens,), generator=seeded).tolist()
         generate(model, prompt, 8)  # warm-up: kernels, allocator
         if device.type == "cuda":
             torch.cuda.synchronize()

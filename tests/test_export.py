@@ -21,6 +21,7 @@ from titanlike.model_shape import resolve_model_args
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
+NO_TRANSFORMERS = "transformers is not installed (pip install transformers)"
 TEXT = "Hello, wörld! Ünïcode ✓ and\nnew lines\ttabs."
 
 
@@ -87,7 +88,7 @@ def test_export_writes_architecture_tokenizer_and_modes(tmp_path, qk_norm):
 
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
 def test_transformers_gives_the_same_logits_and_text(tmp_path, qk_norm):
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
+    transformers = pytest.importorskip("transformers", reason=NO_TRANSFORMERS)
     original = synthetic_checkpoint(tmp_path / "step-1", qk_norm=qk_norm)
     assert export(tmp_path / "step-1", tmp_path / "hf").returncode == 0
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
@@ -109,12 +110,14 @@ def test_transformers_gives_the_same_logits_and_text(tmp_path, qk_norm):
     ("heads", {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64},
      "num_attention_heads is 4 there, 8 in this run (model.n_heads)"),
     ("kv_heads", {"num_key_value_heads": 8}, "num_key_value_heads is 8 there, 4 in this run (model.n_kv_heads)"),
-    ("qk_norm", {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}, "qk_norm is True there, False in this run"),
+    ("qk_norm", {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]},
+     "qk_norm is True there, False in this run"),
     ("vocab", {"vocab_size": 384}, "vocab_size is 384 there, 320 in this run"),
     ("tied", {"tie_word_embeddings": True}, "tie_word_embeddings is True there, False in this run"),
     ("head_dim", {"head_dim": 64}, "head_dim 64 is not hidden_size / num_attention_heads = 32"),
     ("rope_scaling", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0},
-                      "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0}}, "rope type 'llama3' is not supported"),
+                      "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0}},
+     "rope type 'llama3' is not supported"),
 ])
 def test_import_refuses_a_config_that_disagrees(tmp_path, field, change, message):
     original = synthetic_checkpoint(tmp_path / "step-1")
@@ -150,7 +153,7 @@ def test_export_ships_the_runs_tokenizer_and_refuses_a_too_large_one(tmp_path):
 @pytest.mark.slow
 def test_prepare_train_export_transformers_generate(tmp_path):
     """The README's "Train on your own data", end to end with a trained BPE tokenizer and a QK-norm shape."""
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
+    transformers = pytest.importorskip("transformers", reason=NO_TRANSFORMERS)
     tokenizers = pytest.importorskip("tokenizers")
     from titanlike.data import stdlib_files
 
@@ -160,12 +163,13 @@ def test_prepare_train_export_transformers_generate(tmp_path):
     bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
     bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = tokenizers.decoders.ByteLevel()
-    bpe.train_from_iterator(texts, tokenizers.trainers.BpeTrainer(
-        vocab_size=1000, special_tokens=["<|endoftext|>"], initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    bpe.train_from_iterator(texts, tokenizers.trainers.BpeTrainer(vocab_size=1000, special_tokens=["<|endoftext|>"],
+                                                                  initial_alphabet=alphabet))
     bpe.save(str(tmp_path / "tokenizer.json"))
     data = tmp_path / "data"
-    proc = run_python("-m", "titanlike.prepare", str(data), str(corpus), "--tokenizer", str(tmp_path / "tokenizer.json"),
-                      "--workers", "2", "--val-fraction", "0.05")
+    proc = run_python("-m", "titanlike.prepare", str(data), str(corpus), "--tokenizer",
+                      str(tmp_path / "tokenizer.json"), "--workers", "2", "--val-fraction", "0.05")
     assert proc.returncode == 0, proc.stderr
     run = tmp_path / "run"
     run_train(run, "--data.path", str(data / "train"), "--data.val_path", str(data / "val"), "--model.dim", "64",

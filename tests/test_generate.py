@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -68,7 +67,8 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy():
     # EOS stops it, and vocab_limit keeps padding ids out.
     first = generate(m, prompt, 16)[0]
     assert generate(m, prompt, 16, eos_id=first) == [first]
-    assert max(generate(m, prompt, 32, temperature=3.0, vocab_limit=50, generator=torch.Generator().manual_seed(0))) < 50
+    hot = generate(m, prompt, 32, temperature=3.0, vocab_limit=50, generator=torch.Generator().manual_seed(0))
+    assert max(hot) < 50
 
 
 def test_command_on_a_step_folder(tmp_path):
@@ -88,4 +88,5 @@ def test_command_on_a_step_folder(tmp_path):
     assert proc.stdout == "abc" + bytes(i for i in new if i < 256).decode("utf-8", errors="replace") + "\n"
     assert "new tokens in" in proc.stderr
     bad = run_python("-m", "titanlike.generate", str(tmp_path / "nope"))
-    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: ") and len(bad.stderr.strip().splitlines()) == 1
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ")

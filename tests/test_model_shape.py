@@ -19,8 +19,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def test_overrides_apply_and_unset_keeps_the_preset():
-    cfg = load_config(["--model.flavor", "debug", "--model.dim", "128", "--model.n_heads", "4", "--model.n_kv_heads", "1",
-                       "--model.qk_norm", "--model.rope_theta", "5e5", "--model.ffn_dim", "320", "--model.n_layers", "3",
+    cfg = load_config(["--model.flavor", "debug", "--model.dim", "128", "--model.n_heads", "4",
+                       "--model.n_kv_heads", "1", "--model.qk_norm", "--model.rope_theta", "5e5",
+                       "--model.ffn_dim", "320", "--model.n_layers", "3",
                        "--model.norm_eps", "1e-6", "--model.max_seq_len", "1024"])
     a = resolve_model_args(cfg)
     assert (a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.ffn_dim, a.head_dim) == (128, 3, 4, 1, 320, 32)
@@ -34,7 +35,8 @@ def test_overrides_apply_and_unset_keeps_the_preset():
 @pytest.mark.parametrize("argv,message", [
     (["--model.dim", "100"], "dim = 100 is not divisible by n_heads = 8"),
     (["--model.n_heads", "8", "--model.n_kv_heads", "3"], "n_heads = 8 is not divisible by n_kv_heads = 3"),
-    (["--model.dim", "72", "--model.n_heads", "8", "--model.n_kv_heads", "2"], "head_dim = dim / n_heads = 9 must be even"),
+    (["--model.dim", "72", "--model.n_heads", "8", "--model.n_kv_heads", "2"],
+     "head_dim = dim / n_heads = 9 must be even"),
     (["--model.n_layers", "-1"], "model.n_layers = -1 must be >= 0"),
     (["--model.flavor", "hf"], "model.flavor = hf takes the shape from a Hugging Face folder's config.json"),
     (["--model.max_seq_len", "128", "--data.seq_len", "256"], "data.seq_len = 256 exceeds model.max_seq_len = 128"),

@@ -120,7 +120,8 @@ def test_hf_tokenizer_and_dataset_json(tmp_path, hf_tokenizer):
     assert info["splits"]["val"]["documents"] == 6 and info["vocab_size"] == vocab and 320 < vocab <= 384
     # Training reads dataset.json: the vocabulary is the tokenizer's rounded up to a multiple of 64.
     assert resolve_model_args(load_config(["--data.path", str(out / "train")])).vocab_size == 384
-    assert resolve_model_args(load_config(["--data.path", str(out / "train"), "--model.vocab_size", "512"])).vocab_size == 512
+    larger = load_config(["--data.path", str(out / "train"), "--model.vocab_size", "512"])
+    assert resolve_model_args(larger).vocab_size == 512
     with pytest.raises(ConfigError, match=f"model.vocab_size = 300 is smaller than the tokenizer's {vocab} ids"):
         resolve_model_args(load_config(["--data.path", str(out / "train"), "--model.vocab_size", "300"]))
 
@@ -220,7 +221,8 @@ def bad_inputs(root: Path) -> list[tuple[list[str], tuple[str, ...]]]:
         import pyarrow.parquet as pq
 
         pq.write_table(pa.table({"content": ["x"]}), root / "nocol.parquet")
-        cases.append(([str(root / "nocol.parquet")], ("nocol.parquet has no column 'text' (columns: content)", "--text-field")))
+        cases.append(([str(root / "nocol.parquet")],
+                      ("nocol.parquet has no column 'text' (columns: content)", "--text-field")))
     except ImportError:
         pass
     return cases

@@ -75,7 +75,8 @@ class Model:
     qk_norm: bool | None = None
     """RMSNorm over each head's queries and keys before RoPE (QK-norm, exported as Qwen3); unset = the preset's."""
     max_seq_len: int = 0
-    """Longest sequence the model is meant for (config.json's max_position_embeddings); data.seq_len must not exceed it."""
+    """Longest sequence the model is meant for (config.json's max_position_embeddings); data.seq_len must not
+    exceed it."""
 
 
 @dataclass
@@ -476,7 +477,8 @@ def validate(cfg: JobConfig) -> None:
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta", "norm_eps", "max_seq_len"):
         need(getattr(m, key) >= 0, f"model.{key} = {getattr(m, key)} must be >= 0 (0 = the preset's)")
     need(m.flavor != "hf" or bool(cfg.checkpoint.initial_load_path),
-         "model.flavor = hf takes the shape from a Hugging Face folder's config.json: set --checkpoint.initial_load_path")
+         "model.flavor = hf takes the shape from a Hugging Face folder's config.json: "
+         "set --checkpoint.initial_load_path")
     if m.flavor != "hf":  # an hf shape is checked once its config.json is read (titanlike/model_shape.py)
         from titanlike.model_shape import shape_overrides
 

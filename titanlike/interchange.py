@@ -149,7 +149,8 @@ def args_from_hf_config(config: dict, where: str) -> ModelArgs:
         args = ModelArgs(dim=dim, n_layers=int(config["num_hidden_layers"]), n_heads=heads,
                          n_kv_heads=int(config.get("num_key_value_heads") or heads),
                          ffn_dim=int(config["intermediate_size"]), vocab_size=int(config["vocab_size"]),
-                         rope_theta=float(_rope_theta(config) or 10000.0), norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                         rope_theta=float(_rope_theta(config) or 10000.0),
+                         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                          tie_embeddings=bool(config.get("tie_word_embeddings", False)),
                          max_seq_len=int(config.get("max_position_embeddings") or 131072), qk_norm=kind == "qwen3")
     except (KeyError, TypeError, ValueError) as e:
@@ -178,7 +179,8 @@ def read_hf_config(folder: str) -> ModelArgs:
 
 # config.json key ↔ our field and the [model] option that sets it, for disagreement messages.
 _COMPARED = [("hidden_size", "dim", "model.dim"), ("num_hidden_layers", "n_layers", "model.n_layers"),
-             ("num_attention_heads", "n_heads", "model.n_heads"), ("num_key_value_heads", "n_kv_heads", "model.n_kv_heads"),
+             ("num_attention_heads", "n_heads", "model.n_heads"),
+             ("num_key_value_heads", "n_kv_heads", "model.n_kv_heads"),
              ("head_dim", "head_dim", "model.dim / model.n_heads"), ("intermediate_size", "ffn_dim", "model.ffn_dim"),
              ("vocab_size", "vocab_size", "model.vocab_size"), ("rope_theta", "rope_theta", "model.rope_theta"),
              ("rms_norm_eps", "norm_eps", "model.norm_eps"), ("qk_norm", "qk_norm", "model.qk_norm"),
@@ -201,7 +203,8 @@ def check_hf_config(folder: str, a: ModelArgs) -> None:
 
 
 def write_hf_folder(state: dict[str, torch.Tensor], a: ModelArgs, folder: str, dtype: torch.dtype,
-                    max_shard_bytes: int = 5 * 1024**3, bos_id: int | None = None, eos_id: int | None = None) -> list[str]:
+                    max_shard_bytes: int = 5 * 1024**3, bos_id: int | None = None,
+                    eos_id: int | None = None) -> list[str]:
     """Write model*.safetensors (+ index when sharded) and config.json; returns the files written."""
     from safetensors.torch import save_file
 

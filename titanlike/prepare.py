@@ -282,15 +282,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", help="output folder (train/, val/, dataset.json, tokenizer.json)")
     p.add_argument("inputs", nargs="+", help=f"files, folders or globs ({' '.join(ALL_SUFFIXES)})")
     p.add_argument("--tokenizer", default="byte",
-                   help="'byte' (the built-in byte tokenizer, 258 ids) or a Hugging Face tokenizer.json (or its folder)")
+                   help="'byte' (the built-in byte tokenizer, 258 ids) or a Hugging Face tokenizer.json "
+                        "(or its folder)")
     p.add_argument("--workers", type=int, default=0, help="tokenizing processes (default: every core)")
-    p.add_argument("--text-field", default="text", help="the JSON field / parquet column holding the text (default text)")
+    p.add_argument("--text-field", default="text",
+                   help="the JSON field / parquet column holding the text (default text)")
     p.add_argument("--val-fraction", type=float, default=0.01,
                    help="share of documents held out for validation: every round(1/f)-th (default 0.01; 0 = none)")
     p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard file (default 1e8)")
     p.add_argument("--eos-token", default="", help="the token that ends a document (default: found by name)")
     p.add_argument("--bos-token", default="", help="the token that begins a document (default: found by name, or none)")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (only once the new data is complete)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if it exists (only once the new data is complete)")
     a = p.parse_args(argv)
     if a.workers < 0:
         p.error(f"--workers {a.workers} must be >= 0")
@@ -306,8 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     tr, va = info["splits"]["train"], info["splits"]["val"]
     rate = (tr["tokens"] + va["tokens"]) / max(info["seconds"], 1e-9)
     print(f"{a.out}: {info['documents']:,} documents, {info['input_bytes'] / 1e6:,.1f} MB in {info['seconds']:.1f}s "
-          f"({rate:,.0f} tok/s) | train {tr['tokens']:,} tokens in {tr['shards']} shard(s) | val {va['tokens']:,} tokens "
-          f"in {va['shards']} shard(s) | {info['tokenizer']['kind']} tokenizer, vocabulary {info['vocab_size']}")
+          f"({rate:,.0f} tok/s) | train {tr['tokens']:,} tokens in {tr['shards']} shard(s) | "
+          f"val {va['tokens']:,} tokens in {va['shards']} shard(s) | "
+          f"{info['tokenizer']['kind']} tokenizer, vocabulary {info['vocab_size']}")
     if va["tokens"]:
         print(f"train with: --data.path {a.out}/train --data.val_path {a.out}/val")
     else:

@@ -16,9 +16,9 @@ import gzip
 import io
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from titanlike.errors import UserError
 
@@ -138,7 +138,7 @@ def _plan_compressed(path: str, text_field: str) -> Iterator[Chunk]:
         while True:
             try:
                 block = stream.read(CHUNK_BYTES) + stream.readline()
-            except (OSError, ValueError) as e:  # gzip.BadGzipFile is an OSError; zstd raises ZstdError (ValueError-like)
+            except (OSError, ValueError) as e:  # gzip.BadGzipFile is an OSError
                 raise InputError(f"{path}: cannot decompress ({e})") from None
             except Exception as e:
                 raise InputError(f"{path}: cannot decompress ({type(e).__name__}: {e})") from None
@@ -159,10 +159,12 @@ def _plan_parquet(path: str, size: int, text_field: str) -> Iterator[Chunk]:
     try:
         meta = pq.parquet.ParquetFile(path)
     except Exception as e:
-        raise InputError(f"{path}: not a parquet file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise InputError(f"{path}: not a parquet file ({why})") from None
     names = meta.schema_arrow.names
     if text_field not in names:
-        raise InputError(f"{path} has no column {text_field!r} (columns: {', '.join(names)}); choose one with --text-field")
+        raise InputError(f"{path} has no column {text_field!r} (columns: {', '.join(names)}); "
+                         f"choose one with --text-field")
     groups = meta.num_row_groups
     for g in range(groups):
         yield Chunk("parquet", [path], g, input_bytes=size // groups + (size % groups if g == groups - 1 else 0),
