@@ -192,7 +192,8 @@ def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, 
     tok = load_tokenizer(tokenizer, bos_token, eos_token)  # a bad tokenizer.json stops here, before any work
     files = expand(inputs)
     total_bytes = sum(os.path.getsize(f) for f in files)
-    workers = workers or os.cpu_count() or 1
+    # Every core this process may use (a container or taskset may allow fewer than the machine has).
+    workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) or 1
     every = round(1 / val_fraction) if val_fraction > 0 else 0
     dtype = _token_dtype(tok.vocab_size)
 
