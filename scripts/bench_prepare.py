@@ -98,6 +98,9 @@ def main() -> None:
     p.add_argument("--workers", default="1,2", help="comma-separated worker counts (default 1,2)")
     p.add_argument("--tokenizer", default="", help="a tokenizer.json (default: train one on the corpus)")
     p.add_argument("--vocab", type=int, default=16384, help="vocabulary of the trained tokenizer (default 16384)")
+    p.add_argument("--baseline-mb", type=float, default=0,
+                   help="measure the bare encoder on the first this many MB only (default: all of it); its "
+                        "rate per token does not depend on the size, the pool's start-up cost does")
     p.add_argument("--repeats", type=int, default=1, help="runs per worker count; the best is reported")
     p.add_argument("--keep", default="", help="build the corpus here and keep it (default: a temporary folder)")
     a = p.parse_args()
@@ -117,6 +120,13 @@ def main() -> None:
             tokenizer = train_tokenizer(sample, a.vocab, root / "tokenizer.json")
         print(f"corpus {a.mb:g} MB in {len(paths)} .jsonl files, {len(docs):,} documents; tokenizer {tokenizer} "
               f"(setup {time.perf_counter() - t0:.0f}s); {os.cpu_count()} cores visible")
+        if a.baseline_mb:
+            size = 0
+            for i, d in enumerate(docs):
+                size += len(d)
+                if size > a.baseline_mb * 1e6:
+                    docs = docs[: i + 1]
+                    break
         base, tokens = baseline(tokenizer, docs)
         del docs
         print(f"bare encode_batch, one process: {base:,.0f} tok/s ({tokens:,} tokens)\n")

@@ -39,10 +39,13 @@ def argmax_loop(m: Transformer, prompt: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("args", [SHAPE, dataclasses.replace(SHAPE, qk_norm=False, n_kv_heads=4, tie_embeddings=True)],
                          ids=["gqa-qknorm", "mha-tied"])
-def test_greedy_with_cache_equals_argmax_loop_without(args):
+@pytest.mark.parametrize("static", [False, True], ids=["growing-cache", "static-shapes"])
+def test_greedy_with_cache_equals_argmax_loop_without(args, static):
+    """Both decoders: forward_cached (a CPU's default) and decode_step, the static-shape step that a
+    GPU replays as a CUDA graph (the graph itself needs CUDA: scripts/bench_generate.py runs it)."""
     m = model(args)
     prompt = [5, 17, 42, 8, 8, 60]
-    got = generate(m, prompt, 24, temperature=0.0)
+    got = generate(m, prompt, 24, temperature=0.0, static=static)
     assert got == argmax_loop(m, prompt, 24)
     assert len(set(got)) > 4  # a real test: the sequence varies
 

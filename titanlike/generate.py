@@ -78,26 +78,89 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, generator: torc
 
 
 @torch.no_grad()
+def decode_step(model: Transformer, token: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Last-position logits (batch, vocab) of one new token (batch, 1) at position `pos` (a 1-element
+    tensor), extending the cache. Unlike forward_cached, every shape is the same at every position:
+    attention reads the whole cache with the positions after `pos` masked, so one CUDA graph of this
+    function serves the whole generation (CudaGraphDecoder)."""
+    cos, sin = model.rope_cos.index_select(0, pos), model.rope_sin.index_select(0, pos)
+    h = model.tok_embeddings(token)
+    visible = (torch.arange(cache.k[0].shape[2], device=pos.device) <= pos).view(1, -1)  # (new, cached)
+    for i, layer in enumerate(model.layers):
+        attn = layer.attention
+        q, k, v = attn.project(layer.attention_norm(h), cos, sin)
+        cache.k[i].index_copy_(2, pos, k.transpose(1, 2))
+        cache.v[i].index_copy_(2, pos, v.transpose(1, 2))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), cache.k[i], cache.v[i], attn_mask=visible,
+                                             enable_gqa=attn.n_kv_heads != attn.n_heads)
+        h = h + attn.wo(out.transpose(1, 2).reshape(h.shape[0], 1, -1))
+        h = h + layer.feed_forward(layer.ffn_norm(h))
+    return model.output(model.norm(h))[:, -1]
+
+
+class CudaGraphDecoder:
+    """decode_step captured once as a CUDA graph and replayed for every new token.
+
+    Eager decoding launches each layer's dozens of small kernels from Python: about 70 ms a token
+    on an H100 whatever the model's size (docs/benchmarks/2026-11-23-one-gpu-124m-generate-prepare.md),
+    where reading the weights once takes about a millisecond. A replay launches them all at once.
+    """
+
+    def __init__(self, model: Transformer, cache: KVCache):
+        device = cache.k[0].device
+        self.token = torch.zeros((1, 1), dtype=torch.long, device=device)
+        # Warm up (lazy initialisation must not happen during capture) at the last position: it is
+        # masked until generation reaches it, and overwritten then.
+        self.pos = torch.full((1,), cache.k[0].shape[2] - 1, dtype=torch.long, device=device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            decode_step(model, self.token, self.pos, cache)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = decode_step(model, self.token, self.pos, cache)
+
+    def __call__(self, token: int, pos: int) -> torch.Tensor:
+        self.token.fill_(token)
+        self.pos.fill_(pos)
+        self.graph.replay()
+        return self.logits
+
+
+@torch.no_grad()
 def generate(model: Transformer, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
              eos_id: int | None = None, generator: torch.Generator | None = None,
-             vocab_limit: int | None = None) -> list[int]:
+             vocab_limit: int | None = None, static: bool | None = None) -> list[int]:
     """The new token ids after `prompt`, with a KV cache. vocab_limit masks padding rows of the
-    vocabulary (ids the tokenizer does not have)."""
+    vocabulary (ids the tokenizer does not have). The prompt goes through forward_cached in one
+    piece; each new token through decode_step: replayed as a CUDA graph on a GPU (static unset or
+    true), eager on a CPU with static true, else forward_cached (a CPU's default: no masked work)."""
     device = model.tok_embeddings.weight.device
     total = len(prompt) + max_new_tokens
     if model.rope_cos.shape[0] < total:
         model.init_rope(total)
     cache = KVCache(model, 1, total, device, model.tok_embeddings.weight.dtype)
     logits = forward_cached(model, torch.tensor([prompt], device=device), cache)[:, -1]
+    if static is None:
+        static = device.type == "cuda"
+    if static and device.type == "cuda" and max_new_tokens > 1:
+        step = CudaGraphDecoder(model, cache)
+    elif static:
+        def step(token: int, pos: int) -> torch.Tensor:
+            return decode_step(model, torch.tensor([[token]], device=device), torch.tensor([pos], device=device), cache)
+    else:
+        def step(token: int, pos: int) -> torch.Tensor:
+            return forward_cached(model, torch.tensor([[token]], device=device), cache)[:, -1]
     out: list[int] = []
     for _ in range(max_new_tokens):
         if vocab_limit is not None and vocab_limit < logits.shape[-1]:
             logits[:, vocab_limit:] = float("-inf")
         token = int(sample(logits, temperature, top_k, generator)[0])
         out.append(token)
-        if token == eos_id:
+        if token == eos_id or len(out) == max_new_tokens:
             break
-        logits = forward_cached(model, torch.tensor([[token]], device=device), cache)[:, -1]
+        logits = step(token, len(prompt) + len(out) - 1)
     return out
 
 
