@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from conftest import ROOT, _env, metrics, run_python, run_train
+from titanlike.checkpoint_manifest import seal
 
 STEPS = 12
 SCHEDULE = ("--training.steps", str(STEPS), "--data.seq_len", "64", "--training.local_batch_size", "4",
@@ -368,7 +369,7 @@ def test_float8_and_fp32_checkpoints_load_into_each_other(ref, ref_fp8, tmp_path
 
 
 def export(step_dir: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return run_python(str(ROOT / "scripts" / "export_safetensors.py"), str(step_dir), str(out), *extra)
+    return run_python("-m", "titanlike.export", str(step_dir), str(out), *extra)
 
 
 def plain_model(step_dir: Path):
@@ -399,7 +400,8 @@ def exported(ref, tmp_path_factory):
     step_dir, out = ckpt(ref[0]) / f"step-{STEPS}", tmp_path_factory.mktemp("export") / "hf"
     proc = export(step_dir, out, "--dtype", "fp32")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == f"exported {step_dir} to {out} (fp32): model.safetensors, config.json"
+    assert proc.stdout.strip() == (f"exported {step_dir} to {out} (fp32, LlamaForCausalLM): model.safetensors, config.json, "
+                                   f"generation_config.json, tokenizer.json, tokenizer_config.json")
     return step_dir, out
 
 
@@ -420,7 +422,8 @@ def assert_round_trip(step_dir: Path, hf: Path) -> None:
 @pytest.mark.slow
 def test_export_import_round_trip_gives_identical_logits(exported, tmp_path):
     step_dir, hf = exported
-    assert sorted(os.listdir(hf)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(hf)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                                      "tokenizer_config.json"]
     assert_round_trip(step_dir, hf)
 
     # bf16 (the default): the same weights, rounded.
@@ -473,6 +476,7 @@ def synthetic_checkpoint(step_dir: Path, **overrides):
     model = Transformer(margs)
     model.init_weights(seed=7, seq_len=64)
     dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(step_dir), no_dist=True)
+    seal(str(step_dir))  # the manifest a titanlike save writes: trusted as this account's
     (step_dir / "model_args.json").write_text(json.dumps(dataclasses.asdict(margs)))
     return model
 
@@ -516,11 +520,7 @@ def test_export_errors(tmp_path, ref, capsys):
     missing = export(tmp_path / "nope", tmp_path / "out")  # the real command line: exit code 2
     assert missing.returncode == 2 and error_lines(missing.stderr) == [f"error: {tmp_path}/nope: no such folder"]
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from export_safetensors import main
-    finally:
-        sys.path.pop(0)
+    from titanlike.export import main
 
     def one_line_error(*argv: str) -> str:
         capsys.readouterr()
@@ -574,9 +574,15 @@ def debug_model(**overrides):
     return model
 
 
-def load_error(model, path: Path, trust: bool = False) -> str:
+def load_error(model, path: Path, config_agrees: bool = False, trust: bool = False) -> str:
+    """The one line that loading `path` into `model` gives. config_agrees rewrites the folder's config.json
+    to describe `model`, to reach the checks of the tensors themselves (config.json is checked first);
+    trust = --checkpoint.trust_pickled_dcp, for DCP folders written here by plain DCP."""
     from titanlike.errors import UserError
+    from titanlike.interchange import hf_config
 
+    if config_agrees:
+        (path / "config.json").write_text(json.dumps(hf_config(model.args, torch.float32)))
     with pytest.raises(UserError) as e:
         load_in_process(model, path, trust)
     return str(e.value)
@@ -599,16 +605,20 @@ def test_stacked_qkv_is_three_hugging_face_projections(tmp_path):
     assert torch.equal(torch.cat([q, k, v]), source.state_dict()["layers.1.attention.wqkv.weight"])
 
     assert load_error(debug_model(n_kv_heads=a.n_heads), hf) == (
+        f"{hf}/config.json: num_key_value_heads is 4 there, 8 in this run (model.n_kv_heads); use the same value, "
+        f"or --model.flavor hf to take the whole shape from it")
+    assert load_error(debug_model(n_kv_heads=a.n_heads), hf, config_agrees=True) == (
         f"{hf} holds a different model shape: layer 0 has q_proj (256, 256), k_proj (128, 256), v_proj (128, 256) "
         f"(check --model.flavor / --model.vocab_size)"
     )
+    write_hf_folder(source.state_dict(), a, str(hf), torch.float32)
     del tensors["model.layers.2.self_attn.v_proj.weight"]
     save_file(tensors, hf / "model.safetensors")
     assert load_error(debug_model(), hf) == f"{hf} has no model.layers.2.self_attn.v_proj.weight: it holds a different model"
     # A tensor no Llama has, in a second shard file: named with its file.
     save_file({"model.layers.0.mlp.extra_proj.weight": torch.zeros(2, 2)}, hf / "model-extra.safetensors")
     assert load_error(debug_model(), hf) == (
-        f"{hf}/model-extra.safetensors: parameter model.layers.0.mlp.extra_proj.weight is not part of a Llama model")
+        f"{hf}/model-extra.safetensors: parameter model.layers.0.mlp.extra_proj.weight is not part of a Llama or Qwen3 model")
 
 
 def test_import_of_another_model_names_the_first_difference(tmp_path):
@@ -619,18 +629,22 @@ def test_import_of_another_model_names_the_first_difference(tmp_path):
     source = debug_model()
     write_hf_folder(source.state_dict(), source.args, str(hf), torch.float32)
     assert load_error(debug_model(vocab_size=384), hf) == (
+        f"{hf}/config.json: vocab_size is 320 there, 384 in this run (model.vocab_size); use the same value, "
+        f"or --model.flavor hf to take the whole shape from it")
+    # Behind a config.json that agrees (hand-made, or edited), the tensors themselves are checked too.
+    assert load_error(debug_model(vocab_size=384), hf, config_agrees=True) == (
         f"{hf} holds a different model shape: model.embed_tokens.weight is (320, 256) there, (384, 256) here "
         f"(check --model.flavor / --model.vocab_size)"
     )
-    assert load_error(debug_model(n_layers=5), hf) == (
+    assert load_error(debug_model(n_layers=5), hf, config_agrees=True) == (
         f"{hf} has no model.layers.4.input_layernorm.weight, which this run's model (5 layers, dim 256, vocab 320) "
         f"needs: it holds a different model"
     )
-    assert load_error(debug_model(n_layers=3), hf) == (
+    assert load_error(debug_model(n_layers=3), hf, config_agrees=True) == (
         f"{hf} has model.layers.3.input_layernorm.weight, which this run's model (3 layers, dim 256, vocab 320) "
         f"does not: it holds a different model"
     )
-    assert load_error(debug_model(tie_embeddings=True), hf) == (
+    assert load_error(debug_model(tie_embeddings=True), hf, config_agrees=True) == (
         f"{hf} has an lm_head.weight of its own (untied embeddings); run with --model.tie_embeddings false"
     )
     # The same from a checkpoint step folder: a tied model has both names, so without the check the

@@ -181,6 +181,10 @@ def test_literal_choices():
 INVALID = [
     (["--model.flavor", "9b"], "model.flavor = '9b' is not a preset"),
     (["--model.vocab_size", "-1"], "model.vocab_size = -1 must be >= 0"),
+    (["--model.dim", "-8"], "model.dim = -8 must be >= 0 (0 = the preset's)"),
+    (["--model.flavor", "hf"], "model.flavor = hf takes the shape from a Hugging Face folder's config.json"),
+    (["--model.n_kv_heads", "3"], "model shape (debug with the model.* overrides): n_heads = 8 is not divisible by n_kv_heads = 3"),
+    (["--model.max_seq_len", "64", "--data.seq_len", "128"], "data.seq_len = 128 exceeds model.max_seq_len = 64"),
     (["--data.seq_len", "4"], "data.seq_len = 4 must be at least 8"),
     (["--data.num_workers", "-1"], "data.num_workers = -1 must be >= 0"),
     (["--data.path", "/nonexistent/shards"], "data.path = '/nonexistent/shards': no such file or folder"),

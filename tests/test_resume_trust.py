@@ -230,7 +230,7 @@ def test_a_pickle_from_elsewhere_runs_nothing(ref, tmp_path, corpus):
     assert line.startswith(f"error: {evil} is a DCP checkpoint that titanlike did not write on this account")
     assert "--checkpoint.trust_pickled_dcp" in line
 
-    exported = run_python(str(ROOT / "scripts" / "export_safetensors.py"), str(evil), str(tmp_path / "hf"))
+    exported = run_python("-m", "titanlike.export", str(evil), str(tmp_path / "hf"))
     assert exported.returncode == 2 and not marker.exists()
     assert "--trust-pickled-dcp" in error_lines(exported.stderr)[0]
 

@@ -61,10 +61,8 @@ from titanlike.checkpoint_manifest import (  # noqa: F401 (check_trusted_dcp: re
     describe_files,
     owner,
     read_manifest,
-    sha256,
-    sign,
-    signing_key,
     verify_files,
+    write_manifest,
 )
 from titanlike.errors import UserError
 from titanlike.optim import resume_schedule
@@ -210,11 +208,11 @@ def _set_rng_state(state: dict) -> None:
 # ---- manifest: every file's size and checksum -----------------------------------------------------------
 
 
-def check_model_shape(model: torch.nn.Module, tie_embeddings: bool, path: str) -> None:
+def check_model_shape(model: torch.nn.Module, margs, path: str) -> None:
     """Name the first mismatching parameter rather than let DCP fail deep inside."""
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     args_file = os.path.join(path, MODEL_ARGS)
-    if tie_embeddings and os.path.isfile(args_file):
+    if margs.tie_embeddings and os.path.isfile(args_file):
         # Both names are in a tied model's state dict: an untied checkpoint would load its
         # embedding and its output layer into the one shared tensor, the last one winning.
         with open(args_file) as f:
@@ -237,6 +235,15 @@ def check_model_shape(model: torch.nn.Module, tie_embeddings: bool, path: str) -
                 f"{path} was saved from a different model shape: {name} is {tuple(saved.size)} there, "
                 f"{tuple(tensor.shape)} here (check --model.flavor / --model.vocab_size)"
             )
+    if os.path.isfile(args_file):
+        # Same tensor shapes can hold another model (8 heads × 32 or 4 × 64; another rope_theta).
+        from titanlike.model_shape import shape_difference
+
+        with open(args_file) as f:
+            diff = shape_difference(json.load(f), margs)
+        if diff:
+            raise CheckpointMismatch(f"{path} was saved from a different model shape: {diff} "
+                                     f"(resume with the [model] options it was trained with)")
 
 
 def load_initial_weights(model: torch.nn.Module, margs, path: str, *, trust_pickled_dcp: bool = False,
@@ -245,7 +252,7 @@ def load_initial_weights(model: torch.nn.Module, margs, path: str, *, trust_pick
     that is trusted (check_trusted_dcp)."""
     if os.path.isfile(os.path.join(path, ".metadata")):
         check_trusted_dcp(path, trust_pickled_dcp)
-        check_model_shape(model, margs.tie_embeddings, path)
+        check_model_shape(model, margs, path)
         state = {"model": ModelState(model).state_dict()}
         dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=not dist.is_initialized())
         set_model_state_dict(model, state["model"])
@@ -431,15 +438,7 @@ class Checkpointer:
             try:
                 if any("error" in p for p in parts):
                     raise OSError(next(p["error"] for p in parts if "error" in p))
-                files = {k: v for p in parts for k, v in p.items()}
-                sha = sha256(os.path.join(tmp, ".metadata"))
-                manifest: dict = {"step": step, "files": files, "metadata_sha256": sha}
-                if key := signing_key(create=True):
-                    manifest["signature"] = sign(key, files, sha)
-                with open(os.path.join(tmp, MANIFEST), "w") as f:
-                    json.dump(manifest, f, indent=1)
-                    f.flush()
-                    os.fsync(f.fileno())
+                write_manifest(tmp, step, {k: v for p in parts for k, v in p.items()})
                 final = self.step_dir(step)
                 if os.path.exists(final):
                     shutil.rmtree(final)
@@ -635,7 +634,7 @@ class Checkpointer:
         """Restore everything saved at `step`; with restore_data=False (a rollback) the data loader
         and RNG stay where they are."""
         path = self.step_dir(step)
-        check_model_shape(self.model, self.run.model_args.tie_embeddings, path)
+        check_model_shape(self.model, self.run.model_args, path)
         saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         trainer = self._trainer_state(step)
         state: dict = {"model": self.model_state.state_dict(), "optimizer": self.optimizer_state.state_dict()}

@@ -131,3 +131,22 @@ def check_trusted_dcp(folder: str, trust_pickled_dcp: bool, flag: str = TRUST_FL
         f"{folder} is a DCP checkpoint that titanlike did not write on this account: its .metadata is a Python "
         f"pickle, and loading one can run any code. Load a safetensors (Hugging Face) folder instead, or pass "
         f"{flag} if you trust whoever wrote it")
+
+
+def write_manifest(folder: str, step: int, files: dict[str, dict]) -> None:
+    """Write `folder`/manifest.json for these file descriptions (describe_files), signed with this
+    user's key where there is one, and fsync it: the last file of a save."""
+    sha = sha256(os.path.join(folder, ".metadata"))
+    manifest: dict = {"step": step, "files": files, "metadata_sha256": sha}
+    if key := signing_key(create=True):
+        manifest["signature"] = sign(key, files, sha)
+    with open(os.path.join(folder, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def seal(folder: str, step: int = 0) -> None:
+    """A manifest for every file of a DCP folder written in one process (tests, tools): what a
+    titanlike save writes, so that the folder counts as written by titanlike on this account."""
+    write_manifest(folder, step, describe_files(folder, sorted(n for n in os.listdir(folder) if n != MANIFEST)))

@@ -50,11 +50,33 @@ class Job:
 @dataclass
 class Model:
     flavor: str = "debug"
-    """Model preset: debug, 1b, 3b, 8b, 70b (see titanlike/model.py)."""
+    """Model preset: debug, 124m, 1b, 3b, 8b, 70b (titanlike/model.py), or hf: the whole shape from
+    checkpoint.initial_load_path's config.json (a Hugging Face Llama or Qwen3 folder). The fields below
+    override the preset's shape; 0 or unset keeps the preset's value."""
     vocab_size: int = 0
-    """Vocabulary size; 0 = the preset's (the debug preset sizes itself to the tokenizer)."""
+    """Vocabulary size; 0 = the tokenizer's (dataset.json next to the shards) rounded up to a multiple of
+    64, else the preset's. Smaller than the tokenizer's is an error."""
     tie_embeddings: bool | None = None
     """Share the input embedding with the output layer; unset = the preset's choice."""
+    dim: int = 0
+    """Model width (hidden size); a multiple of n_heads with an even head_dim = dim / n_heads."""
+    n_layers: int = 0
+    """Transformer blocks."""
+    n_heads: int = 0
+    """Query heads per attention layer."""
+    n_kv_heads: int = 0
+    """Key/value heads (grouped-query attention); n_heads must be a multiple of it."""
+    ffn_dim: int = 0
+    """Hidden width of each SwiGLU feed-forward layer."""
+    rope_theta: float = 0.0
+    """Base of the rotary position embedding's frequencies."""
+    norm_eps: float = 0.0
+    """Epsilon of every RMSNorm."""
+    qk_norm: bool | None = None
+    """RMSNorm over each head's queries and keys before RoPE (QK-norm, exported as Qwen3); unset = the preset's."""
+    max_seq_len: int = 0
+    """Longest sequence the model is meant for (config.json's max_position_embeddings); data.seq_len must not
+    exceed it."""
 
 
 @dataclass
@@ -448,7 +470,7 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
 
 def validate(cfg: JobConfig) -> None:
     """Checks that need no process group and no GPU. World-size checks live in parallel.py."""
-    from titanlike.model import PRESETS  # late import: config must not depend on torch at import
+    from titanlike.model import PRESETS, model_args  # late import: config must not depend on torch at import
 
     t, d, o, s = cfg.training, cfg.data, cfg.optimizer, cfg.lr_scheduler
 
@@ -456,12 +478,27 @@ def validate(cfg: JobConfig) -> None:
         if not ok:
             raise ConfigError(msg)
 
-    need(cfg.model.flavor in PRESETS, f"model.flavor = {cfg.model.flavor!r} is not a preset; valid: {', '.join(PRESETS)}")
-    need(cfg.model.vocab_size >= 0, f"model.vocab_size = {cfg.model.vocab_size} must be >= 0 (0 = the preset's)")
+    m = cfg.model
+    need(m.flavor in PRESETS or m.flavor == "hf",
+         f"model.flavor = {m.flavor!r} is not a preset; valid: {', '.join(PRESETS)}, hf")
+    need(m.vocab_size >= 0, f"model.vocab_size = {m.vocab_size} must be >= 0 (0 = the tokenizer's or the preset's)")
     # Real vocabularies stay below 2^20; past 2^24 the embedding alone takes tens of GB.
-    need(cfg.model.vocab_size <= 2**24, f"model.vocab_size = {cfg.model.vocab_size} is too large: at most 2^24 = {2**24}")
+    need(m.vocab_size <= 2**24, f"model.vocab_size = {m.vocab_size} is too large: at most 2^24 = {2**24}")
     need(0 <= cfg.job.seed < 2**63, f"job.seed = {cfg.job.seed} must be in [0, 2^63)")
     need(bool(cfg.job.dump_folder.strip()), "job.dump_folder must not be empty (default ./outputs)")
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta", "norm_eps", "max_seq_len"):
+        need(getattr(m, key) >= 0, f"model.{key} = {getattr(m, key)} must be >= 0 (0 = the preset's)")
+    need(m.flavor != "hf" or bool(cfg.checkpoint.initial_load_path),
+         "model.flavor = hf takes the shape from a Hugging Face folder's config.json: "
+         "set --checkpoint.initial_load_path")
+    if m.flavor != "hf":  # an hf shape is checked once its config.json is read (titanlike/model_shape.py)
+        from titanlike.model_shape import shape_overrides
+
+        shape = model_args(m.flavor, **shape_overrides(m))
+        for problem in shape.problems():
+            need(False, f"model shape ({m.flavor} with the model.* overrides): {problem}")
+        need(d.seq_len <= shape.max_seq_len,
+             f"data.seq_len = {d.seq_len} exceeds model.max_seq_len = {shape.max_seq_len}")
     need(d.seq_len >= 8, f"data.seq_len = {d.seq_len} must be at least 8")
     need(d.num_workers >= 0, f"data.num_workers = {d.num_workers} must be >= 0")
     for key, path in (("data.path", d.path), ("data.val_path", d.val_path)):

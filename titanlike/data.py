@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import os
-import struct
 import sys
 import sysconfig
 from pathlib import Path
@@ -33,10 +32,7 @@ import torch
 
 from titanlike.errors import UserError
 
-MAGIC = b"TLSHARD\0"
-VERSION = 1
-HEADER = struct.Struct("<8sIIQQ")  # magic, version, bytes/token, count, max token id
-assert HEADER.size == 32
+from titanlike.shard_format import HEADER, MAGIC, VERSION  # noqa: E402  (torch-free, for titanlike-prepare)
 
 
 class DataError(UserError):
@@ -89,7 +85,7 @@ class Shard:
             raise DataError(f"cannot read token shard {self.path}: {e.strerror}") from None
         if len(head) < HEADER.size or head[:8] != MAGIC:
             raise DataError(
-                f"{self.path} is not a token shard (bad magic); make shards with scripts/prepare_data.py"
+                f"{self.path} is not a token shard (bad magic); make shards with titanlike-prepare"
             )
         _, version, width, count, max_id = HEADER.unpack(head)
         if version != VERSION:
@@ -135,7 +131,7 @@ def find_shards(path: str) -> list[Shard]:
     p = Path(path)
     files = sorted(p.glob("*.bin")) if p.is_dir() else [p]
     if not files:
-        raise DataError(f"data folder {path} holds no *.bin token shards; make them with scripts/prepare_data.py")
+        raise DataError(f"data folder {path} holds no *.bin token shards; make them with titanlike-prepare")
     return [Shard(f) for f in files]
 
 

@@ -1,7 +1,10 @@
-"""Hugging Face Llama folders: our parameter names ↔ theirs, config.json, safetensors shards.
+"""Hugging Face folders: our parameter names ↔ theirs, config.json both ways, safetensors shards,
+and the tokenizer files that make the folder load in AutoTokenizer.
 
-Our rotary embedding pairs dimension i with i + head_dim/2 ("rotate half"), as Hugging Face's
-Llama does, so q and k projections map across unchanged: no permutation either way.
+A model without QK-norm is a `LlamaForCausalLM`; with QK-norm (an RMSNorm over each head's q and k
+before RoPE) a `Qwen3ForCausalLM`, which is the same decoder plus exactly those two norms. Our rotary
+embedding pairs dimension i with i + head_dim/2 ("rotate half"), as both do, so q and k
+projections map across unchanged: no permutation either way.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ _LAYER_NAMES = {
     "feed_forward.w2": "mlp.down_proj",
     "attention_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attention.q_norm": "self_attn.q_norm",  # QK-norm (Qwen3 layout)
+    "attention.k_norm": "self_attn.k_norm",
 }
 # Our stacked q/k/v projection is three tensors there: its rows split in this order.
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
@@ -85,10 +90,13 @@ def from_hf_state(hf_state: dict[str, torch.Tensor], a: ModelArgs, where: str) -
     return out
 
 
-def hf_config(a: ModelArgs, dtype: torch.dtype) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+def hf_config(a: ModelArgs, dtype: torch.dtype, bos_id: int | None = None, eos_id: int | None = None) -> dict:
+    """config.json for transformers: Qwen3 with QK-norm, else Llama. Both the older keys (rope_theta,
+    torch_dtype) and transformers 5's (rope_parameters, dtype) are written, so either reads it."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    config = {
+        "architectures": ["Qwen3ForCausalLM" if a.qk_norm else "LlamaForCausalLM"],
+        "model_type": "qwen3" if a.qk_norm else "llama",
         "hidden_size": a.dim,
         "intermediate_size": a.ffn_dim,
         "num_hidden_layers": a.n_layers,
@@ -98,17 +106,105 @@ def hf_config(a: ModelArgs, dtype: torch.dtype) -> dict:
         "vocab_size": a.vocab_size,
         "rms_norm_eps": a.norm_eps,
         "rope_theta": a.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta},
+        "rope_scaling": None,
         "max_position_embeddings": a.max_seq_len,
         "tie_word_embeddings": a.tie_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
+        "torch_dtype": dtype_name,
+        "dtype": dtype_name,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
     }
+    if a.qk_norm:
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=a.n_layers)
+    else:
+        config["mlp_bias"] = False
+    return config
+
+
+def _rope_theta(config: dict) -> float | None:
+    params = config.get("rope_parameters") or {}
+    return params.get("rope_theta", config.get("rope_theta"))
+
+
+def args_from_hf_config(config: dict, where: str) -> ModelArgs:
+    """Our shape from a transformers config.json (Llama, Mistral-style Llama, or Qwen3); anything
+    this decoder cannot reproduce (biases, rope scaling, sliding windows) is one error line."""
+    kind = config.get("model_type")
+    if kind not in ("llama", "qwen3"):
+        raise UserError(f"{where}: model_type {kind!r} is not one titanlike builds (llama, qwen3)")
+    scaling = config.get("rope_scaling") or {}
+    rope_type = (config.get("rope_parameters") or {}).get("rope_type", scaling.get("rope_type", "default"))
+    unsupported = [(config.get("attention_bias"), "attention_bias"), (config.get("mlp_bias"), "mlp_bias"),
+                   (rope_type not in ("default", None), f"rope type {rope_type!r}"),
+                   (config.get("use_sliding_window"), "use_sliding_window"),
+                   (config.get("hidden_act", "silu") != "silu", f"hidden_act {config.get('hidden_act')!r}")]
+    for bad, what in unsupported:
+        if bad:
+            raise UserError(f"{where}: {what} is not supported by titanlike's decoder")
+    try:
+        dim, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        args = ModelArgs(dim=dim, n_layers=int(config["num_hidden_layers"]), n_heads=heads,
+                         n_kv_heads=int(config.get("num_key_value_heads") or heads),
+                         ffn_dim=int(config["intermediate_size"]), vocab_size=int(config["vocab_size"]),
+                         rope_theta=float(_rope_theta(config) or 10000.0),
+                         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+                         max_seq_len=int(config.get("max_position_embeddings") or 131072), qk_norm=kind == "qwen3")
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{where} lacks a usable {e.args[0] if isinstance(e, KeyError) else 'value'} "
+                        f"({type(e).__name__}: {e})") from None
+    head_dim = config.get("head_dim")
+    if head_dim is not None and int(head_dim) != args.head_dim:
+        raise UserError(f"{where}: head_dim {head_dim} is not hidden_size / num_attention_heads = {args.head_dim}, "
+                        f"which titanlike's attention assumes")
+    return args
+
+
+def read_hf_config(folder: str) -> ModelArgs:
+    """The shape recorded in a Hugging Face folder's config.json (for --model.flavor hf)."""
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror}); --model.flavor hf takes the shape from a Hugging Face "
+                        f"folder's config.json") from None
+    except ValueError as e:
+        raise UserError(f"{path} is not valid JSON ({e})") from None
+    return args_from_hf_config(config, path)
+
+
+# config.json key ↔ our field and the [model] option that sets it, for disagreement messages.
+_COMPARED = [("hidden_size", "dim", "model.dim"), ("num_hidden_layers", "n_layers", "model.n_layers"),
+             ("num_attention_heads", "n_heads", "model.n_heads"),
+             ("num_key_value_heads", "n_kv_heads", "model.n_kv_heads"),
+             ("head_dim", "head_dim", "model.dim / model.n_heads"), ("intermediate_size", "ffn_dim", "model.ffn_dim"),
+             ("vocab_size", "vocab_size", "model.vocab_size"), ("rope_theta", "rope_theta", "model.rope_theta"),
+             ("rms_norm_eps", "norm_eps", "model.norm_eps"), ("qk_norm", "qk_norm", "model.qk_norm"),
+             ("tie_word_embeddings", "tie_embeddings", "model.tie_embeddings")]
+
+
+def check_hf_config(folder: str, a: ModelArgs) -> None:
+    """Refuse a folder whose config.json describes another model than this run's, naming the first
+    field that differs and both values (same tensor shapes can hide another head layout or rope_theta)."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise UserError(f"{folder} has no config.json: the shape of its model is unknown (a Hugging Face folder "
+                        f"holds one next to its safetensors)")
+    theirs = read_hf_config(folder)
+    for key, field, option in _COMPARED:
+        there, here = getattr(theirs, field), getattr(a, field)
+        if there != here:
+            raise UserError(f"{path}: {key} is {there!r} there, {here!r} in this run ({option}); "
+                            f"use the same value, or --model.flavor hf to take the whole shape from it")
 
 
 def write_hf_folder(state: dict[str, torch.Tensor], a: ModelArgs, folder: str, dtype: torch.dtype,
-                    max_shard_bytes: int = 5 * 1024**3) -> list[str]:
+                    max_shard_bytes: int = 5 * 1024**3, bos_id: int | None = None,
+                    eos_id: int | None = None) -> list[str]:
     """Write model*.safetensors (+ index when sharded) and config.json; returns the files written."""
     from safetensors.torch import save_file
 
@@ -140,17 +236,43 @@ def write_hf_folder(state: dict[str, torch.Tensor], a: ModelArgs, folder: str, d
         with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(hf_config(a, dtype), f, indent=1)
+        json.dump(hf_config(a, dtype, bos_id, eos_id), f, indent=1)
     return files + ["config.json"]
 
 
+def write_tokenizer_files(folder: str, tokenizer_json: str, bos: tuple[str | None, int | None],
+                          eos: tuple[str | None, int | None], max_len: int) -> list[str]:
+    """tokenizer.json (as given), tokenizer_config.json and generation_config.json, so that
+    AutoTokenizer loads the folder and generate() knows where a document starts and ends."""
+    with open(os.path.join(folder, "tokenizer.json"), "w", encoding="utf-8") as f:
+        f.write(tokenizer_json)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos[0], "eos_token": eos[0],
+              "model_max_length": max_len, "clean_up_tokenization_spaces": False}
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    generation = {"bos_token_id": bos[1], "eos_token_id": eos[1], "pad_token_id": eos[1]}
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump(generation, f, indent=1)
+    return ["generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+
+
+def set_file_modes(folder: str, files: list[str]) -> None:
+    """Every written file gets the mode a new file gets here (0644 under the usual umask): the
+    safetensors writer alone would leave its files 0600, unlike config.json."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for name in files:
+        os.chmod(os.path.join(folder, name), 0o666 & ~mask)
+
+
 def read_hf_folder(folder: str, a: ModelArgs) -> dict[str, torch.Tensor]:
-    """Full (unsharded) fp32 tensors under our names, checked against the model's shape."""
+    """Full (unsharded) fp32 tensors under our names, checked against the model's shape and config.json."""
     from safetensors.torch import load_file
 
     files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")) if os.path.isdir(folder) else []
     if not files:
         raise UserError(f"{folder} is neither a checkpoint step folder (no .metadata) nor a safetensors folder")
+    check_hf_config(folder, a)
     hf: dict[str, torch.Tensor] = {}
     file_of: dict[str, str] = {}
     for fname in files:
@@ -165,7 +287,7 @@ def read_hf_folder(folder: str, a: ModelArgs) -> dict[str, torch.Tensor]:
         out = from_hf_state(hf, a, folder)
     except KeyError as e:
         name = e.args[0]
-        raise UserError(f"{folder}/{file_of[name]}: parameter {name} is not part of a Llama model") from None
+        raise UserError(f"{folder}/{file_of[name]}: parameter {name} is not part of a Llama or Qwen3 model") from None
     if a.tie_embeddings:
         head = out.pop("output.weight", None)  # some tied exports store it anyway, equal to the embedding
         if head is not None and not torch.equal(head, out.get("tok_embeddings.weight", head)):

@@ -28,11 +28,13 @@ from titanlike.data import build_train_loader, open_dataset, resolve_paths, vali
 from titanlike.errors import UserError
 from titanlike.float8 import Float8Training, health_summary
 from titanlike.metrics import MetricsLogger
-from titanlike.model import Transformer, count_params, flops_per_token, model_args
+from titanlike.model import Transformer, count_params, flops_per_token
+from titanlike.model_shape import describe, resolve_model_args
 from titanlike.nonfinite import MAX_IN_A_ROW, NonFinitePolicy, Verdict
 from titanlike.optim import build_optimizer, build_scheduler, clip_and_step
 from titanlike.profiling import Profiler
 from titanlike.run_folder import RunFolder, check_not_in_use
+from titanlike.tokenizer import record_tokenizer
 
 logger = logging.getLogger("titanlike")
 
@@ -70,9 +72,9 @@ def preflight(cfg: JobConfig, world_size: int) -> tuple[int, int, int, int]:
             f"training.global_batch_size = {global_batch} must be a multiple of training.local_batch_size × "
             f"data-parallel degree = {t.local_batch_size} × {dp} = {t.local_batch_size * dp}"
         )
+    margs = resolve_model_args(cfg)  # reads dataset.json / an hf config.json: a bad shape stops here
     if cfg.data.path:  # headers only: cheap, and catches wrong files before any GPU is touched
-        vocab = model_args(cfg.model.flavor, cfg.model.vocab_size, cfg.model.tie_embeddings).vocab_size
-        open_dataset(cfg.data.path, cfg.data.seq_len, vocab, "data.path")
+        open_dataset(cfg.data.path, cfg.data.seq_len, margs.vocab_size, "data.path")
     return dp_replicate, dp_shard, global_batch, global_batch // (t.local_batch_size * dp)
 
 
@@ -102,7 +104,10 @@ class Trainer:
         self.run_folder = RunFolder(cfg.job.dump_folder, self.is_main)
 
         # ---- 2. Data: every rank reads its own slice of each global batch ----------------------
-        self.margs = model_args(cfg.model.flavor, cfg.model.vocab_size, cfg.model.tie_embeddings)
+        # The shape: the preset (or an hf config.json), the [model] overrides, the data's tokenizer.
+        self.margs = resolve_model_args(cfg)
+        if self.is_main:
+            record_tokenizer(cfg.data.path, cfg.job.dump_folder)  # what the export ships with the weights
         train_path, val_path = resolve_paths(cfg.data.path, cfg.data.val_path, cfg.job.dump_folder)
         self.train_data = open_dataset(train_path, cfg.data.seq_len, self.margs.vocab_size, "data.path")
         self.val_data = (
@@ -180,7 +185,7 @@ class Trainer:
         if self.is_main:
             n_params = sum(p.numel() for p in self.model.parameters())
             logger.info(
-                f"model {cfg.model.flavor}: {n_params / 1e6:,.1f}M parameters | {world} rank(s) on {self.device.type} "
+                f"model {cfg.model.flavor}: {n_params / 1e6:,.1f}M parameters ({describe(self.margs)}) | {world} rank(s) on {self.device.type} "
                 f"(dp_replicate {dp_replicate} × dp_shard {dp_shard}) | global batch {self.global_batch} = "
                 f"{t.local_batch_size} × {self.dims.dp} ranks × {self.accum_steps} micro-batches | seq {cfg.data.seq_len}"
             )

@@ -1,0 +1,204 @@
+"""titanlike-export carries the tokenizer and the architecture; import reads config.json back.
+
+transformers checks (AutoModelForCausalLM, AutoTokenizer) skip when it is not installed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_python, run_train
+from titanlike.checkpoint_manifest import seal
+from titanlike.config import load_config
+from titanlike.errors import UserError
+from titanlike.model import Transformer, model_args
+from titanlike.model_shape import resolve_model_args
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+NO_TRANSFORMERS = "transformers is not installed (pip install transformers)"
+TEXT = "Hello, wörld! Ünïcode ✓ and\nnew lines\ttabs."
+
+
+def synthetic_checkpoint(step_dir: Path, **overrides) -> Transformer:
+    """A one-process DCP checkpoint in the trainer's layout (model + model_args.json)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    margs = dataclasses.replace(model_args("debug"), n_layers=2, **overrides)
+    model = Transformer(margs)
+    model.init_weights(seed=3, seq_len=64)
+    with torch.no_grad():  # norm gains of ones would hide a mistake in their mapping
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(step_dir), no_dist=True)
+    seal(str(step_dir))  # the manifest a titanlike save writes: trusted as this account's
+    (step_dir / "model_args.json").write_text(json.dumps(dataclasses.asdict(margs)))
+    return model
+
+
+def export(step_dir: Path, out: Path, *extra: str):
+    return run_python("-m", "titanlike.export", str(step_dir), str(out), "--dtype", "fp32", *extra)
+
+
+def load_ours(folder: Path, like: Transformer) -> Transformer:
+    """The export read back through --checkpoint.initial_load_path's loader."""
+    from types import SimpleNamespace
+
+    from titanlike.checkpoint import Checkpointer
+    from titanlike.config import Checkpoint
+
+    model = Transformer(like.args)
+    model.init_weights(seed=99, seq_len=64)
+    Checkpointer(Checkpoint(initial_load_path=str(folder)), "unused", SimpleNamespace(model=model, margs=model.args),
+                 is_main=True).load_or_initialize()
+    return model
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
+def test_export_writes_architecture_tokenizer_and_modes(tmp_path, qk_norm):
+    original = synthetic_checkpoint(tmp_path / "step-1", qk_norm=qk_norm)
+    proc = export(tmp_path / "step-1", tmp_path / "hf")
+    assert proc.returncode == 0, proc.stderr
+    arch = "Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM"
+    assert f"(fp32, {arch})" in proc.stdout
+    assert "byte tokenizer is assumed" in proc.stderr  # no run folder here to say which
+    hf = tmp_path / "hf"
+    config = json.loads((hf / "config.json").read_text())
+    assert config["architectures"] == [arch] and (config["bos_token_id"], config["eos_token_id"]) == (256, 257)
+    assert json.loads((hf / "generation_config.json").read_text())["eos_token_id"] == 257
+    assert json.loads((hf / "tokenizer_config.json").read_text())["eos_token"] == "<|end_of_text|>"
+    modes = {name: stat.S_IMODE(os.stat(hf / name).st_mode) for name in os.listdir(hf)}
+    mask = os.umask(0)
+    os.umask(mask)
+    assert set(modes.values()) == {0o666 & ~mask}, modes  # model.safetensors as config.json
+    # Read back by titanlike: identical logits.
+    tokens = torch.randint(0, 258, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(load_ours(hf, original)(tokens), original(tokens))
+    # --model.flavor hf takes the whole shape from config.json.
+    cfg = load_config(["--model.flavor", "hf", "--checkpoint.initial_load_path", str(hf)])
+    assert resolve_model_args(cfg) == dataclasses.replace(original.args, max_seq_len=original.args.max_seq_len)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
+def test_transformers_gives_the_same_logits_and_text(tmp_path, qk_norm):
+    transformers = pytest.importorskip("transformers", reason=NO_TRANSFORMERS)
+    original = synthetic_checkpoint(tmp_path / "step-1", qk_norm=qk_norm)
+    assert export(tmp_path / "step-1", tmp_path / "hf").returncode == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    assert type(model).__name__ == ("Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM")
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    ids = tok(TEXT, add_special_tokens=False)["input_ids"]
+    assert ids == list(TEXT.encode("utf-8"))  # the byte tokenizer, as titanlike encodes
+    assert tok.decode(ids) == TEXT and (tok.bos_token_id, tok.eos_token_id) == (256, 257)
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens).logits, original(tokens), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("field,change,message", [
+    ("rope_theta", {"rope_theta": 500000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+     "rope_theta is 500000.0 there, 10000.0 in this run (model.rope_theta)"),
+    ("norm_eps", {"rms_norm_eps": 1e-6}, "rms_norm_eps is 1e-06 there, 1e-05 in this run (model.norm_eps)"),
+    # 4 heads × 64 against 8 × 32: the same tensor shapes, other logits.
+    ("heads", {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64},
+     "num_attention_heads is 4 there, 8 in this run (model.n_heads)"),
+    ("kv_heads", {"num_key_value_heads": 8}, "num_key_value_heads is 8 there, 4 in this run (model.n_kv_heads)"),
+    ("qk_norm", {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]},
+     "qk_norm is True there, False in this run"),
+    ("vocab", {"vocab_size": 384}, "vocab_size is 384 there, 320 in this run"),
+    ("tied", {"tie_word_embeddings": True}, "tie_word_embeddings is True there, False in this run"),
+    ("head_dim", {"head_dim": 64}, "head_dim 64 is not hidden_size / num_attention_heads = 32"),
+    ("rope_scaling", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0},
+                      "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0}},
+     "rope type 'llama3' is not supported"),
+])
+def test_import_refuses_a_config_that_disagrees(tmp_path, field, change, message):
+    original = synthetic_checkpoint(tmp_path / "step-1")
+    assert export(tmp_path / "step-1", tmp_path / "hf").returncode == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(UserError) as e:
+        load_ours(tmp_path / "hf", original)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert str(e.value).startswith(f"{tmp_path}/hf/config.json")
+
+
+def test_export_ships_the_runs_tokenizer_and_refuses_a_too_large_one(tmp_path):
+    step_dir = tmp_path / "run" / "checkpoint" / "step-1"
+    step_dir.mkdir(parents=True)
+    synthetic_checkpoint(step_dir)
+    from titanlike.tokenizer import record_tokenizer
+
+    record_tokenizer("", str(tmp_path / "run"))  # what the trainer leaves for the built-in corpus
+    proc = export(step_dir, tmp_path / "hf")
+    assert proc.returncode == 0 and "assumed" not in proc.stderr, proc.stderr
+    big = tmp_path / "big.json"
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"t{i}": i for i in range(400)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
+    tok.add_special_tokens(["</s>"])
+    tok.save(str(big))
+    proc = export(step_dir, tmp_path / "hf2", "--tokenizer", str(big))
+    assert proc.returncode == 2 and "the tokenizer has 401 ids but the model only 320" in proc.stderr
+    assert not (tmp_path / "hf2").exists()
+
+
+@pytest.mark.slow
+def test_prepare_train_export_transformers_generate(tmp_path):
+    """The README's "Train on your own data", end to end with a trained BPE tokenizer and a QK-norm shape."""
+    transformers = pytest.importorskip("transformers", reason=NO_TRANSFORMERS)
+    tokenizers = pytest.importorskip("tokenizers")
+    from titanlike.data import stdlib_files
+
+    texts = [f.read_text(encoding="utf-8", errors="replace") for f in stdlib_files()[:80]]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    bpe.train_from_iterator(texts, tokenizers.trainers.BpeTrainer(vocab_size=1000, special_tokens=["<|endoftext|>"],
+                                                                  initial_alphabet=alphabet))
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    data = tmp_path / "data"
+    proc = run_python("-m", "titanlike.prepare", str(data), str(corpus), "--tokenizer",
+                      str(tmp_path / "tokenizer.json"), "--workers", "2", "--val-fraction", "0.05")
+    assert proc.returncode == 0, proc.stderr
+    run = tmp_path / "run"
+    run_train(run, "--data.path", str(data / "train"), "--data.val_path", str(data / "val"), "--model.dim", "64",
+              "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.n_layers", "2", "--model.ffn_dim", "128",
+              "--model.qk_norm", "--training.steps", "3", "--data.seq_len", "32", "--training.local_batch_size", "2",
+              "--checkpoint.enable", "--checkpoint.interval", "3", "--validation.freq", "3", "--validation.steps", "1")
+    step = run / "checkpoint" / "step-3"
+    assert json.loads((step / "model_args.json").read_text())["vocab_size"] == 1024  # 1000 rounded up to 64s
+    assert export(step, tmp_path / "hf").returncode == 0
+    hf = tmp_path / "hf"
+    assert (hf / "tokenizer.json").read_text() == (tmp_path / "tokenizer.json").read_text()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(str(hf))
+    sample = "def main():\n    return 0\n"
+    ids = tok(sample, add_special_tokens=False)["input_ids"]
+    assert ids == bpe.encode(sample, add_special_tokens=False).ids and tok.decode(ids) == sample
+    assert tok.eos_token == "<|endoftext|>" and model.config.eos_token_id == tok.eos_token_id
+    from titanlike.export import load_checkpoint_model
+
+    margs, state = load_checkpoint_model(str(step))
+    ours = Transformer(margs)
+    ours.load_state_dict(state, strict=False)
+    ours.init_rope(64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(torch.tensor([ids])).logits, ours(torch.tensor([ids])), rtol=0, atol=1e-4)
+    # titanlike-generate samples from the step folder and from the export with the same greedy text.
+    outs = [run_python("-m", "titanlike.generate", str(src), "--prompt", "def ", "--max-new-tokens", "8",
+                       "--temperature", "0") for src in (step, hf)]
+    assert all(o.returncode == 0 for o in outs), [o.stderr for o in outs]
+    assert outs[0].stdout == outs[1].stdout and outs[0].stdout.startswith("def ")

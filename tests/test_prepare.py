@@ -1,0 +1,262 @@
+"""titanlike-prepare: every input format, both tokenizer kinds, identical shards for any number of
+workers, dataset.json and what training reads from it, and one clear line for each bad input."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import run_python
+from titanlike import text_sources
+from titanlike.config import ConfigError, load_config
+from titanlike.data import find_shards
+from titanlike.errors import UserError
+from titanlike.model_shape import resolve_model_args
+from titanlike.prepare import prepare
+from titanlike.text_sources import ALL_SUFFIXES
+from titanlike.tokenizer import ByteTokenizer, HFTokenizer
+
+DOCS = [f"Document {i}: " + "the quick brown fox jumps over the lazy dog, naïvely. " * (i % 5 + 1) + "✓"
+        for i in range(60)]
+
+
+def shard_tokens(folder: Path) -> np.ndarray:
+    return np.concatenate([np.asarray(s.tokens, dtype=np.int64) for s in find_shards(str(folder))])
+
+
+def documents(tokens: np.ndarray, tok) -> list[str]:
+    """Split a token stream at EOS, drop BOS, decode each document."""
+    ends = np.flatnonzero(tokens == tok.eos_id)
+    out, start = [], 0
+    for end in ends:
+        doc = tokens[start:end]
+        if tok.bos_id is not None:
+            assert doc[0] == tok.bos_id
+            doc = doc[1:]
+        out.append(tok.decode(doc))
+        start = end + 1
+    assert start == tokens.size
+    return out
+
+
+def write_inputs(root: Path) -> list[str]:
+    """DOCS spread over every format, in this order: txt, md, jsonl, jsonl.gz, jsonl.zst, parquet."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "a.txt").write_text(DOCS[0], encoding="utf-8")
+    (root / "b.md").write_text(DOCS[1], encoding="utf-8")
+    lines = lambda docs: "".join(json.dumps({"text": d, "id": 1}) + "\n" for d in docs)  # noqa: E731
+    (root / "c.jsonl").write_text(lines(DOCS[2:20]), encoding="utf-8")
+    with gzip.open(root / "d.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write(lines(DOCS[20:30]))
+    zstandard = pytest.importorskip("zstandard")
+    (root / "e.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines(DOCS[30:40]).encode()))
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": DOCS[40:60], "n": list(range(20))}), root / "f.parquet", row_group_size=6)
+    return [str(root / n) for n in ("a.txt", "b.md", "c.jsonl", "d.jsonl.gz", "e.jsonl.zst", "f.parquet")]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tmp_path_factory) -> str:
+    """A small byte-level BPE trained on the spot (no download): its tokenizer.json."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(DOCS * 3, trainer)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return str(path)
+
+
+# ---- formats and tokenizers -----------------------------------------------------------------------
+
+
+def test_every_format_with_the_byte_tokenizer(tmp_path):
+    inputs = write_inputs(tmp_path / "in")
+    info = prepare(str(tmp_path / "out"), inputs, workers=1, val_fraction=0)
+    tok = ByteTokenizer()
+    assert documents(shard_tokens(tmp_path / "out" / "train"), tok) == DOCS
+    assert info["documents"] == 60 and info["vocab_size"] == 258 and (info["bos_id"], info["eos_id"]) == (256, 257)
+    recorded = json.loads((tmp_path / "out" / "dataset.json").read_text())
+    assert recorded["splits"]["train"]["tokens"] == sum(len(d.encode()) + 2 for d in DOCS)
+    assert recorded["tokenizer"]["kind"] == "byte"
+    assert not (tmp_path / "out" / "val").exists()
+
+
+def test_folders_and_globs(tmp_path):
+    write_inputs(tmp_path / "in")
+    (tmp_path / "in" / "notes.csv").write_text("not read")
+    from_folder = prepare(str(tmp_path / "a"), [str(tmp_path / "in")], workers=1, val_fraction=0)
+    from_glob = prepare(str(tmp_path / "b"), [str(tmp_path / "in" / "*")], workers=1, val_fraction=0)
+    assert from_folder["files"] == from_glob["files"] == 6
+    assert (shard_tokens(tmp_path / "a" / "train") == shard_tokens(tmp_path / "b" / "train")).all()
+
+
+def test_hf_tokenizer_and_dataset_json(tmp_path, hf_tokenizer):
+    inputs = write_inputs(tmp_path / "in")
+    info = prepare(str(tmp_path / "out"), inputs, tokenizer=hf_tokenizer, workers=1, val_fraction=0.1)
+    tok = HFTokenizer(hf_tokenizer)
+    assert tok.bos_id is None and tok.eos_token == "<|endoftext|>"
+    train = shard_tokens(tmp_path / "out" / "train")
+    val = shard_tokens(tmp_path / "out" / "val")
+    # Every 10th document is held out; the rest train, each tokenized exactly as the tokenizer does.
+    held = [d for i, d in enumerate(DOCS) if i % 10 == 9]
+    kept = [d for i, d in enumerate(DOCS) if i % 10 != 9]
+    expected = np.concatenate([np.append(tok.tok.encode(d, add_special_tokens=False).ids, tok.eos_id) for d in kept])
+    np.testing.assert_array_equal(train, expected)
+    assert documents(val, tok) == held
+    out = tmp_path / "out"
+    assert (out / "tokenizer.json").read_text() == Path(hf_tokenizer).read_text()
+    vocab = tok.tok.get_vocab_size()
+    assert info["splits"]["val"]["documents"] == 6 and info["vocab_size"] == vocab and 320 < vocab <= 384
+    # Training reads dataset.json: the vocabulary is the tokenizer's rounded up to a multiple of 64.
+    assert resolve_model_args(load_config(["--data.path", str(out / "train")])).vocab_size == 384
+    larger = load_config(["--data.path", str(out / "train"), "--model.vocab_size", "512"])
+    assert resolve_model_args(larger).vocab_size == 512
+    with pytest.raises(ConfigError, match=f"model.vocab_size = 300 is smaller than the tokenizer's {vocab} ids"):
+        resolve_model_args(load_config(["--data.path", str(out / "train"), "--model.vocab_size", "300"]))
+
+
+def test_workers_give_identical_shards(tmp_path, hf_tokenizer, monkeypatch):
+    # Small chunks and shards, so that 4 workers really share the work and shards split mid-stream.
+    monkeypatch.setattr(text_sources, "CHUNK_BYTES", 2048)
+    inputs = write_inputs(tmp_path / "in")
+    for n in (1, 4):
+        prepare(str(tmp_path / f"w{n}"), inputs, tokenizer=hf_tokenizer, workers=n, val_fraction=0.2, shard_tokens=997)
+    for split in ("train", "val"):
+        one, four = sorted((tmp_path / "w1" / split).iterdir()), sorted((tmp_path / "w4" / split).iterdir())
+        assert [p.name for p in one] == [p.name for p in four] and len(one) > (split == "train")
+        assert all(a.read_bytes() == b.read_bytes() for a, b in zip(one, four))
+
+
+def test_shards_are_cut_at_shard_tokens(tmp_path):
+    inputs = write_inputs(tmp_path / "in")
+    prepare(str(tmp_path / "one"), inputs, workers=1, val_fraction=0)
+    prepare(str(tmp_path / "many"), inputs, workers=1, val_fraction=0, shard_tokens=1000)
+    shards = find_shards(str(tmp_path / "many" / "train"))
+    assert [s.count for s in shards[:-1]] == [1000] * (len(shards) - 1)
+    np.testing.assert_array_equal(shard_tokens(tmp_path / "many" / "train"), shard_tokens(tmp_path / "one" / "train"))
+
+
+# ---- the command: output handling and bad input --------------------------------------------------------
+
+
+def cmd(*args: str):
+    return run_python("-m", "titanlike.prepare", *args)
+
+
+def one_error(proc, *fragments: str) -> str:
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def test_help_lists_every_extension():
+    out = cmd("--help").stdout
+    for suffix in ALL_SUFFIXES:
+        assert suffix in out
+
+
+def test_refuses_to_overwrite_and_overwrite_replaces(tmp_path):
+    (tmp_path / "a.txt").write_text("first")
+    (tmp_path / "b.txt").write_text("second")
+    assert cmd(str(tmp_path / "out"), str(tmp_path / "a.txt"), "--val-fraction", "0").returncode == 0
+    one_error(cmd(str(tmp_path / "out"), str(tmp_path / "b.txt")), "exists", "--overwrite")
+    assert cmd(str(tmp_path / "out"), str(tmp_path / "b.txt"), "--overwrite", "--val-fraction", "0").returncode == 0
+    assert documents(shard_tokens(tmp_path / "out" / "train"), ByteTokenizer()) == ["second"]
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.txt", "out"]  # no temporary or old folder left
+
+
+def test_no_validation_documents_says_how_to_get_some(tmp_path):
+    (tmp_path / "one.txt").write_text("a single document")
+    proc = cmd(str(tmp_path / "out"), str(tmp_path / "one.txt"))
+    assert proc.returncode == 0
+    assert "no validation data" in proc.stderr and "give more documents" in proc.stderr
+    assert "--data.val_path" not in proc.stdout
+    for i in range(5):
+        (tmp_path / f"doc{i}.txt").write_text(f"document {i}")
+    proc = cmd(str(tmp_path / "out5"), *[str(tmp_path / f"doc{i}.txt") for i in range(5)])
+    assert "pass --val-fraction 0.4" in proc.stderr
+    proc = cmd(str(tmp_path / "out5b"), *[str(tmp_path / f"doc{i}.txt") for i in range(5)], "--val-fraction", "0.4")
+    assert f"--data.val_path {tmp_path}/out5b/val" in proc.stdout
+
+
+def bad_inputs(root: Path) -> list[tuple[list[str], tuple[str, ...]]]:
+    root.mkdir()
+    (root / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (root / "bad.jsonl").write_text('{"text": "ok"}\n{"txt": "no text field"}\n')
+    (root / "empty.txt").write_text("")
+    (root / "empty_dir").mkdir()
+    (root / "csv_only").mkdir()
+    (root / "csv_only" / "x.csv").write_text("a,b")
+    (root / "broken.json").write_text("{ this is not json")
+    (root / "trunc.jsonl.gz").write_bytes(gzip.compress(b'{"text": "x"}\n' * 100)[:40])
+    cases = [
+        ([str(root / "latin1.txt")], ("latin1.txt: not UTF-8 text (byte 0xe9 at offset 3)",)),
+        ([str(root / "bad.jsonl")], ("bad.jsonl:2 is not a JSON object with a 'text' field",)),
+        ([str(root / "empty.txt")], ("no documents", "nothing to train on")),
+        ([str(root / "empty_dir")], ("empty_dir: no input files in this folder", ".parquet")),
+        ([str(root / "csv_only")], ("csv_only: no input files in this folder",)),
+        ([str(root / "nothing*.jsonl")], ("nothing*.jsonl: no input files match",)),
+        ([str(root / "missing.txt")], ("missing.txt: no such file or folder",)),
+        ([str(root / "csv_only" / "x.csv")], ("x.csv: unknown input format",)),
+        ([str(root / "trunc.jsonl.gz")], ("trunc.jsonl.gz",)),
+        ([str(root / "latin1.txt"), "--tokenizer", str(root / "broken.json")],
+         ("broken.json is not a tokenizer.json that the tokenizers package reads",)),
+    ]
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"content": ["x"]}), root / "nocol.parquet")
+        cases.append(([str(root / "nocol.parquet")],
+                      ("nocol.parquet has no column 'text' (columns: content)", "--text-field")))
+    except ImportError:
+        pass
+    return cases
+
+
+def test_bad_input_is_one_line_and_leaves_nothing(tmp_path):
+    for i, (args, fragments) in enumerate(bad_inputs(tmp_path / "in")):
+        out = tmp_path / f"out{i}"
+        one_error(cmd(str(out), *args, "--workers", "2"), *fragments)
+        assert not out.exists()
+        assert not [p for p in os.listdir(tmp_path) if p.startswith(f"out{i}.")], "a temporary folder was left"
+
+
+def test_console_script_entry_points_exist():
+    import tomllib
+
+    scripts = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]["scripts"]
+    import importlib
+
+    for name in ("titanlike-prepare", "titanlike-export", "titanlike-generate", "titanlike-train"):
+        module, func = scripts[name].split(":")
+        assert callable(getattr(importlib.import_module(module), func))
+
+
+def test_prepared_data_without_dataset_json_keeps_the_preset_vocab(tmp_path):
+    (tmp_path / "a.txt").write_text("hello " * 100)
+    prepare(str(tmp_path / "out"), [str(tmp_path / "a.txt")], workers=1, val_fraction=0)
+    assert resolve_model_args(load_config(["--data.path", str(tmp_path / "out" / "train"), "--model.flavor", "124m"])
+                              ).vocab_size == 320  # the byte tokenizer's 258, rounded up
+    os.remove(tmp_path / "out" / "dataset.json")
+    assert resolve_model_args(load_config(["--data.path", str(tmp_path / "out" / "train"), "--model.flavor", "124m"])
+                              ).vocab_size == 32768
+
+
+def test_user_error_is_the_base(tmp_path):
+    with pytest.raises(UserError):
+        prepare(str(tmp_path / "o"), [str(tmp_path / "none")])

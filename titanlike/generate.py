@@ -1,0 +1,251 @@
+"""titanlike-generate: sample text from a checkpoint step folder or an exported Hugging Face folder.
+
+    titanlike-generate outputs/debug/checkpoint/step-150 --prompt "def main(" [--max-new-tokens 256]
+        [--temperature 0.8] [--top-k 50] [--seed 0] [--device auto|cpu|cuda] [--tokenizer ...]
+
+Temperature 0 is greedy (the most likely token each time). The prompt is encoded with the model's
+own tokenizer (the run's, or the export's tokenizer.json) and starts with the tokenizer's BOS, or
+else with its EOS, as every training document did. Generation stops at EOS or after
+--max-new-tokens. Keys and values of past positions are cached, so each new token costs one
+position's forward, not the whole sequence's. A step folder is read as the trusted output of this
+run's own training (titanlike-export's checks); an exported folder through config.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from titanlike.errors import UserError
+from titanlike.model import Transformer
+
+
+class KVCache:
+    """Keys and values of every layer for the positions seen so far: (batch, kv heads, max_len, head_dim)."""
+
+    def __init__(self, model: Transformer, batch: int, max_len: int, device, dtype):
+        a = model.args
+        shape = (batch, a.n_kv_heads, max_len, a.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(a.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(a.n_layers)]
+        self.length = 0
+
+
+@torch.no_grad()
+def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Logits of `tokens` (batch, new) at positions cache.length onwards, extending the cache.
+
+    The same modules as Transformer.forward, attending to the cached keys and values as well.
+    """
+    start, new = cache.length, tokens.shape[1]
+    cos, sin = model.rope_cos[start : start + new], model.rope_sin[start : start + new]
+    h = model.tok_embeddings(tokens)
+    end = start + new
+    for i, layer in enumerate(model.layers):
+        attn = layer.attention
+        q, k, v = attn.project(layer.attention_norm(h), cos, sin)
+        cache.k[i][:, :, start:end] = k.transpose(1, 2)
+        cache.v[i][:, :, start:end] = v.transpose(1, 2)
+        keys, values = cache.k[i][:, :, :end], cache.v[i][:, :, :end]
+        # New position j may see cached positions and new ones up to itself: causal within the new
+        # block, everything before it. With one new token (decoding) that is no mask at all.
+        mask = None
+        if new > 1:
+            mask = torch.ones(new, end, dtype=torch.bool, device=h.device).tril(diagonal=start)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                             enable_gqa=attn.n_kv_heads != attn.n_heads)
+        h = h + attn.wo(out.transpose(1, 2).reshape(h.shape[0], new, -1))
+        h = h + layer.feed_forward(layer.ffn_norm(h))
+    cache.length = end
+    return model.output(model.norm(h))
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator | None) -> torch.Tensor:
+    """Next token ids (batch,) from last-position logits (batch, vocab)."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def decode_step(model: Transformer, token: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Last-position logits (batch, vocab) of one new token (batch, 1) at position `pos` (a 1-element
+    tensor), extending the cache. Unlike forward_cached, every shape is the same at every position:
+    attention reads the whole cache with the positions after `pos` masked, so one CUDA graph of this
+    function serves the whole generation (CudaGraphDecoder)."""
+    cos, sin = model.rope_cos.index_select(0, pos), model.rope_sin.index_select(0, pos)
+    h = model.tok_embeddings(token)
+    visible = (torch.arange(cache.k[0].shape[2], device=pos.device) <= pos).view(1, -1)  # (new, cached)
+    for i, layer in enumerate(model.layers):
+        attn = layer.attention
+        q, k, v = attn.project(layer.attention_norm(h), cos, sin)
+        cache.k[i].index_copy_(2, pos, k.transpose(1, 2))
+        cache.v[i].index_copy_(2, pos, v.transpose(1, 2))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), cache.k[i], cache.v[i], attn_mask=visible,
+                                             enable_gqa=attn.n_kv_heads != attn.n_heads)
+        h = h + attn.wo(out.transpose(1, 2).reshape(h.shape[0], 1, -1))
+        h = h + layer.feed_forward(layer.ffn_norm(h))
+    return model.output(model.norm(h))[:, -1]
+
+
+class CudaGraphDecoder:
+    """decode_step captured once as a CUDA graph and replayed for every new token.
+
+    Eager decoding launches each layer's dozens of small kernels from Python: about 70 ms a token
+    on an H100 whatever the model's size (docs/benchmarks/2026-11-23-one-gpu-124m-generate-prepare.md),
+    where reading the weights once takes about a millisecond. A replay launches them all at once.
+    """
+
+    def __init__(self, model: Transformer, cache: KVCache):
+        device = cache.k[0].device
+        self.token = torch.zeros((1, 1), dtype=torch.long, device=device)
+        # Warm up (lazy initialisation must not happen during capture) at the last position: it is
+        # masked until generation reaches it, and overwritten then.
+        self.pos = torch.full((1,), cache.k[0].shape[2] - 1, dtype=torch.long, device=device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            decode_step(model, self.token, self.pos, cache)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = decode_step(model, self.token, self.pos, cache)
+
+    def __call__(self, token: int, pos: int) -> torch.Tensor:
+        self.token.fill_(token)
+        self.pos.fill_(pos)
+        self.graph.replay()
+        return self.logits
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+             eos_id: int | None = None, generator: torch.Generator | None = None,
+             vocab_limit: int | None = None, static: bool | None = None) -> list[int]:
+    """The new token ids after `prompt`, with a KV cache. vocab_limit masks padding rows of the
+    vocabulary (ids the tokenizer does not have). The prompt goes through forward_cached in one
+    piece; each new token through decode_step: replayed as a CUDA graph on a GPU (static unset or
+    true), eager on a CPU with static true, else forward_cached (a CPU's default: no masked work)."""
+    device = model.tok_embeddings.weight.device
+    total = len(prompt) + max_new_tokens
+    if model.rope_cos.shape[0] < total:
+        model.init_rope(total)
+    cache = KVCache(model, 1, total, device, model.tok_embeddings.weight.dtype)
+    logits = forward_cached(model, torch.tensor([prompt], device=device), cache)[:, -1]
+    if static is None:
+        static = device.type == "cuda"
+    if static and device.type == "cuda" and max_new_tokens > 1:
+        step = CudaGraphDecoder(model, cache)
+    elif static:
+        def step(token: int, pos: int) -> torch.Tensor:
+            return decode_step(model, torch.tensor([[token]], device=device), torch.tensor([pos], device=device), cache)
+    else:
+        def step(token: int, pos: int) -> torch.Tensor:
+            return forward_cached(model, torch.tensor([[token]], device=device), cache)[:, -1]
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+            logits[:, vocab_limit:] = float("-inf")
+        token = int(sample(logits, temperature, top_k, generator)[0])
+        out.append(token)
+        if token == eos_id or len(out) == max_new_tokens:
+            break
+        logits = step(token, len(prompt) + len(out) - 1)
+    return out
+
+
+# ---- loading a model and its tokenizer -------------------------------------------------------------
+
+
+def load(source: str, tokenizer: str, device: torch.device):
+    """(model in eval mode on `device`, tokenizer) from a checkpoint step folder or a Hugging Face folder."""
+    from titanlike.export import load_checkpoint_model, run_tokenizer
+
+    if not os.path.isdir(source):
+        raise UserError(f"{source}: no such folder (give a checkpoint step folder or an exported folder)")
+    if os.path.isfile(os.path.join(source, "config.json")) and not os.path.isfile(os.path.join(source, ".metadata")):
+        from titanlike.interchange import read_hf_config, read_hf_folder
+        from titanlike.tokenizer import load_tokenizer, tokenizer_from_folder
+
+        margs = read_hf_config(source)
+        state = read_hf_folder(source, margs)
+        if tokenizer:
+            tok = load_tokenizer(tokenizer)
+        elif os.path.isfile(os.path.join(source, "tokenizer.json")):
+            tok = tokenizer_from_folder(source)
+        else:
+            raise UserError(f"{source} has no tokenizer.json; name one with --tokenizer")
+    else:
+        margs, state = load_checkpoint_model(source)
+        tok = run_tokenizer(source, tokenizer, margs.vocab_size)
+    with torch.device("meta"):
+        model = Transformer(margs)
+    model.to_empty(device="cpu")
+    model.load_state_dict(state, strict=False, assign=False)
+    if margs.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = model.to(device=device, dtype=dtype).eval()
+    model.init_rope(min(margs.max_seq_len, 4096))
+    return model, tok
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="titanlike-generate", description=__doc__.split("\n\n")[0],
+                                epilog="\n\n".join(__doc__.split("\n\n")[2:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", help="a checkpoint step folder or an exported Hugging Face folder")
+    p.add_argument("--prompt", default="", help="text to continue (default: none, start a new document)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0 = all (default 50)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default 0)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto = CUDA when available")
+    p.add_argument("--tokenizer", default="", help="a tokenizer.json (or 'byte') instead of the model's own")
+    a = p.parse_args(argv)
+    for name in ("max_new_tokens", "top_k"):
+        if getattr(a, name) < 0:
+            p.error(f"--{name.replace('_', '-')} {getattr(a, name)} must be >= 0")
+    if a.temperature < 0:
+        p.error(f"--temperature {a.temperature} must be >= 0")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda: no CUDA GPU is available", file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()) else "cpu")
+    try:
+        model, tok = load(a.source, a.tokenizer, device)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    start = [tok.bos_id] if tok.bos_id is not None else [tok.eos_id]
+    prompt = start + [int(i) for i in tok.encode_batch([a.prompt])[0]] if a.prompt else start
+    gen = torch.Generator(device=device).manual_seed(a.seed)
+    t0 = time.perf_counter()
+    new = generate(model, prompt, a.max_new_tokens, a.temperature, a.top_k, tok.eos_id, gen, vocab_limit=tok.vocab_size)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    text = tok.decode([i for i in new if i != tok.eos_id])
+    sys.stdout.write(a.prompt + text + "\n")
+    print(f"{len(new)} new tokens in {seconds:.2f}s ({len(new) / max(seconds, 1e-9):,.1f} tok/s) on {device.type}",
+          file=sys.stderr)
+    return 0
+
+
+def cli() -> None:
+    """The `titanlike-generate` console script: same as `python -m titanlike.generate`."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,335 @@
+"""titanlike-prepare: turn text into the token shards that `--data.path` reads.
+
+    titanlike-prepare OUT INPUT [INPUT ...] [--tokenizer tokenizer.json] [--workers N]
+        [--text-field text] [--val-fraction 0.01] [--shard-tokens 100000000] [--overwrite]
+
+INPUT is a file, a folder (its files of the formats below, recursively) or a glob ('data/*.parquet'):
+  .txt .md .rst .py       one document per file
+  .jsonl .jsonl.gz .jsonl.zst   one JSON object per line, the text in --text-field
+  .parquet                one row per document, the text in column --text-field
+
+Every document becomes [BOS] tokens [EOS] (no BOS when the tokenizer has none). Every k-th document
+(k = 1 / --val-fraction) goes to OUT/val/, the others to OUT/train/. OUT/dataset.json records the
+tokenizer (a copy of its tokenizer.json sits next to it), its vocabulary and bos/eos ids, the token
+counts and the inputs; training reads it to size the model's vocabulary, and the export copies the
+tokenizer into the Hugging Face folder. The shards are the same bytes for any --workers.
+
+    titanlike-train --data.path OUT/train --data.val_path OUT/val
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import time
+
+import numpy as np
+
+from titanlike.errors import UserError
+from titanlike.text_sources import ALL_SUFFIXES, Chunk, expand, plan, read_chunk
+
+# ---- the worker side: a chunk of input in, its documents' tokens out ----------------------------------
+
+_tokenizer = None
+
+
+def _init_worker(spec: str, bos: str, eos: str, pool_worker: bool = True) -> None:
+    global _tokenizer
+    if pool_worker:  # Ctrl-C is the main process's to handle (it stops the pool): no traceback per worker
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Each worker is one core: the tokenizers package's own thread pool would only oversubscribe.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from titanlike.tokenizer import load_tokenizer
+
+    _tokenizer = load_tokenizer(spec, bos, eos)
+
+
+def _token_dtype(vocab_size: int):
+    return np.uint16 if vocab_size <= 2**16 else np.uint32
+
+
+def tokenize_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, int]:
+    """(all tokens of the chunk's documents with their BOS/EOS, each document's length, input bytes)."""
+    tok = _tokenizer
+    docs = read_chunk(chunk)
+    ids = tok.encode_batch(docs) if docs else []
+    head = [tok.bos_id] if tok.bos_id is not None else []
+    dtype = _token_dtype(tok.vocab_size)
+    lengths = np.fromiter((len(x) + len(head) + 1 for x in ids), dtype=np.int64, count=len(ids))
+    out = np.empty(int(lengths.sum()), dtype=dtype)
+    pos = 0
+    for x in ids:
+        if head:
+            out[pos] = head[0]
+            pos += 1
+        out[pos : pos + len(x)] = x
+        pos += len(x)
+        out[pos] = tok.eos_id
+        pos += 1
+    return out, lengths, chunk.input_bytes
+
+
+# ---- the main side: shards, splits, progress ---------------------------------------------------------
+
+
+class ShardWriter:
+    """Token shards of exactly `shard_tokens` tokens (the last one shorter), written under final names
+    inside a folder that becomes visible only when everything is done."""
+
+    def __init__(self, folder: str, shard_tokens: int, dtype):
+        from titanlike.shard_format import HEADER, MAGIC, VERSION
+
+        self.header, self.magic, self.version = HEADER, MAGIC, VERSION
+        self.folder, self.shard_tokens, self.dtype = folder, shard_tokens, np.dtype(dtype)
+        self.file = None
+        self.index = self.count = self.max_id = self.total = self.documents = 0
+
+    def _open(self) -> None:
+        os.makedirs(self.folder, exist_ok=True)
+        self.file = open(os.path.join(self.folder, f"shard-{self.index:05d}.bin"), "wb")
+        self.file.write(b"\0" * self.header.size)  # the header, once the count is known
+        self.count = self.max_id = 0
+
+    def _close(self) -> None:
+        self.file.seek(0)
+        self.file.write(self.header.pack(self.magic, self.version, self.dtype.itemsize, self.count, self.max_id))
+        self.file.close()
+        self.file, self.index = None, self.index + 1
+
+    def add(self, tokens: np.ndarray) -> None:
+        while tokens.size:
+            if self.file is None:
+                self._open()
+            take = tokens[: self.shard_tokens - self.count]
+            self.file.write(take.astype(self.dtype, copy=False).tobytes())
+            self.count += take.size
+            self.total += take.size
+            self.max_id = max(self.max_id, int(take.max()))
+            tokens = tokens[take.size :]
+            if self.count == self.shard_tokens:
+                self._close()
+
+    def finish(self) -> None:
+        if self.file is not None:
+            self._close()
+
+
+class Progress:
+    """A progress bar on a terminal (documents, tokens, tokens/s, ETA from input bytes); silent otherwise."""
+
+    def __init__(self, total_bytes: int, enabled: bool):
+        self.total, self.enabled = max(1, total_bytes), enabled
+        self.start = self.last = time.perf_counter()
+        self.bytes = self.docs = self.tokens = 0
+
+    def update(self, nbytes: int, docs: int, tokens: int) -> None:
+        self.bytes += nbytes
+        self.docs += docs
+        self.tokens += tokens
+        now = time.perf_counter()
+        if self.enabled and now - self.last > 0.2:
+            self.last = now
+            frac = min(1.0, self.bytes / self.total)
+            elapsed = now - self.start
+            eta = elapsed * (1 - frac) / frac if frac > 0 else 0
+            bar = "#" * int(frac * 24)
+            sys.stderr.write(f"\r[{bar:<24}] {frac:5.1%} | {self.docs:,} docs | {self.tokens:,} tokens | "
+                             f"{self.tokens / max(elapsed, 1e-9):,.0f} tok/s | ETA {eta:,.0f}s ")
+            sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r" + " " * 100 + "\r")
+            sys.stderr.flush()
+
+
+def _tokenized(chunks, workers: int, spec: str, bos: str, eos: str):
+    """Tokenized chunks in input order; with several workers, computed in parallel."""
+    if workers == 1:
+        _init_worker(spec, bos, eos, pool_worker=False)
+        yield from map(tokenize_chunk, chunks)
+        return
+    # fork where there is one: the workers start at once, with the parsed modules already imported.
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(spec, bos, eos))
+    try:
+        # In input order, with at most a few chunks in flight per worker: enough to keep every core busy,
+        # few enough that a large compressed file is never decompressed into memory all at once. The
+        # chunks are planned here, in the main thread, so a bad input raises here too.
+        in_flight: collections.deque = collections.deque()
+        for chunk in chunks:
+            in_flight.append(pool.apply_async(tokenize_chunk, (chunk,)))
+            if len(in_flight) >= 3 * workers:
+                yield in_flight.popleft().get()
+        while in_flight:
+            yield in_flight.popleft().get()
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, text_field: str = "text",
+            val_fraction: float = 0.01, shard_tokens: int = 100_000_000, overwrite: bool = False,
+            bos_token: str = "", eos_token: str = "", progress: bool = False) -> dict:
+    """Tokenize `inputs` into OUT/train, OUT/val and OUT/dataset.json; returns the dataset.json record."""
+    from titanlike.tokenizer import DATASET_FORMAT, DATASET_JSON, load_tokenizer
+
+    out = os.path.normpath(out)
+    if os.path.exists(out) and not overwrite:
+        raise UserError(f"{out} exists; choose another output folder or pass --overwrite to replace it")
+    if not 0 <= val_fraction < 1:
+        raise UserError(f"--val-fraction {val_fraction} must be in [0, 1)")
+    if shard_tokens < 1:
+        raise UserError(f"--shard-tokens {shard_tokens} must be >= 1")
+    tok = load_tokenizer(tokenizer, bos_token, eos_token)  # a bad tokenizer.json stops here, before any work
+    files = expand(inputs)
+    total_bytes = sum(os.path.getsize(f) for f in files)
+    # Every core this process may use (a container or taskset may allow fewer than the machine has).
+    workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) or 1
+    every = round(1 / val_fraction) if val_fraction > 0 else 0
+    dtype = _token_dtype(tok.vocab_size)
+
+    tmp = f"{out}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        splits = {"train": ShardWriter(os.path.join(tmp, "train"), shard_tokens, dtype),
+                  "val": ShardWriter(os.path.join(tmp, "val"), shard_tokens, dtype)}
+        bar = Progress(total_bytes, progress)
+        start = time.perf_counter()
+        n_docs = 0
+        chunks = plan(files, text_field)
+        spec = getattr(tok, "path", "byte")
+        for tokens, lengths, nbytes in _tokenized(chunks, workers, spec, tok.bos_token or "", tok.eos_token or ""):
+            _split(tokens, lengths, n_docs, every, splits)
+            n_docs += lengths.size
+            bar.update(nbytes, int(lengths.size), int(tokens.size))
+        for w in splits.values():
+            w.finish()
+        bar.done()
+        seconds = time.perf_counter() - start
+        if splits["train"].total == 0:
+            what = "no documents" if n_docs == 0 else f"{n_docs} document(s), all held out for validation"
+            raise UserError(f"{', '.join(inputs)}: {what} (every input was empty); nothing to train on")
+        info = {
+            "format": DATASET_FORMAT,
+            "tokenizer": {"kind": tok.kind, "file": "tokenizer.json", "source": getattr(tok, "path", "byte"),
+                          "bos_token": tok.bos_token, "eos_token": tok.eos_token},
+            "vocab_size": tok.vocab_size,
+            "bos_id": tok.bos_id,
+            "eos_id": tok.eos_id,
+            "token_bytes": np.dtype(dtype).itemsize,
+            "documents": n_docs,
+            "splits": {name: {"tokens": w.total, "documents": w.documents, "shards": w.index}
+                       for name, w in splits.items()},
+            "val_every": every,
+            "inputs": [os.path.abspath(i) for i in inputs],
+            "files": len(files),
+            "input_bytes": total_bytes,
+            "text_field": text_field,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+        with open(os.path.join(tmp, "tokenizer.json"), "w", encoding="utf-8") as f:
+            f.write(tok.to_json())
+        with open(os.path.join(tmp, DATASET_JSON), "w") as f:
+            json.dump(info, f, indent=1)
+        if os.path.exists(out):  # --overwrite: the old output goes only once the new one is complete
+            old = f"{out}.old-{os.getpid()}"
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    info["seconds"] = seconds
+    return info
+
+
+def _split(tokens: np.ndarray, lengths: np.ndarray, first_doc: int, every: int, splits: dict) -> None:
+    """Documents first_doc, first_doc + 1, ... to their splits: every `every`-th to val, in order."""
+    train, val = splits["train"], splits["val"]
+    if not every:
+        train.add(tokens)
+        train.documents += lengths.size
+        return
+    ends = np.cumsum(lengths)
+    # Global index g goes to val when (g + 1) % every == 0.
+    held = [i for i in range((every - 1 - first_doc) % every, lengths.size, every)]
+    pos = 0
+    for i in held:
+        start = int(ends[i] - lengths[i])
+        train.add(tokens[pos:start])
+        val.add(tokens[start : int(ends[i])])
+        pos = int(ends[i])
+    train.add(tokens[pos:])
+    val.documents += len(held)
+    train.documents += lengths.size - len(held)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="titanlike-prepare", description=__doc__.split("\n\n")[0],
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", help="output folder (train/, val/, dataset.json, tokenizer.json)")
+    p.add_argument("inputs", nargs="+", help=f"files, folders or globs ({' '.join(ALL_SUFFIXES)})")
+    p.add_argument("--tokenizer", default="byte",
+                   help="'byte' (the built-in byte tokenizer, 258 ids) or a Hugging Face tokenizer.json "
+                        "(or its folder)")
+    p.add_argument("--workers", type=int, default=0, help="tokenizing processes (default: every core)")
+    p.add_argument("--text-field", default="text",
+                   help="the JSON field / parquet column holding the text (default text)")
+    p.add_argument("--val-fraction", type=float, default=0.01,
+                   help="share of documents held out for validation: every round(1/f)-th (default 0.01; 0 = none)")
+    p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard file (default 1e8)")
+    p.add_argument("--eos-token", default="", help="the token that ends a document (default: found by name)")
+    p.add_argument("--bos-token", default="", help="the token that begins a document (default: found by name, or none)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if it exists (only once the new data is complete)")
+    a = p.parse_args(argv)
+    if a.workers < 0:
+        p.error(f"--workers {a.workers} must be >= 0")
+    try:
+        info = prepare(a.out, a.inputs, a.tokenizer, a.workers, a.text_field, a.val_fraction, a.shard_tokens,
+                       a.overwrite, a.bos_token, a.eos_token, progress=sys.stderr.isatty())
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    tr, va = info["splits"]["train"], info["splits"]["val"]
+    rate = (tr["tokens"] + va["tokens"]) / max(info["seconds"], 1e-9)
+    print(f"{a.out}: {info['documents']:,} documents, {info['input_bytes'] / 1e6:,.1f} MB in {info['seconds']:.1f}s "
+          f"({rate:,.0f} tok/s) | train {tr['tokens']:,} tokens in {tr['shards']} shard(s) | "
+          f"val {va['tokens']:,} tokens in {va['shards']} shard(s) | "
+          f"{info['tokenizer']['kind']} tokenizer, vocabulary {info['vocab_size']}")
+    if va["tokens"]:
+        print(f"train with: --data.path {a.out}/train --data.val_path {a.out}/val")
+    else:
+        why = ("--val-fraction is 0" if not info["val_every"] else
+               f"every {info['val_every']}th document goes to validation and there are {info['documents']}")
+        more = "give more documents (a text file is one document, a .jsonl line or parquet row one)"
+        if info["documents"] >= 2:
+            more = f"pass --val-fraction {min(0.5, max(0.01, 2 / info['documents'])):g} or {more}"
+        print(f"no validation data ({why}): {more}; train with: "
+              f"--data.path {a.out}/train --validation.enable false", file=sys.stderr)
+    return 0
+
+
+def cli() -> None:
+    """The `titanlike-prepare` console script: same as `python -m titanlike.prepare`."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

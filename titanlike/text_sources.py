@@ -1,0 +1,236 @@
+"""Where documents come from: text files, JSON lines (plain, gzip, zstd) and parquet, cut into work
+items that any process can read on its own.
+
+`plan()` runs in the main process: it expands folders and globs, checks that each input exists and
+has a format we read, and yields `Chunk`s of about CHUNK_BYTES of input each. The cut depends only
+on the input files, never on the number of workers, and `read_chunk()` turns a chunk into its
+documents in file order, so the documents in chunk order are the same sequence for any N.
+Compressed JSON lines cannot be read from the middle: the main process decompresses them and hands
+the raw lines over; everything else a worker reads itself.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from titanlike.errors import UserError
+
+CHUNK_BYTES = 1 << 20  # about 250k tokens: small enough to balance workers, large enough to amortise a hand-off
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")  # one file is one document
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")  # one JSON object per line, the text in --text-field
+PARQUET_SUFFIXES = (".parquet",)  # one row per document, the text in column --text-field
+ALL_SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
+
+
+class InputError(UserError):
+    """A bad input file: its message names the file and what is wrong with it."""
+
+
+def suffix_of(path: str) -> str:
+    name = path.lower()
+    return next((s for s in sorted(ALL_SUFFIXES, key=len, reverse=True) if name.endswith(s)), "")
+
+
+@dataclass
+class Chunk:
+    kind: str  # "text" (whole files), "jsonl" (a byte range of a file), "lines" (raw bytes), "parquet" (a row group)
+    paths: list[str]
+    start: int = 0  # jsonl: byte offset; lines: line number of the first line; parquet: row group
+    end: int = 0  # jsonl: byte offset of the end
+    data: bytes = b""  # lines: the decompressed lines
+    input_bytes: int = 0  # bytes of input (compressed, for compressed files) this chunk accounts for
+    text_field: str = "text"
+    extra: dict = field(default_factory=dict)
+
+
+def expand(inputs: list[str]) -> list[str]:
+    """Files in input order; a folder gives its files of a known format (recursively, sorted), a glob
+    its matches (sorted). An input that names nothing, or a folder with nothing we read, is an error."""
+    files: list[str] = []
+    for item in inputs:
+        if os.path.isdir(item):
+            found = sorted(str(p) for p in Path(item).rglob("*") if p.is_file() and suffix_of(str(p)))
+            if not found:
+                raise InputError(f"{item}: no input files in this folder (accepted: {', '.join(ALL_SUFFIXES)})")
+            files += found
+        elif os.path.isfile(item):
+            if not suffix_of(item):
+                raise InputError(f"{item}: unknown input format (accepted: {', '.join(ALL_SUFFIXES)})")
+            files.append(item)
+        elif glob.has_magic(item):
+            found = sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p) and suffix_of(p))
+            if not found:
+                raise InputError(f"{item}: no input files match (accepted: {', '.join(ALL_SUFFIXES)})")
+            files += found
+        else:
+            raise InputError(f"{item}: no such file or folder")
+    return files
+
+
+def _open_compressed(path: str):
+    """A binary stream of the decompressed file, and the raw file (whose position tells progress)."""
+    raw = open(path, "rb")
+    if path.lower().endswith(".gz"):
+        return gzip.GzipFile(fileobj=raw), raw
+    from titanlike.tokenizer import need_extra
+
+    zstd = need_extra("zstandard", f"{path} (.jsonl.zst)")
+    return io.BufferedReader(zstd.ZstdDecompressor().stream_reader(raw)), raw
+
+
+def plan(files: list[str], text_field: str) -> Iterator[Chunk]:
+    """The work, in order. Lazy: compressed files are decompressed as the workers ask for more."""
+    pending: list[str] = []
+    pending_bytes = 0
+    for path in files:
+        kind = suffix_of(path)
+        try:
+            size = os.path.getsize(path)
+        except OSError as e:
+            raise InputError(f"{path}: cannot read ({e.strerror})") from None
+        if kind in TEXT_SUFFIXES:
+            pending.append(path)
+            pending_bytes += size
+            if pending_bytes >= CHUNK_BYTES:
+                yield Chunk("text", pending, input_bytes=pending_bytes)
+                pending, pending_bytes = [], 0
+            continue
+        if pending:
+            yield Chunk("text", pending, input_bytes=pending_bytes)
+            pending, pending_bytes = [], 0
+        try:
+            if kind == ".jsonl":
+                yield from _plan_jsonl(path, size, text_field)
+            elif kind in (".jsonl.gz", ".jsonl.zst"):
+                yield from _plan_compressed(path, text_field)
+            else:
+                yield from _plan_parquet(path, size, text_field)
+        except OSError as e:
+            raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
+        except EOFError:
+            raise InputError(f"{path}: the compressed stream ends early (truncated file?)") from None
+    if pending:
+        yield Chunk("text", pending, input_bytes=pending_bytes)
+
+
+def _plan_jsonl(path: str, size: int, text_field: str) -> Iterator[Chunk]:
+    with open(path, "rb") as f:
+        start = 0
+        while start < size:
+            f.seek(min(start + CHUNK_BYTES, size))
+            f.readline()  # to the end of the line the cut fell in
+            end = min(f.tell(), size)
+            yield Chunk("jsonl", [path], start, end, input_bytes=end - start, text_field=text_field)
+            start = end
+
+
+def _plan_compressed(path: str, text_field: str) -> Iterator[Chunk]:
+    stream, raw = _open_compressed(path)
+    with raw, stream:
+        line_no, done = 1, 0
+        while True:
+            try:
+                block = stream.read(CHUNK_BYTES) + stream.readline()
+            except (OSError, ValueError) as e:  # gzip.BadGzipFile is an OSError
+                raise InputError(f"{path}: cannot decompress ({e})") from None
+            except Exception as e:
+                raise InputError(f"{path}: cannot decompress ({type(e).__name__}: {e})") from None
+            if not block:
+                break
+            pos = raw.tell()
+            yield Chunk("lines", [path], line_no, data=block, input_bytes=pos - done, text_field=text_field)
+            done = pos
+            line_no += block.count(b"\n")
+
+
+def _plan_parquet(path: str, size: int, text_field: str) -> Iterator[Chunk]:
+    from titanlike.tokenizer import need_extra
+
+    pq = need_extra("pyarrow", f"{path} (.parquet)")
+    import pyarrow.parquet  # noqa: F401  (the submodule is not imported by `import pyarrow`)
+
+    try:
+        meta = pq.parquet.ParquetFile(path)
+    except Exception as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise InputError(f"{path}: not a parquet file ({why})") from None
+    names = meta.schema_arrow.names
+    if text_field not in names:
+        raise InputError(f"{path} has no column {text_field!r} (columns: {', '.join(names)}); "
+                         f"choose one with --text-field")
+    groups = meta.num_row_groups
+    for g in range(groups):
+        yield Chunk("parquet", [path], g, input_bytes=size // groups + (size % groups if g == groups - 1 else 0),
+                    text_field=text_field)
+
+
+# ---- reading a chunk (in a worker) ---------------------------------------------------------------
+
+
+def _decode(data: bytes, path: str, offset: int) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {offset + e.start})") from None
+
+
+def _json_lines(text: str, path: str, first_line, text_field: str) -> list[str]:
+    """Documents of JSON lines; first_line() is the file's line number of the first one (asked only
+    for an error message: counting lines is a read from the start of the file)."""
+    docs = []
+    for n, line in enumerate(text.split("\n")):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)[text_field]
+        except (json.JSONDecodeError, KeyError, TypeError, IndexError):
+            raise InputError(f"{path}:{first_line() + n} is not a JSON object with a {text_field!r} field") from None
+        if not isinstance(value, str):
+            raise InputError(f"{path}:{first_line() + n}: field {text_field!r} is {type(value).__name__}, not text")
+        docs.append(value)
+    return docs
+
+
+def _line_number(path: str, offset: int) -> int:
+    with open(path, "rb") as f:
+        return 1 + f.read(offset).count(b"\n")
+
+
+def read_chunk(chunk: Chunk) -> list[str]:
+    """The documents of one chunk, in file order (empty documents dropped)."""
+    if chunk.kind == "text":
+        docs = []
+        for path in chunk.paths:
+            try:
+                with open(path, "rb") as f:
+                    docs.append(_decode(f.read(), path, 0))
+            except OSError as e:
+                raise InputError(f"{path}: cannot read ({e.strerror})") from None
+        return [d for d in docs if d]
+    path = chunk.paths[0]
+    if chunk.kind == "jsonl":
+        try:
+            with open(path, "rb") as f:
+                f.seek(chunk.start)
+                data = f.read(chunk.end - chunk.start)
+        except OSError as e:
+            raise InputError(f"{path}: cannot read ({e.strerror})") from None
+        return _json_lines(_decode(data, path, chunk.start), path, lambda: _line_number(path, chunk.start),
+                           chunk.text_field)
+    if chunk.kind == "lines":
+        return _json_lines(_decode(chunk.data, path, 0), path, lambda: chunk.start, chunk.text_field)
+    import pyarrow.parquet as pq
+
+    column = pq.ParquetFile(path).read_row_group(chunk.start, columns=[chunk.text_field]).column(0)
+    values = column.to_pylist()
+    bad = next((i for i, v in enumerate(values) if v is not None and not isinstance(v, str)), None)
+    if bad is not None:
+        raise InputError(f"{path}: column {chunk.text_field!r} holds {type(values[bad]).__name__}, not text")
+    return [v for v in values if v]
