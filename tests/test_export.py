@@ -50,15 +50,11 @@ def export(step_dir: Path, out: Path, *extra: str):
 
 def load_ours(folder: Path, like: Transformer) -> Transformer:
     """The export read back through --checkpoint.initial_load_path's loader."""
-    from types import SimpleNamespace
-
-    from titanlike.checkpoint import Checkpointer
-    from titanlike.config import Checkpoint
+    from titanlike.checkpoint import load_initial_weights
 
     model = Transformer(like.args)
     model.init_weights(seed=99, seq_len=64)
-    Checkpointer(Checkpoint(initial_load_path=str(folder)), "unused", SimpleNamespace(model=model, margs=model.args),
-                 is_main=True).load_or_initialize()
+    load_initial_weights(model, model.args, str(folder))
     return model
 
 
