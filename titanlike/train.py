@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from titanlike import faults, parallel
 from titanlike.checkpoint import Checkpointer, TrainState
-from titanlike.config import ConfigError, JobConfig, load_config, to_toml
+from titanlike.config import ConfigError, JobConfig, help_text, load_config, to_toml
 from titanlike.data import build_train_loader, open_dataset, resolve_paths, validation_batches
 from titanlike.errors import UserError
 from titanlike.float8 import Float8Training, health_summary
@@ -38,7 +38,7 @@ from titanlike.tokenizer import record_tokenizer
 logger = logging.getLogger("titanlike")
 
 
-# Exit code of a preflight (run_train.sh, before torchrun) that printed the config: stop, no error.
+# Exit code of a preflight (run_train.sh, before torchrun) that printed the config or the help: stop, no error.
 PRINTED_CONFIG = 3
 
 
@@ -359,14 +359,20 @@ def main(argv: list[str] | None = None) -> int:
     world, rank, _ = parallel.world_from_env()
     setup_logging(rank)
     trainer = cfg = None
+    preflight_world = os.environ.get("TITANLIKE_PREFLIGHT_WORLD")
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if any(a in ("-h", "--help") for a in argv):
+            if rank == 0:
+                print(help_text())
+            return PRINTED_CONFIG if preflight_world else 0  # run_train.sh's preflight printed it: stop there
         cfg = load_config(argv)
         if cfg.job.print_config:
             if rank == 0:
                 print(to_toml(cfg), end="")
-            return PRINTED_CONFIG if os.environ.get("TITANLIKE_PREFLIGHT_WORLD") else 0
-        if os.environ.get("TITANLIKE_PREFLIGHT_WORLD"):
-            preflight(cfg, int(os.environ["TITANLIKE_PREFLIGHT_WORLD"]))
+            return PRINTED_CONFIG if preflight_world else 0
+        if preflight_world:
+            preflight(cfg, int(preflight_world))
             return 0
         trainer = Trainer(cfg)
         trainer.train()
