@@ -41,11 +41,15 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"
 # after forwarding a signal, even when every worker saved and stopped cleanly; the workers leave
 # a marker so that this launcher can report the truth: exit 0.
 export TITANLIKE_PREEMPTED_MARKER="$(mktemp -u "${TMPDIR:-/tmp}/titanlike-preempted.XXXXXX")"
+# torchrun runs in a process group of its own (set -m), so that a signal sent to this launcher's
+# group (a terminal's Ctrl-C, a scheduler signalling the job) reaches it once: passed on from here.
+# Ctrl-C (SIGINT): the workers finish the step, save and exit 130; a second one stops them at once.
+set -m
 "$PYTHON" -m titanlike.launch "${rdzv[@]}" --nproc_per_node="$NGPU" --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
   "$here/run_train.sh" --job.config_file "$CONFIG_FILE" "$@" &
 pid=$!
-trap 'kill -s TERM $pid 2>/dev/null' TERM
-trap 'kill -s USR1 $pid 2>/dev/null' USR1
+set +m
+for sig in TERM USR1 INT HUP QUIT; do trap "kill -s $sig \$pid 2>/dev/null" "$sig"; done
 rc=0
 # wait returns early (status > 128) when a trapped signal arrives: keep waiting for torchrun.
 while kill -0 "$pid" 2>/dev/null; do rc=0; wait "$pid" || rc=$?; done

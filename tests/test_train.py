@@ -107,8 +107,14 @@ def test_config_toml_written(run):
 def test_console_log(run):
     _, proc = run
     out = proc.stdout + proc.stderr
-    assert "model debug:" in out and f"train step {STEPS:>6}" in out and "done: 30 steps" in out
+    assert "model debug:" in out and f"train step {STEPS:>6}/{STEPS}" in out and "done: 30 steps in " in out
     assert "error" not in proc.stderr.lower()
+    # Not a terminal: plain log lines, no progress line drawn with carriage returns or escapes; each
+    # line after the first carries the ETA (but the last); a CPU has no TFLOPS or MFU column.
+    assert "\r" not in out and "\x1b" not in out
+    train = [line for line in out.splitlines() if " train step " in line]
+    assert len(train) == 7 and all(" | ETA " in line for line in train[1:-1]), train
+    assert "ETA" not in train[-1] and "TFLOPS" not in out and "MFU" not in out
 
 
 def test_non_finite_loss_stops_the_run(tmp_path):

@@ -27,7 +27,6 @@ import pickle
 import random
 import re
 import shutil
-import signal
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -117,7 +116,6 @@ class Checkpointer:
         self.pending: tuple[int, object] | None = None  # (step, future) of an async save in flight
         self.staging = None  # future of the host copy of an async_with_pinned_mem save
         self.stager = None  # keeps the pinned host buffers from one save to the next
-        self._preempt_signal: int | None = None
         # Checkpoint collectives run on CPU (gloo) groups, so they never queue behind (or block) the
         # training step's NCCL work. Two of them: the main thread's (barriers, synchronous saves,
         # loads, the per-step vote) and the background saves' own. A background save runs its
@@ -403,25 +401,19 @@ class Checkpointer:
         if self.is_main:
             logger.info(f"initial weights loaded from {path}")
 
-    # ---- preemption ---------------------------------------------------------------------------------
+    # ---- preemption, Ctrl-C ---------------------------------------------------------------------------
 
-    def install_preemption_handlers(self) -> None:
-        def handler(signum, frame):
-            self._preempt_signal = signum
-
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, handler)
-
-    def preemption_requested(self) -> bool:
-        """True on every rank once any rank got SIGTERM/SIGUSR1: they must stop at the same step.
+    def stop_requested(self, request: int) -> int:
+        """The largest stop request (stopping.py: none, preempted, interrupted) of any rank, given this
+        rank's: every rank gets the same answer, as all must stop after the same step.
 
         One small all-reduce on the CPU group per step also tells whether every rank has finished
         writing a background save, so that all of them publish it at the same step.
         """
         writing = self.pending is not None and not self.pending[1].done()
-        flags = torch.tensor([int(self._preempt_signal is not None), int(writing)])
+        flags = torch.tensor([request, int(writing)])
         if self.sharded:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.cpu_group)
         if self.pending is not None and not flags[1]:
             self._complete_pending()
-        return bool(flags[0])
+        return int(flags[0])

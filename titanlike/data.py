@@ -39,6 +39,7 @@ with warnings.catch_warnings():
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 
 from titanlike.errors import UserError
+from titanlike.stopping import ignore_interrupts_in_loader_worker
 
 from titanlike.shard_format import HEADER, MAGIC, VERSION  # noqa: E402  (torch-free, for titanlike-prepare)
 
@@ -261,4 +262,5 @@ def build_train_loader(dataset: TokenWindows, local_batch: int, global_batch: in
             f"global batch of {global_batch}; use more data, a shorter data.seq_len or a smaller batch"
         )
     sampler = GlobalBatchSampler(len(dataset), local_batch, global_batch, dp_rank, dp_world, seed, start_step)
-    return StatefulDataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory)
+    return StatefulDataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
+                              worker_init_fn=ignore_interrupts_in_loader_worker if num_workers else None)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from titanlike import faults, parallel
+from titanlike import faults, parallel, stopping
 from titanlike.checkpoint import Checkpointer, TrainState
 from titanlike.config import ConfigError, JobConfig, help_text, load_config, to_toml
 from titanlike.data import build_train_loader, open_dataset, resolve_paths, validation_batches
@@ -33,6 +33,7 @@ from titanlike.model_shape import describe, resolve_model_args
 from titanlike.nonfinite import MAX_IN_A_ROW, NonFinitePolicy, Verdict
 from titanlike.optim import build_optimizer, build_scheduler, clip_and_step
 from titanlike.profiling import Profiler
+from titanlike.progress import Progress, wants_terminal_line
 from titanlike.tokenizer import record_tokenizer
 
 logger = logging.getLogger("titanlike")
@@ -174,6 +175,7 @@ class Trainer:
         self._window_losses: list[torch.Tensor] = []
         self.nonfinite = NonFinitePolicy(cfg.training.nonfinite, self._checkpoints_to_roll_back_to,
                                          self.checkpointer.step_dir, is_main=self.is_main)
+        self.progress: Progress | None = None  # made when the loop starts (train())
 
     # ---- one training step ----------------------------------------------------------------------
 
@@ -288,20 +290,25 @@ class Trainer:
 
     # ---- the loop -----------------------------------------------------------------------------------
 
-    def train(self) -> None:
+    def train(self) -> int:
+        """Train up to training.steps, or until a stop signal (stopping.py); returns the exit code."""
         cfg = self.cfg
         steps = cfg.training.steps
         if self.state.step >= steps:
             logger.info(f"nothing to do: the checkpoint is at step {self.state.step} and training.steps = {steps}")
-            return
+            return 0
         if self.is_main:
             logger.info(f"training from step {self.state.step + 1} to {steps}")
         first_step = self.state.step + 1
         t0 = time.perf_counter()
-        self.checkpointer.install_preemption_handlers()
+        self.progress = Progress(first_step, steps, self.global_batch * cfg.data.seq_len,
+                                 terminal=logger.isEnabledFor(logging.INFO) and wants_terminal_line(sys.stderr))
+        stop_signals = stopping.StopSignals(announce=logger.isEnabledFor(logging.INFO))
+        stop_signals.install()  # from here on, preemption and Ctrl-C stop after a step, with a checkpoint
         while self.state.step < steps:
             grad_norm = self.train_step()
             step = self.state.step
+            self.progress.step_done(step)
             last = step == steps
             if step == first_step or step % cfg.metrics.log_freq == 0 or last:
                 loss = self.check_losses()
@@ -314,30 +321,39 @@ class Trainer:
                 else:
                     record.update(tokens_seen=self.state.tokens_seen, **self.metrics.throughput(),
                                   float8_matmul_share=self.metrics.float8_share, **self.float8_health(step))
-                self.metrics.log(step, {**record, **self.metrics.memory()})
+                self.metrics.log(step, {**record, **self.metrics.memory()}, total_steps=steps,
+                                 eta_s=self.progress.eta_s())
+                self.progress.logged_loss(step, loss)
                 if step == first_step:
                     self.metrics.start_window()
             if self.val_data is not None and (step % cfg.validation.freq == 0 or last):
                 self.validate()
-            preempted = self.checkpointer.preemption_requested()
-            if self.checkpointer.due(step, last) or preempted:
+            stop = self.checkpointer.stop_requested(stop_signals.request)  # the same on every rank
+            if self.checkpointer.due(step, last) or stop:
                 if self._window_losses and self.check_losses() is None:
                     continue  # rolled back: never save the weights of a diverged run
-                self.checkpointer.save(step, final=last or preempted)
-            if preempted:
+                self.checkpointer.save(step, final=last or bool(stop))  # saved even without checkpoint.enable
+            if stop and not last:
                 self.checkpointer.finish()
                 marker = os.environ.get("TITANLIKE_PREEMPTED_MARKER")
-                if marker and self.dims.local_rank == 0:  # tells run_train.sh on this node: clean stop
-                    open(marker, "w").close()
+                if stop == stopping.PREEMPTED and marker and self.dims.local_rank == 0:
+                    open(marker, "w").close()  # tells run_train.sh on this node: a clean stop, exit 0
                 if self.is_main:
-                    logger.info(f"preempted: stopped after step {step}; checkpoint at {self.checkpointer.step_dir(step)}")
-                return
+                    logger.info(stopping.stopped_line(stop, step, self.checkpointer.step_dir(step), cfg.checkpoint.enable))
+                return stopping.EXIT_CODE[stop]
             self.profiler.step(step)
+            self.progress.show()
         self.checkpointer.finish()
+        self.progress.close()
         if self.is_main:
-            logger.info(f"done: {steps} steps in {time.perf_counter() - t0:.1f}s")
+            trained = f"{steps} steps" if first_step == 1 else (
+                f"steps {first_step}-{steps} ({steps - first_step + 1} steps, resumed at step {first_step - 1})")
+            logger.info(f"done: {trained} in {time.perf_counter() - t0:.1f}s")
+        return 0
 
     def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
         self.profiler.close()
         self.metrics.close()
 
@@ -375,8 +391,12 @@ def main(argv: list[str] | None = None) -> int:
             preflight(cfg, int(preflight_world))
             return 0
         trainer = Trainer(cfg)
-        trainer.train()
-        return 0
+        return trainer.train()
+    except KeyboardInterrupt:
+        # Ctrl-C before the training loop (building, compiling, loading): nothing trained to save.
+        if rank == 0:
+            print("interrupted before training started: nothing saved", file=sys.stderr)
+        return stopping.EXIT_CODE[stopping.INTERRUPTED]
     except UserError as e:
         if rank == 0 or not e.same_on_all_ranks:
             print(f"error: {e}", file=sys.stderr)
