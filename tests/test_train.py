@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 import subprocess
 import tomllib
+from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, _env, metrics
+from conftest import CACHE, ROOT, _env, metrics
 from titanlike.model import PRESETS, flops_per_token
 from titanlike.optim import lr_factor
 
@@ -100,8 +101,8 @@ def test_config_toml_written(run):
     assert cfg["job"]["dump_folder"] == str(dump)
     assert cfg["job"]["config_file"].endswith("train_configs/debug_model.toml")
     assert cfg["optimizer"]["lr"] == LR
-    # The embedded corpus was built on the spot in the run folder.
-    assert list((dump / "corpus").glob("*.bin"))
+    # The embedded corpus comes from the per-machine cache (the session's, conftest), not the run folder.
+    assert not (dump / "corpus").exists() and list(Path(CACHE).glob("stdlib-*-train.bin"))
 
 
 def test_console_log(run):

@@ -101,7 +101,7 @@ class Trainer:
         self.margs = resolve_model_args(cfg)
         if self.is_main:
             record_tokenizer(cfg.data.path, cfg.job.dump_folder)  # what the export ships with the weights
-        train_path, val_path = resolve_paths(cfg.data.path, cfg.data.val_path, cfg.job.dump_folder)
+        train_path, val_path = resolve_paths(cfg.data.path, cfg.data.val_path)
         self.train_data = open_dataset(train_path, cfg.data.seq_len, self.margs.vocab_size, "data.path")
         self.val_data = (
             open_dataset(val_path, cfg.data.seq_len, self.margs.vocab_size, "data.val_path")
