@@ -6,8 +6,9 @@
     a second SIGINT        stop at once: no save (the step in flight is lost)         130 (killed by SIGINT)
 
 Schedulers preempt with SIGTERM or SIGUSR1 and requeue the same command, which resumes: exit 0.
-Ctrl-C exits 130 as any interrupted command does (128 + SIGINT), yet keeps what was trained: the
-checkpoint is saved even without checkpoint.enable, and the same command resumes from it.
+Ctrl-C exits 130 as any interrupted command does (128 + SIGINT), yet keeps what was trained. The
+checkpoint is saved even without checkpoint.enable; the same command resumes from it (with
+--checkpoint.enable added where it was off, which the last line says).
 
 The handlers only record the request; the training loop acts on it between steps, after every rank
 has agreed on it (Checkpointer.stop_requested), so all ranks stop after the same step. A second
