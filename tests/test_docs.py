@@ -60,7 +60,8 @@ def test_check_fails_on_a_stale_page(gen, tmp_path, monkeypatch, capsys):
 
 def test_readme_option_table_is_the_generated_one(gen):
     readme = (ROOT / "README.md").read_text()
-    assert readme == gen.render_readme(readme), "README.md's option table is stale: run python scripts/gen_config_docs.py"
+    assert readme == gen.render_readme(readme), \
+        "README.md's option table is stale: run python scripts/gen_config_docs.py"
     table = readme[readme.index(gen.TABLE_START):readme.index(gen.TABLE_END)]
     for name, cls in sections().items():
         row = next(line for line in table.splitlines() if line.startswith(f"| {name} | "))

@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 ENV = "TITANLIKE_CACHE"
 

@@ -22,7 +22,8 @@ import os
 import shutil
 import sys
 import time
-from typing import Callable, TextIO
+from collections.abc import Callable
+from typing import TextIO
 
 CLEAR = "\r\033[K"  # back to the start of the line, erase it
 REDRAW_EVERY_S = 0.25

@@ -339,7 +339,8 @@ class Trainer:
                 if stop == stopping.PREEMPTED and marker and self.dims.local_rank == 0:
                     open(marker, "w").close()  # tells run_train.sh on this node: a clean stop, exit 0
                 if self.is_main:
-                    logger.info(stopping.stopped_line(stop, step, self.checkpointer.step_dir(step), cfg.checkpoint.enable))
+                    where = self.checkpointer.step_dir(step)
+                    logger.info(stopping.stopped_line(stop, step, where, resumes=cfg.checkpoint.enable))
                 return stopping.EXIT_CODE[stop]
             self.profiler.step(step)
             self.progress.show()
