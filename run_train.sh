@@ -3,17 +3,18 @@
 # titanlike launcher. This file is valid bash *and* valid Python:
 #   ./run_train.sh [--section.key value ...]          bash: starts torchrun on this very file
 #   torchrun --nproc_per_node=8 run_train.sh [...]    torchrun runs it with Python: trains
-# Environment (bash mode): NGPU (default: visible GPUs, or 1), CONFIG_FILE (default
-# train_configs/debug_model.toml), NNODES, RDZV_ENDPOINT, RDZV_ID for several nodes,
-# LOG_RANK (which rank logs, default 0), PYTHON (default python3).
+# Environment: CONFIG_FILE (default train_configs/debug_model.toml; in both modes, and a
+# --job.config_file on the command line wins). Bash mode only: NGPU (default: visible GPUs, or 1),
+# NNODES, RDZV_ENDPOINT, RDZV_ID for several nodes, LOG_RANK (which rank logs, default 0),
+# PYTHON (default python3).
 set -euo pipefail
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)"
 PYTHON="${PYTHON:-python3}"
 if [ -z "${NGPU:-}" ]; then
   NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   [ "${NGPU:-0}" -ge 1 ] 2>/dev/null || NGPU=1
 fi
-CONFIG_FILE="${CONFIG_FILE:-$here/train_configs/debug_model.toml}"
+CONFIG_FILE="${CONFIG_FILE:-$here/train_configs/debug_model.toml}"  # Python mode below: the same default
 NNODES="${NNODES:-1}"
 if [ "$NNODES" -gt 1 ]; then
   rdzv=(--nnodes="$NNODES" --rdzv_backend=c10d --rdzv_endpoint="${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port of node 0}" --rdzv_id="${RDZV_ID:-titanlike}")
@@ -40,11 +41,15 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"
 # after forwarding a signal, even when every worker saved and stopped cleanly; the workers leave
 # a marker so that this launcher can report the truth: exit 0.
 export TITANLIKE_PREEMPTED_MARKER="$(mktemp -u "${TMPDIR:-/tmp}/titanlike-preempted.XXXXXX")"
+# torchrun runs in a process group of its own (set -m), so that a signal sent to this launcher's
+# group (a terminal's Ctrl-C, a scheduler signalling the job) reaches it once: passed on from here.
+# Ctrl-C (SIGINT): the workers finish the step, save and exit 130; a second one stops them at once.
+set -m
 "$PYTHON" -m titanlike.launch "${rdzv[@]}" --nproc_per_node="$NGPU" --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
   "$here/run_train.sh" --job.config_file "$CONFIG_FILE" "$@" &
 pid=$!
-trap 'kill -s TERM $pid 2>/dev/null' TERM
-trap 'kill -s USR1 $pid 2>/dev/null' USR1
+set +m
+for sig in TERM USR1 INT HUP QUIT; do trap "kill -s $sig \$pid 2>/dev/null" "$sig"; done
 rc=0
 # wait returns early (status > 128) when a trapped signal arrives: keep waiting for torchrun.
 while kill -0 "$pid" 2>/dev/null; do rc=0; wait "$pid" || rc=$?; done
@@ -56,8 +61,21 @@ fi
 exit "$rc"
 ":"""
 # Python mode (under torchrun): the repository root is this file's folder, so the package imports.
+import os
 import sys
 
 from titanlike.train import main
 
-sys.exit(main())
+
+def names_config_file(arg: str) -> bool:
+    # --job.config_file X, --job.config_file=X, or the dashed spelling the config parser accepts too.
+    return arg.split("=", 1)[0].replace("-", "_") == "__job.config_file"
+
+
+# `torchrun ... run_train.sh` means the same run as `./run_train.sh`: without a --job.config_file,
+# read CONFIG_FILE (default train_configs/debug_model.toml), as bash mode does.
+args = sys.argv[1:]
+if not any(map(names_config_file, args)):
+    here = os.path.dirname(os.path.realpath(__file__))
+    args = ["--job.config_file", os.environ.get("CONFIG_FILE") or os.path.join(here, "train_configs", "debug_model.toml"), *args]
+sys.exit(main(args))

@@ -44,13 +44,9 @@ def run_variant(name: str, overrides: list[str], args, workdir: Path, extra_env:
            str(ROOT / "run_train.sh"), "--job.config_file", args.config, "--job.dump_folder", str(dump),
            "--training.steps", str(args.steps), "--metrics.log_freq", str(args.log_freq),
            "--validation.enable", "false", "--checkpoint.enable", "false", *args.common, *overrides]
-    if args.corpus:
-        # Share one corpus cache between variants instead of rebuilding it in each run folder.
-        os.makedirs(dump, exist_ok=True)
-        link = dump / "corpus"
-        if not link.exists():
-            link.symlink_to(Path(args.corpus).resolve(), target_is_directory=True)
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **extra_env)
+    if args.corpus:  # the folder that holds an already-built corpus is the cache the runs read
+        env["TITANLIKE_CACHE"] = str(Path(args.corpus).resolve())
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -110,7 +106,7 @@ def main() -> None:
     p.add_argument("--log-freq", type=int, default=5)
     p.add_argument("--ngpu", type=int, default=1)
     p.add_argument("--variant", action="append", required=True, help="name=overrides")
-    p.add_argument("--corpus", default="", help="a folder holding an already-built corpus cache to reuse")
+    p.add_argument("--corpus", default="", help="a cache folder ($TITANLIKE_CACHE) holding an already-built corpus to reuse")
     p.add_argument("--out", default="", help="write the results as JSON here")
     p.add_argument("--workdir", default="", help="keep run folders and logs here (default: a temp dir)")
     args = p.parse_args(argv)

@@ -8,21 +8,32 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# The per-machine cache (titanlike/cache.py: the built-in corpus) of this test session: a fresh
+# temporary folder, so that tests neither read nor write the user's ~/.cache/titanlike.
+CACHE = tempfile.mkdtemp(prefix="titanlike-test-cache-")
+os.environ["TITANLIKE_CACHE"] = CACHE
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(CACHE, ignore_errors=True)
+
 
 @pytest.fixture(scope="session")
-def corpus(tmp_path_factory) -> tuple[str, str]:
+def corpus() -> tuple[str, str]:
     """The embedded corpus, built once per test session: (train shard, validation shard)."""
     from titanlike.data import build_default_corpus
 
-    return build_default_corpus(str(tmp_path_factory.mktemp("corpus")))
+    return build_default_corpus(CACHE)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -48,11 +48,48 @@ def test_configuration_page_lists_every_key_with_type_default_and_docstring(gen)
 def test_check_fails_on_a_stale_page(gen, tmp_path, monkeypatch, capsys):
     stale = tmp_path / "configuration.md"
     stale.write_text(gen.render().replace("Peak learning rate of AdamW.", "Peak learning rate."))
+    readme = tmp_path / "README.md"
+    readme.write_text((ROOT / "README.md").read_text())
     monkeypatch.setattr(gen, "PAGE", stale)
+    monkeypatch.setattr(gen, "README", readme)
     monkeypatch.setattr(gen, "ROOT", tmp_path)
     assert gen.main(["--check"]) == 1
     assert "configuration.md is out of date" in capsys.readouterr().err
     assert gen.main([]) == 0 and gen.main(["--check"]) == 0  # regenerated
+
+
+def test_readme_option_table_is_the_generated_one(gen):
+    readme = (ROOT / "README.md").read_text()
+    assert readme == gen.render_readme(readme), \
+        "README.md's option table is stale: run python scripts/gen_config_docs.py"
+    table = readme[readme.index(gen.TABLE_START):readme.index(gen.TABLE_END)]
+    for name, cls in sections().items():
+        row = next(line for line in table.splitlines() if line.startswith(f"| {name} | "))
+        listed = [key.split(" (")[0] for key in row.split(" | ")[1].rstrip(" |").split(", ")]
+        assert listed == [f.name for f in dataclasses.fields(cls)], row
+
+
+@dataclasses.dataclass
+class MetricsWithANewOption:
+    log_freq: int = 10
+    """How often."""
+    enable_tensorboard: bool = True
+    """Event files."""
+    brand_new: bool = False
+    """An option another change adds."""
+
+
+def test_a_new_option_makes_the_readme_table_stale(gen, tmp_path, monkeypatch, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text((ROOT / "README.md").read_text())
+    monkeypatch.setattr(gen, "README", readme)
+    monkeypatch.setattr(gen, "PAGE", tmp_path / "configuration.md")
+    monkeypatch.setattr(gen, "ROOT", tmp_path)
+    monkeypatch.setattr(gen.config, "sections", lambda: {**sections(), "metrics": MetricsWithANewOption})
+    gen.PAGE.write_text(gen.render())
+    assert gen.main(["--check"]) == 1
+    assert "README.md is out of date" in capsys.readouterr().err
+    assert gen.main([]) == 0 and "| metrics | log_freq, enable_tensorboard, brand_new |" in readme.read_text()
 
 
 def pages() -> list:

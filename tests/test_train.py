@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 import subprocess
 import tomllib
+from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, _env, metrics
+from conftest import CACHE, ROOT, _env, metrics
 from titanlike.model import PRESETS, flops_per_token
 from titanlike.optim import lr_factor
 
@@ -100,15 +101,21 @@ def test_config_toml_written(run):
     assert cfg["job"]["dump_folder"] == str(dump)
     assert cfg["job"]["config_file"].endswith("train_configs/debug_model.toml")
     assert cfg["optimizer"]["lr"] == LR
-    # The embedded corpus was built on the spot in the run folder.
-    assert list((dump / "corpus").glob("*.bin"))
+    # The embedded corpus comes from the per-machine cache (the session's, conftest), not the run folder.
+    assert not (dump / "corpus").exists() and list(Path(CACHE).glob("stdlib-*-train.bin"))
 
 
 def test_console_log(run):
     _, proc = run
     out = proc.stdout + proc.stderr
-    assert "model debug:" in out and f"train step {STEPS:>6}" in out and "done: 30 steps" in out
+    assert "model debug:" in out and f"train step {STEPS:>6}/{STEPS}" in out and "done: 30 steps in " in out
     assert "error" not in proc.stderr.lower()
+    # Not a terminal: plain log lines, no progress line drawn with carriage returns or escapes; each
+    # line after the first carries the ETA (but the last); a CPU has no TFLOPS or MFU column.
+    assert "\r" not in out and "\x1b" not in out
+    train = [line for line in out.splitlines() if " train step " in line]
+    assert len(train) == 7 and all(" | ETA " in line for line in train[1:-1]), train
+    assert "ETA" not in train[-1] and "TFLOPS" not in out and "MFU" not in out
 
 
 def test_non_finite_loss_stops_the_run(tmp_path):

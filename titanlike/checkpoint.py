@@ -35,7 +35,6 @@ import random
 import re
 import resource
 import shutil
-import signal
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, fields
@@ -287,7 +286,6 @@ class Checkpointer:
         self.stager = None  # keeps the pinned host buffers from one save to the next
         self.resumed_from: int | None = None  # the step this run resumed from, if it did
         self.resumed_preemption_save: int | None = None  # ... when that was a preemption save (no enable)
-        self._preempt_signal: int | None = None
         # Checkpoint collectives run on CPU (gloo) groups, so they never queue behind (or block) the
         # training step's NCCL work. Two of them: the main thread's (barriers, synchronous saves,
         # loads, the per-step vote) and the background saves' own. A background save runs its
@@ -706,28 +704,22 @@ class Checkpointer:
             shutil.rmtree(self.step_dir(step), ignore_errors=True)
             logger.info(f"removed the preemption save {self.step_dir(step)}: this run got past it")
 
-    # ---- preemption ---------------------------------------------------------------------------------
+    # ---- preemption, Ctrl-C ---------------------------------------------------------------------------
 
-    def install_preemption_handlers(self) -> None:
-        def handler(signum, frame):
-            self._preempt_signal = signum
-
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, handler)
-
-    def preemption_requested_and_publish(self) -> bool:
-        """True on every rank once any rank got SIGTERM/SIGUSR1: they must stop at the same step.
+    def stop_requested_and_publish(self, request: int) -> int:
+        """The largest stop request (stopping.py: none, preempted, interrupted) of any rank, given this
+        rank's: every rank gets the same answer, as all must stop after the same step.
 
         One small all-reduce on the CPU group per step also tells whether every rank has finished
         writing a background save, so that all of them publish it at the same step (here).
         """
         writing = self.pending is not None and not self.pending[1].done()
-        flags = torch.tensor([int(self._preempt_signal is not None), int(writing)])
+        flags = torch.tensor([request, int(writing)])
         if self.sharded:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.cpu_group)
         if self.pending is not None and not flags[1]:
             self.wait_and_publish()
-        return bool(flags[0])
+        return int(flags[0])
 
     def finish_and_publish(self) -> None:
         """Wait for a background save to land and publish it (end of run, preemption)."""

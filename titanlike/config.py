@@ -40,7 +40,7 @@ class Job:
     config_file: str = ""
     """TOML file to read before the command-line overrides ("" = defaults only)."""
     dump_folder: str = "./outputs"
-    """Run folder: resolved config, metrics.jsonl, TensorBoard events, checkpoints, the cached corpus."""
+    """Run folder: resolved config, metrics.jsonl, TensorBoard events, checkpoints."""
     seed: int = 0
     """Seed for weight init, data order and dropout-free RNG state; same seed, same run."""
     print_config: bool = False
@@ -82,7 +82,8 @@ class Model:
 @dataclass
 class Data:
     path: str = ""
-    """Token shards: a .bin file or a folder of them ("" = the embedded Python-stdlib corpus)."""
+    """Token shards: a .bin file or a folder of them ("" = the embedded Python-stdlib corpus, built once per
+    machine into ~/.cache/titanlike or $TITANLIKE_CACHE)."""
     val_path: str = ""
     """Validation shards ("" = none, except for the embedded corpus, which holds out its own)."""
     seq_len: int = 256

@@ -20,6 +20,7 @@ different world size with the data order of the uninterrupted run.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -30,9 +31,12 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from titanlike import cache
 from titanlike.errors import UserError
-
 from titanlike.shard_format import HEADER, MAGIC, VERSION  # noqa: E402  (torch-free, for titanlike-prepare)
+from titanlike.stopping import ignore_interrupts_in_loader_worker  # noqa: E402
+
+logger = logging.getLogger("titanlike")
 
 
 class DataError(UserError):
@@ -147,17 +151,36 @@ def stdlib_files() -> list[Path]:
     return sorted(files)
 
 
-def build_default_corpus(cache_dir: str) -> tuple[str, str]:
+# Bump when build_default_corpus changes what it writes: caches built by other versions are then left alone.
+CORPUS_VERSION = 1
+
+
+def build_default_corpus(folder: str | os.PathLike) -> tuple[str, str]:
     """Shards made once from this Python's standard library sources: (train, validation).
 
-    Every 50th file is held out for validation, so validation text was never trained on.
-    The cache is keyed by the Python version, whose standard library it reads.
+    Every 50th file is held out for validation, so validation text was never trained on. The files
+    are named by the Python that wrote them (whose standard library they hold) and CORPUS_VERSION;
+    processes that ask at the same time build them once (cache.exclusive).
     """
-    tag = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    train, val = Path(cache_dir) / f"stdlib-{tag}-train.bin", Path(cache_dir) / f"stdlib-{tag}-val.bin"
+    v = sys.version_info
+    tag = f"{sys.implementation.name}{v.major}.{v.minor}.{v.micro}-v{CORPUS_VERSION}"
+    train, val = Path(folder) / f"stdlib-{tag}-train.bin", Path(folder) / f"stdlib-{tag}-val.bin"
     if train.exists() and val.exists():
         return str(train), str(val)
-    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        with cache.exclusive(Path(folder) / f"stdlib-{tag}"):
+            if not (train.exists() and val.exists()):  # or another process built them while we waited
+                _write_stdlib_shards(train, val)
+    except OSError as e:
+        raise DataError(f"cannot write the built-in corpus to {folder} ({e.strerror}); point {cache.ENV} at a "
+                        f"writable folder, or give --data.path") from None
+    return str(train), str(val)
+
+
+def _write_stdlib_shards(train: Path, val: Path) -> None:
+    logger.info(f"building the built-in corpus from this Python's standard library into {train.parent}, "
+                f"once for this machine")
     tok = ByteTokenizer()
     parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
     sep = np.array([tok.eos_id, tok.bos_id], dtype=np.uint16)
@@ -167,10 +190,8 @@ def build_default_corpus(cache_dir: str) -> tuple[str, str]:
         except (UnicodeDecodeError, OSError):
             continue
         parts["val" if i % 50 == 0 else "train"] += [tok.encode(text), sep]
-    # Ranks may race here; each writes the same bytes and renames atomically, so any winner is right.
     write_shard(train, np.concatenate(parts["train"]))
     write_shard(val, np.concatenate(parts["val"]))
-    return str(train), str(val)
 
 
 # ---- datasets and sampling --------------------------------------------------------------------
@@ -259,10 +280,10 @@ def validation_batches(dataset: TokenWindows, local_batch: int, dp_rank: int, dp
 # ---- building it all from the config ------------------------------------------------------------
 
 
-def resolve_paths(data_path: str, val_path: str, dump_folder: str) -> tuple[str, str]:
-    """(train, validation) shard paths; the embedded corpus when data.path is empty."""
+def resolve_paths(data_path: str, val_path: str) -> tuple[str, str]:
+    """(train, validation) shard paths; the embedded corpus, from the per-machine cache, when data.path is empty."""
     if not data_path:
-        return build_default_corpus(os.path.join(dump_folder, "corpus"))
+        return build_default_corpus(cache.cache_dir())
     return data_path, val_path
 
 
@@ -290,8 +311,9 @@ class TrainLoader:
 
     def __init__(self, dataset: TokenWindows, sampler: GlobalBatchSampler, num_workers: int, pin_memory: bool):
         self.sampler = sampler
-        self.loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                                  pin_memory=pin_memory)
+        self.loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
+            worker_init_fn=ignore_interrupts_in_loader_worker if num_workers else None)
         self._batches: Iterator[torch.Tensor] | None = None
 
     def seek(self, batches_read: int) -> None:

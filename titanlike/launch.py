@@ -7,13 +7,56 @@ wrong, as one `error:` line for anything the user can fix, so here torchrun ends
 that says which rank failed first, and exits with that rank's exit code (2 for a mistake the user
 can fix, as a one-process run does). A signal that torchrun forwarded to the workers (preemption)
 ends it quietly with 128 + the signal number; run_train.sh then reports whether the workers saved.
+
+Ctrl-C (SIGINT) is handled here rather than by torchrun: the first goes to the workers through
+torchrun's own shutdown (they finish the step, save and exit 130, while torchrun waits for them);
+torchrun would meet a second one by shutting down again with SIGTERM and waiting as long, so
+here a second one goes straight to the workers, which then stop at once (stopping.py).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import socket
 import sys
+from pathlib import Path
+
+
+def worker_process_groups() -> list[int]:
+    """The process groups of this process's children: torchrun starts each worker as the leader of
+    a session (and so a process group) of its own, with its data-loader workers inside. Linux /proc."""
+    groups = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[1]) == os.getpid() and int(fields[2]) != os.getpgrp():  # state, ppid, pgrp, ...
+            groups.append(int(fields[2]))
+    return groups
+
+
+def handle_interrupts() -> None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    interrupts = 0
+
+    def on_sigint(signum, frame):
+        nonlocal interrupts
+        interrupts += 1
+        if interrupts == 1:  # what torchrun's own handler does: its agent passes it to the workers
+            raise SignalException(f"Process {os.getpid()} got signal: SIGINT", sigval=signal.SIGINT)
+        for group in worker_process_groups():
+            try:
+                os.killpg(group, signal.SIGINT)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    signal.signal(signal.SIGINT, on_sigint)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     # ("Sending process ... closing signal", "failed (exitcode: 2) local_rank: ..."): the summary
     # below says the same once. Rendezvous and agent messages still show.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    # Its agent announces a forwarded signal ("Received 2 death signal, shutting down workers"): the
+    # workers say what they do about it, in words.
+    logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(
+        lambda record: "death signal" not in str(record.msg))
     args = parse_args(argv)
+    # torchrun would install its handler over ours for every signal in this list.
+    args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",") if s.strip() != "SIGINT")
+    handle_interrupts()
     try:
         run(args)
     except ChildFailedError as e:

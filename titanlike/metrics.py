@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from titanlike.progress import format_duration
+
 logger = logging.getLogger("titanlike")
 
 # Dense bf16 tensor-core peak with fp32 accumulation, FLOP/s, from each vendor datasheet.
@@ -111,8 +113,10 @@ class MetricsLogger:
 
     # ---- output ---------------------------------------------------------------------------
 
-    def log(self, step: int, record: dict, prefix: str = "train") -> None:
-        """Write one record (console, jsonl, TensorBoard); only the writer rank does."""
+    def log(self, step: int, record: dict, prefix: str = "train", *, total_steps: int | None = None,
+            eta_s: float | None = None) -> None:
+        """Write one record (console, jsonl, TensorBoard); only the writer rank does. `total_steps` and
+        `eta_s` (progress.py) go on the console line only."""
         if not self.is_writer:
             return
         record = {"step": step, **record}
@@ -124,7 +128,10 @@ class MetricsLogger:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and v is not None:
                     self.tb.add_scalar(f"{prefix}/{k}", v, step)
-        logger.info(format_line(prefix, record))
+        if self.device.type != "cuda":
+            # A CPU has no bf16 peak (no MFU), and its TFLOPS would print as 0.0: the jsonl keeps them.
+            record = {k: v for k, v in record.items() if k not in ("tflops", "mfu")}
+        logger.info(format_line(prefix, record, total_steps, eta_s))
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         """TensorBoard only (per-layer detail that would swamp metrics.jsonl); only the writer rank writes."""
@@ -139,8 +146,9 @@ class MetricsLogger:
             self.tb.close()
 
 
-def format_line(prefix: str, r: dict) -> str:
-    parts = [f"{prefix} step {r['step']:>6}"]
+def format_line(prefix: str, r: dict, total_steps: int | None = None, eta_s: float | None = None) -> str:
+    """`train step     20/150 | loss 3.1416 | ... | ETA 1m05s`: the keys present, in a fixed order."""
+    parts = [f"{prefix} step {r['step']:>6}" + (f"/{total_steps}" if total_steps else "")]
     fmt = {
         "loss": "loss {:.4f}", "ppl": "ppl {:.2f}", "grad_norm": "grad {:.3f}", "lr": "lr {:.2e}",
         "tps": "{:,.0f} tok/s/dev", "tflops": "{:.1f} TFLOPS", "mfu": "MFU {:.1f}%",
@@ -152,4 +160,6 @@ def format_line(prefix: str, r: dict) -> str:
             parts.append(f.format(r[key]))
     if "mfu" in r and r["mfu"] is None and r.get("mem_reserved_gib") is not None:  # a GPU without a known peak
         parts.append("MFU n/a")
+    if eta_s is not None:
+        parts.append(f"ETA {format_duration(eta_s)}")
     return " | ".join(parts)

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from titanlike import faults, parallel
+from titanlike import faults, parallel, stopping
 from titanlike.checkpoint import Checkpointer, RunFacts, TrainState
-from titanlike.config import ConfigError, JobConfig, load_config, to_toml
+from titanlike.config import ConfigError, JobConfig, help_text, load_config, to_toml
 from titanlike.data import build_train_loader, open_dataset, resolve_paths, validation_batches
 from titanlike.errors import UserError
 from titanlike.float8 import Float8Training, health_summary
@@ -33,13 +33,14 @@ from titanlike.model_shape import describe, resolve_model_args
 from titanlike.nonfinite import MAX_IN_A_ROW, NonFinitePolicy, Verdict
 from titanlike.optim import build_optimizer, build_scheduler, clip_and_step
 from titanlike.profiling import Profiler
+from titanlike.progress import Progress, wants_terminal_line
 from titanlike.run_folder import RunFolder, check_not_in_use
 from titanlike.tokenizer import record_tokenizer
 
 logger = logging.getLogger("titanlike")
 
 
-# Exit code of a preflight (run_train.sh, before torchrun) that printed the config: stop, no error.
+# Exit code of a preflight (run_train.sh, before torchrun) that printed the config or the help: stop, no error.
 PRINTED_CONFIG = 3
 
 
@@ -108,7 +109,7 @@ class Trainer:
         self.margs = resolve_model_args(cfg)
         if self.is_main:
             record_tokenizer(cfg.data.path, cfg.job.dump_folder)  # what the export ships with the weights
-        train_path, val_path = resolve_paths(cfg.data.path, cfg.data.val_path, cfg.job.dump_folder)
+        train_path, val_path = resolve_paths(cfg.data.path, cfg.data.val_path)
         self.train_data = open_dataset(train_path, cfg.data.seq_len, self.margs.vocab_size, "data.path")
         self.val_data = (
             open_dataset(val_path, cfg.data.seq_len, self.margs.vocab_size, "data.val_path")
@@ -192,6 +193,7 @@ class Trainer:
         self._window_losses: list[torch.Tensor] = []
         self.nonfinite = NonFinitePolicy(cfg.training.nonfinite, self._checkpoints_to_roll_back_to,
                                          self.checkpointer.step_dir, is_main=self.is_main)
+        self.progress: Progress | None = None  # made when the loop starts (train())
 
     # ---- one training step ----------------------------------------------------------------------
 
@@ -304,20 +306,25 @@ class Trainer:
 
     # ---- the loop -----------------------------------------------------------------------------------
 
-    def train(self) -> None:
+    def train(self) -> int:
+        """Train up to training.steps, or until a stop signal (stopping.py); returns the exit code."""
         cfg = self.cfg
         steps = cfg.training.steps
         if self.state.step >= steps:
             logger.info(f"nothing to do: the checkpoint is at step {self.state.step} and training.steps = {steps}")
-            return
+            return 0
         if self.is_main:
             logger.info(f"training from step {self.state.step + 1} to {steps}")
         first_step = self.state.step + 1
         t0 = time.perf_counter()
-        self.checkpointer.install_preemption_handlers()
+        self.progress = Progress(first_step, steps, self.global_batch * cfg.data.seq_len,
+                                 terminal=logger.isEnabledFor(logging.INFO) and wants_terminal_line(sys.stderr))
+        stop_signals = stopping.StopSignals(announce=logger.isEnabledFor(logging.INFO))
+        stop_signals.install()  # from here on, preemption and Ctrl-C stop after a step, with a checkpoint
         while self.state.step < steps:
             grad_norm = self.train_step()
             step = self.state.step
+            self.progress.step_done(step)
             last = step == steps
             if step == first_step or step % cfg.metrics.log_freq == 0 or last:
                 loss = self.check_losses()
@@ -330,31 +337,41 @@ class Trainer:
                 else:
                     record.update(tokens_seen=self.state.tokens_seen, **self.metrics.throughput(),
                                   float8_matmul_share=self.metrics.float8_share, **self.float8_health(step))
-                self.metrics.log(step, {**record, **self.metrics.memory()})
+                self.metrics.log(step, {**record, **self.metrics.memory()}, total_steps=steps,
+                                 eta_s=self.progress.eta_s())
+                self.progress.logged_loss(step, loss)
                 if step == first_step:
                     self.metrics.start_window()
             if self.val_data is not None and (step % cfg.validation.freq == 0 or last):
                 self.validate()
-            preempted = self.checkpointer.preemption_requested_and_publish()
-            if self.checkpointer.due(step, last) or preempted:
+            stop = self.checkpointer.stop_requested_and_publish(stop_signals.request)  # the same on every rank
+            if self.checkpointer.due(step, last) or stop:
                 if self._window_losses and self.check_losses() is None:
                     continue  # rolled back: never save the weights of a diverged run
-                self.checkpointer.save(step, final=last or preempted, preemption=preempted)
-            if preempted:
+                self.checkpointer.save(step, final=last or bool(stop), preemption=bool(stop))  # even without enable
+            if stop and not last:
                 self.checkpointer.finish_and_publish()
                 marker = os.environ.get("TITANLIKE_PREEMPTED_MARKER")
-                if marker and self.dims.local_rank == 0:  # tells run_train.sh on this node: clean stop
-                    open(marker, "w").close()
+                if stop == stopping.PREEMPTED and marker and self.dims.local_rank == 0:
+                    open(marker, "w").close()  # tells run_train.sh on this node: a clean stop, exit 0
                 if self.is_main:
-                    logger.info(f"preempted: stopped after step {step}; checkpoint at {self.checkpointer.step_dir(step)}")
-                return
+                    where = self.checkpointer.step_dir(step)
+                    logger.info(stopping.stopped_line(stop, step, where, resumes=True))  # a stop's save resumes either way
+                return stopping.EXIT_CODE[stop]
             self.profiler.step(step)
+            self.progress.show()
         self.checkpointer.finish_and_publish()
         self.checkpointer.remove_consumed_preemption_save()
+        self.progress.close()
         if self.is_main:
-            logger.info(f"done: {steps} steps in {time.perf_counter() - t0:.1f}s")
+            trained = f"{steps} steps" if first_step == 1 else (
+                f"steps {first_step}-{steps} ({steps - first_step + 1} steps, resumed at step {first_step - 1})")
+            logger.info(f"done: {trained} in {time.perf_counter() - t0:.1f}s")
+        return 0
 
     def close(self) -> None:
+        if getattr(self, "progress", None) is not None:
+            self.progress.close()
         for part in ("profiler", "metrics", "run_folder"):  # what __init__ got to build
             if hasattr(self, part):
                 getattr(self, part).close()
@@ -377,19 +394,29 @@ def main(argv: list[str] | None = None) -> int:
     world, rank, _ = parallel.world_from_env()
     setup_logging(rank)
     trainer = cfg = None
+    preflight_world = os.environ.get("TITANLIKE_PREFLIGHT_WORLD")
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if any(a in ("-h", "--help") for a in argv):
+            if rank == 0:
+                print(help_text())
+            return PRINTED_CONFIG if preflight_world else 0  # run_train.sh's preflight printed it: stop there
         cfg = load_config(argv)
         if cfg.job.print_config:
             if rank == 0:
                 print(to_toml(cfg), end="")
-            return PRINTED_CONFIG if os.environ.get("TITANLIKE_PREFLIGHT_WORLD") else 0
-        if os.environ.get("TITANLIKE_PREFLIGHT_WORLD"):
-            preflight(cfg, int(os.environ["TITANLIKE_PREFLIGHT_WORLD"]))
+            return PRINTED_CONFIG if preflight_world else 0
+        if preflight_world:
+            preflight(cfg, int(preflight_world))
             check_not_in_use(cfg.job.dump_folder)  # a second run into a folder in use: stop before torchrun
             return 0
         trainer = Trainer(cfg)
-        trainer.train()
-        return 0
+        return trainer.train()
+    except KeyboardInterrupt:
+        # Ctrl-C before the training loop (building, compiling, loading): nothing trained to save.
+        if rank == 0:
+            print("interrupted before training started: nothing saved", file=sys.stderr)
+        return stopping.EXIT_CODE[stopping.INTERRUPTED]
     except UserError as e:
         if rank == 0 or not e.same_on_all_ranks:
             print(f"error: {e}", file=sys.stderr)

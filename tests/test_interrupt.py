@@ -1,0 +1,129 @@
+"""Ctrl-C: the run finishes the step in flight, saves a checkpoint, says so in one line and exits 130;
+a second Ctrl-C stops it at once. The signal goes to the launcher's whole process group, as a
+terminal sends it (data-loader workers included)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, _env, metrics
+
+NOTICE = "Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again stops at once)"
+
+
+def start(dump: Path, corpus, *overrides: str, ngpu: int = 1) -> tuple[subprocess.Popen, Path]:
+    """`./run_train.sh` in a process group of its own (a terminal's foreground job); output to a file."""
+    log = dump.parent / f"{dump.name}.log"
+    cmd = [str(ROOT / "run_train.sh"), "--job.dump_folder", str(dump), "--training.device", "cpu",
+           "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--validation.enable", "false",
+           "--data.path", corpus[0], "--data.num_workers", "1", *overrides]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=dict(_env(), NGPU=str(ngpu)), cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, log
+
+
+def wait_for(text: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended ({proc.returncode}) before {text!r}:\n{log.read_text()[-4000:]}")
+        assert time.monotonic() < deadline, f"no {text!r} yet:\n{log.read_text()[-4000:]}"
+        time.sleep(0.02)
+
+
+def ctrl_c(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal does: the foreground process group
+
+
+def complete_checkpoints(dump: Path) -> list[int]:
+    folder = dump / "checkpoint"
+    names = os.listdir(folder) if folder.exists() else []
+    return sorted(int(n.split("-")[1]) for n in names if n.startswith("step-") and not n.endswith(".tmp"))
+
+
+def check_interrupted(dump: Path, proc: subprocess.Popen, log: Path) -> int:
+    """Exit 130, one line, no traceback, and a checkpoint of the last finished step; returns that step."""
+    rc = proc.wait(timeout=300)
+    out = log.read_text()
+    assert rc == 130, out[-4000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-4000:]
+    assert out.count(NOTICE) == 1
+    stopped = [line for line in out.splitlines() if "interrupted: stopped after step" in line]
+    assert len(stopped) == 1, out[-4000:]
+    step = int(stopped[0].split("after step ")[1].split(";")[0])
+    # No --checkpoint.enable was given: saved anyway, and the line says how to resume from it.
+    assert stopped[0].endswith(f"checkpoint at {dump / 'checkpoint' / f'step-{step}'}; run the same command "
+                               f"with --checkpoint.enable to resume"), stopped[0]
+    assert stopped[0] == out.rstrip().splitlines()[-1]  # the last word
+    assert complete_checkpoints(dump) == [step]
+    # The step in flight was finished: its record was written, and nothing after it.
+    assert metrics(dump)[-1]["step"] == step and step >= 3
+    return step
+
+
+def test_ctrl_c_finishes_the_step_saves_and_exits_130(tmp_path, corpus):
+    dump = tmp_path / "run"
+    proc, log = start(dump, corpus, "--training.steps", "500")
+    wait_for("train step      3/500", proc, log)
+    ctrl_c(proc)
+    step = check_interrupted(dump, proc, log)
+
+    # The same command with --checkpoint.enable resumes there; the summary counts what this run trained.
+    proc, log = start(dump, corpus, "--training.steps", str(step + 2), "--checkpoint.enable")
+    assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
+    out = log.read_text()
+    assert f"resumed from {dump / 'checkpoint' / f'step-{step}'} at step {step}" in out
+    assert f"done: steps {step + 1}-{step + 2} (2 steps, resumed at step {step}) in " in out, out[-2000:]
+
+
+def test_second_ctrl_c_stops_at_once(tmp_path, corpus):
+    dump = tmp_path / "run"
+    proc, log = start(dump, corpus, "--training.steps", "500")
+    wait_for("train step      2/500", proc, log)
+    ctrl_c(proc)
+    wait_for(NOTICE, proc, log)
+    ctrl_c(proc)
+    rc = proc.wait(timeout=300)
+    out = log.read_text()
+    # Killed by the signal itself (a shell shows 130), before the step could finish or a save begin.
+    assert rc == -signal.SIGINT, out[-4000:]
+    assert "interrupted: stopped after" not in out and "checkpoint saved" not in out
+    assert complete_checkpoints(dump) == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_through_the_launcher_with_two_ranks(tmp_path, corpus):
+    """NGPU=2: the launcher passes Ctrl-C to torchrun, which passes it to the workers; both ranks stop
+    after the same step, save it, and the launcher exits 130 with the workers' one line last."""
+    dump = tmp_path / "run"
+    proc, log = start(dump, corpus, "--training.steps", "500", ngpu=2)
+    wait_for("train step      3/500", proc, log)
+    ctrl_c(proc)
+    step = check_interrupted(dump, proc, log)
+    saved = json.loads((dump / "checkpoint" / f"step-{step}" / "model_args.json").read_text())
+    assert saved  # a complete checkpoint, written by both ranks (DCP's metadata is in place)
+    assert (dump / "checkpoint" / f"step-{step}" / ".metadata").exists()
+    assert "death signal" not in log.read_text()  # torchrun's own notice is not repeated
+
+
+@pytest.mark.slow
+def test_second_ctrl_c_through_the_launcher_stops_the_workers_at_once(tmp_path, corpus):
+    dump = tmp_path / "run"
+    proc, log = start(dump, corpus, "--training.steps", "500", ngpu=2)
+    wait_for("train step      2/500", proc, log)
+    ctrl_c(proc)
+    wait_for(NOTICE, proc, log)
+    ctrl_c(proc)
+    rc = proc.wait(timeout=300)
+    out = log.read_text()
+    assert rc == 130, out[-4000:]
+    assert "Traceback" not in out and "interrupted: stopped after" not in out and "checkpoint saved" not in out
+    assert complete_checkpoints(dump) == []

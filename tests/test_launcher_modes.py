@@ -1,0 +1,67 @@
+"""`./run_train.sh` (bash mode) and `torchrun ... run_train.sh` (Python mode) mean the same run, and the
+launcher says things once."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import tomllib
+
+from conftest import ROOT, _env
+
+
+def bash_mode(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(ROOT / "run_train.sh"), *args], env={**_env(), **env}, capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+
+
+def python_mode(*args: str, nproc: int = 1, **env: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(ROOT / "run_train.sh"), *args]
+    return subprocess.run(cmd, env={**_env(), **env}, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def printed_config(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tomllib.loads(proc.stdout)
+
+
+def test_torchrun_with_no_arguments_trains_what_the_launcher_trains():
+    launcher = printed_config(bash_mode("--job.print_config"))
+    torchrun = printed_config(python_mode("--job.print_config"))
+    assert torchrun == launcher
+    # The debug config, not the dataclass defaults (batch 8, lr 8e-4, ./outputs).
+    assert launcher["job"]["config_file"].endswith("train_configs/debug_model.toml")
+    assert launcher["training"]["local_batch_size"] == 16 and launcher["job"]["dump_folder"] == "./outputs/debug"
+
+
+def test_config_file_env_and_an_explicit_config_file_mean_the_same_in_both_modes(tmp_path):
+    mine = tmp_path / "mine.toml"
+    mine.write_text("[training]\nsteps = 7\n")
+    env_launcher = printed_config(bash_mode("--job.print_config", CONFIG_FILE=str(mine)))
+    env_torchrun = printed_config(python_mode("--job.print_config", CONFIG_FILE=str(mine)))
+    assert env_torchrun == env_launcher and env_launcher["training"]["steps"] == 7
+    assert env_launcher["job"]["config_file"] == str(mine)
+    # A --job.config_file on the command line wins over CONFIG_FILE, in either spelling.
+    other = tmp_path / "other.toml"
+    other.write_text("[training]\nsteps = 9\n")
+    for args in (["--job.config_file", str(other)], [f"--job.config_file={other}"]):
+        launcher = printed_config(bash_mode("--job.print_config", *args, CONFIG_FILE=str(mine)))
+        torchrun = printed_config(python_mode("--job.print_config", *args, CONFIG_FILE=str(mine)))
+        assert torchrun == launcher and launcher["training"]["steps"] == 9, args
+
+
+@pytest.mark.parametrize("ngpu", ["1", "2"])
+def test_help_is_printed_once(ngpu):
+    proc = bash_mode("--help", NGPU=ngpu)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("usage: run_train.sh") == 1, proc.stdout[:500]
+    assert "--training.steps" in proc.stdout
+
+
+def test_help_under_torchrun_is_printed_once():
+    proc = python_mode("--help", nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("usage: run_train.sh") == 1

@@ -1,0 +1,69 @@
+"""Stopping early without losing work: a scheduler's preemption, or the user's Ctrl-C.
+
+    signal                 what the run does                                          exit code
+    SIGTERM, SIGUSR1       finish the step, save a checkpoint, one line, stop         0
+    SIGINT (Ctrl-C)        the same, but report the interruption                      130
+    a second SIGINT        stop at once: no save (the step in flight is lost)         130 (killed by SIGINT)
+
+Schedulers preempt with SIGTERM or SIGUSR1 and requeue the same command, which resumes: exit 0.
+Ctrl-C exits 130 as any interrupted command does (128 + SIGINT), yet keeps what was trained. The
+checkpoint is saved even without checkpoint.enable; the same command resumes from it (with
+--checkpoint.enable added where it was off, which the last line says).
+
+The handlers only record the request; the training loop acts on it between steps, after every rank
+has agreed on it (Checkpointer.stop_requested), so all ranks stop after the same step. A second
+Ctrl-C restores the default action of SIGINT, which ends the process even while it waits inside a
+long native call (a collective, a save). Under torchrun the workers run in process groups of their
+own and get their signals from torchrun; titanlike.launch passes a second Ctrl-C on to them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+NONE, PREEMPTED, INTERRUPTED = 0, 1, 2
+EXIT_CODE = {NONE: 0, PREEMPTED: 0, INTERRUPTED: 128 + signal.SIGINT}
+
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopSignals:
+    """The stop request this process has received: NONE, PREEMPTED or INTERRUPTED."""
+
+    def __init__(self, announce: bool):
+        self.request = NONE
+        self.announce = announce  # the rank that logs says, at once, what a Ctrl-C will do
+
+    def install(self) -> None:
+        for sig in PREEMPTION_SIGNALS:
+            signal.signal(sig, self._preempt)
+        signal.signal(signal.SIGINT, self._interrupt)
+
+    def _preempt(self, signum, frame) -> None:
+        self.request = max(self.request, PREEMPTED)
+
+    def _interrupt(self, signum, frame) -> None:
+        self.request = INTERRUPTED
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # the next Ctrl-C ends the process at once
+        if self.announce:
+            # os.write, not print: a handler can run in the middle of a print to the same stream.
+            # \r and erase-line: a progress line (progress.py) may be on the terminal.
+            erase = "\r\033[K" if os.isatty(2) else ""
+            os.write(2, f"{erase}Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again stops at once)\n"
+                        .encode())
+
+
+def stopped_line(request: int, step: int, checkpoint: str, resumes: bool) -> str:
+    """The one line a stopped run ends with; `resumes`: a rerun of the same command loads the save (it does,
+    with or without checkpoint.enable: checkpoint.py resumes from a stop's save either way)."""
+    what = "preempted" if request == PREEMPTED else "interrupted"
+    how = "run the same command" if resumes else "run the same command with --checkpoint.enable"
+    return f"{what}: stopped after step {step}; checkpoint at {checkpoint}; {how} to resume"
+
+
+def ignore_interrupts_in_loader_worker(worker_id: int) -> None:
+    """Data-loader workers share the trainer's process group, so a terminal's Ctrl-C reaches them too;
+    they must keep serving the step being finished and the loader state being saved. They exit
+    with the trainer."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
