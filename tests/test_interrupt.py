@@ -59,9 +59,9 @@ def check_interrupted(dump: Path, proc: subprocess.Popen, log: Path) -> int:
     stopped = [line for line in out.splitlines() if "interrupted: stopped after step" in line]
     assert len(stopped) == 1, out[-4000:]
     step = int(stopped[0].split("after step ")[1].split(";")[0])
-    # No --checkpoint.enable was given: saved anyway, and the line says how to resume from it.
+    # No --checkpoint.enable was given: saved anyway, and the same command resumes from it (issue 16.5).
     assert stopped[0].endswith(f"checkpoint at {dump / 'checkpoint' / f'step-{step}'}; run the same command "
-                               f"with --checkpoint.enable to resume"), stopped[0]
+                               f"to resume"), stopped[0]
     assert stopped[0] == out.rstrip().splitlines()[-1]  # the last word
     assert complete_checkpoints(dump) == [step]
     # The step in flight was finished: its record was written, and nothing after it.
