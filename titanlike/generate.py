@@ -101,9 +101,9 @@ def decode_step(model: Transformer, token: torch.Tensor, pos: torch.Tensor, cach
 class CudaGraphDecoder:
     """decode_step captured once as a CUDA graph and replayed for every new token.
 
-    Eager decoding launches each layer's dozens of small kernels from Python: about 70 ms a token
-    on an H100 whatever the model's size (docs/benchmarks/2026-11-23-one-gpu-124m-generate-prepare.md),
-    where reading the weights once takes about a millisecond. A replay launches them all at once.
+    Eager decoding launches each layer's dozens of small kernels from Python, and on a GPU that,
+    not reading the weights, bounds a token's time whatever the model's size; a replay launches
+    them all at once (measured before and after: docs/benchmarks/2026-11-23-one-gpu-call2-generate-resume-1b.md).
     """
 
     def __init__(self, model: Transformer, cache: KVCache):
