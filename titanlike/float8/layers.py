@@ -133,20 +133,37 @@ def check_device(options: Float8Options, device: torch.device) -> None:
                 f"fp8.recipe = {options.recipe}: {name} (compute capability {cap[0]}.{cap[1]}) has no float8 "
                 f"tensor cores (they start at 8.9: Ada, Hopper, Blackwell); use --fp8.recipe none"
             )
-    probe = nn.Sequential(nn.Linear(32, 32, bias=False)).to(device)
     try:
-        convert(probe, Float8Options(recipe=options.recipe))
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        x = torch.randn(16, 32, device=device, dtype=dtype, requires_grad=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            probe(x).sum().backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _run_probe(options.recipe, device)
     except Exception as e:  # the kernel's own error is the evidence; we say what to do instead
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        other = "tensorwise" if options.recipe != "tensorwise" else "none"
-        emulate = " or --fp8.emulate (slow, for testing)" if device.type == "cpu" else ""
         raise UserError(
             f"fp8.recipe = {options.recipe} cannot run on {name} with torch {torch.__version__} ({first}); "
-            f"use --fp8.recipe {other}{emulate}"
+            f"{what_to_do(options.recipe, device)}"
         ) from None
+
+
+def _run_probe(recipe: str, device: torch.device) -> None:
+    """One tiny float8 Linear forward and backward on the device; raises what the kernel raises."""
+    probe = nn.Sequential(nn.Linear(32, 32, bias=False)).to(device)
+    convert(probe, Float8Options(recipe=recipe))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x = torch.randn(16, 32, device=device, dtype=dtype, requires_grad=True)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        probe(x).sum().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def what_to_do(recipe: str, device: torch.device) -> str:
+    """The end of the probe's error line: what the user can run instead."""
+    other = "tensorwise" if recipe != "tensorwise" else "none"
+    if device.type == "cpu":
+        return f"use --fp8.recipe {other} or --fp8.emulate (slow, for testing)"
+    if recipe.startswith("rowwise") and torch.cuda.get_device_capability(device)[0] == 12:
+        # RTX 50xx (sm_120). torch has a rowwise kernel for it, but whether it runs depends on the
+        # torch build: field reports differ (CUBLAS_STATUS_NOT_SUPPORTED on some, working on
+        # others). We have measured none, so we name no version as working.
+        return ("torch's rowwise float8 matmul for sm_120 (RTX 50xx) is reported to work on some torch versions "
+                "(field reports differ; docs/float8.md): try another torch version, or use --fp8.recipe tensorwise")
+    return f"use --fp8.recipe {other}"
