@@ -124,7 +124,7 @@ class Trainer:
         # ---- 3. Model: meta → float8 → AC → compile → FSDP → materialise → init ------------------
         with torch.device("meta"):
             model = Transformer(self.margs)
-        self.fp8.convert(model, t.local_batch_size * cfg.data.seq_len, self.device)
+        self.fp8.convert(model, t.local_batch_size * cfg.data.seq_len, self.device, cfg.data.seq_len)
         parallel.apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
                                                 cfg.activation_checkpoint.selective_ac_option)
         if cfg.compile.enable:
