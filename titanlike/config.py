@@ -110,6 +110,10 @@ class Training:
     gpu_memory_limit_gib: float = 0.0
     """Cap this process's CUDA memory at this many GiB, e.g. 31 to prove a job fits an RTX 5090 while
     running on a larger GPU (0 = no cap)."""
+    loss_chunk_tokens: int = 0
+    """Compute the output layer and the loss this many tokens at a time, recomputing each chunk's
+    logits in backward, so that the whole (tokens × vocab) logits never exist (0 = off: whole
+    logits). Same loss and gradients; saves memory with large vocabularies (titanlike/loss.py)."""
     mixed_precision: Literal["bf16", "fp32"] = "bf16"
     """Compute dtype on GPU (params stay fp32, gradients reduce in fp32). CPU always runs fp32."""
     nonfinite: Literal["abort", "skip", "rollback"] = "abort"
@@ -515,6 +519,7 @@ def validate(cfg: JobConfig) -> None:
     )
     need(t.steps >= 1, f"training.steps = {t.steps} must be >= 1")
     need(t.max_norm >= 0, f"training.max_norm = {t.max_norm} must be >= 0 (0 = no clipping)")
+    need(t.loss_chunk_tokens >= 0, f"training.loss_chunk_tokens = {t.loss_chunk_tokens} must be >= 0 (0 = off)")
     need(t.gpu_memory_limit_gib >= 0, f"training.gpu_memory_limit_gib = {t.gpu_memory_limit_gib} must be >= 0 (0 = no cap)")
     need(o.lr > 0, f"optimizer.lr = {o.lr} must be > 0")
     need(o.weight_decay >= 0, f"optimizer.weight_decay = {o.weight_decay} must be >= 0")
