@@ -102,3 +102,34 @@ def test_measure_decides_from_the_timings_it_is_given(monkeypatch, caplog):
     p = measure.measure(model, Float8Options(recipe="tensorwise", filter_fqns=("output",), auto_filter="measure"),
                         4 * 64, torch.device("cuda", 0), 64)
     assert seen["with_output"] is False and p.output is None
+
+
+@pytest.mark.parametrize("scaling", ["dynamic", "delayed"])
+def test_candidates_build_compile_and_run_on_cpu(monkeypatch, tmp_path, scaling):
+    """The timing code itself, run on CPU with emulated float8 and a stand-in for the CUDA-event
+    timer: every candidate builds, runs forward + backward, and lands in the cache, which the next
+    call reads instead of timing again. Compiling is left out (it took 4 to 5 minutes on a shared
+    CPU); on a GPU each candidate is compiled as the trainer compiles it."""
+    runs = []
+
+    def no_compile(fn=None, **kwargs):
+        return fn if fn is not None else (lambda f: f)
+
+    monkeypatch.setattr(torch, "compile", no_compile)
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: None)
+
+    def one_run(fn, iters=20, warmup=5):
+        fn()
+        runs.append(fn)
+        return float(len(runs))
+
+    monkeypatch.setattr(measure, "median_cuda_ms", one_run)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "CPU stand-in")
+    monkeypatch.setattr(measure, "CACHE", tmp_path / "plans.json")
+    margs = model_args("debug", n_layers=1, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=256, vocab_size=256)
+    options = Float8Options(recipe="tensorwise", emulate=True, scaling=scaling, amax_every=2, auto_filter="measure")
+    block_ms, output_ms = measure.time_candidates(margs, 2, 32, options, True, torch.device("cpu"))
+    assert list(block_ms) == list(BLOCK_CHOICES) and list(output_ms) == ["bf16", "float8"]
+    assert sorted(block_ms.values()) + sorted(output_ms.values()) == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert measure.time_candidates(margs, 2, 32, options, True, torch.device("cpu")) == (block_ms, output_ms)
+    assert len(runs) == 5  # the second call timed nothing

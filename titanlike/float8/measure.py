@@ -153,7 +153,7 @@ def time_block_ms(margs, batch: int, seq: int, options: Float8Options, choice: s
 
     def make_step(module):
         def step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
                 out = module(x, cos, sin)
             out.backward(grad)
         return step
@@ -181,7 +181,7 @@ def time_output_ms(margs, tokens: int, options: Float8Options, in_float8: bool, 
 
     def make_step(module):
         def step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
                 loss = loss_of(module, h)
             loss.backward()
         return step
