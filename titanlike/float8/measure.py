@@ -146,7 +146,8 @@ def time_block_ms(margs, batch: int, seq: int, options: Float8Options, choice: s
     for name, p in block.named_parameters():
         nn.init.ones_(p) if name.endswith("norm.weight") else nn.init.normal_(p, std=0.02)
     block = _float8(block, options, BLOCK_CHOICES[choice])
-    block.compile(fullgraph=True, options=inductor_options(options.recipe) if choice != "bf16" else None)
+    # The trainer compiles every block with the recipe's options, whichever Linears converted.
+    block.compile(fullgraph=True, options=inductor_options(options.recipe) or None)
     cos, sin = rope_tables(margs.head_dim, seq, margs.rope_theta, device)
     x = torch.randn(batch, seq, margs.dim, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
