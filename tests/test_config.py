@@ -232,6 +232,7 @@ INVALID = [
     (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "0"],
      "selective_ac_option = '0' must be 'op' or a positive integer"),
     (["--checkpoint.interval", "0"], "checkpoint.interval = 0 must be >= 1"),
+    (["--training.loss_chunk_tokens", "-1"], "training.loss_chunk_tokens = -1 must be >= 0 (0 = off)"),
     (["--checkpoint.keep_latest_k", "-1"], "checkpoint.keep_latest_k = -1 must be >= 0"),
     (["--checkpoint.load_step", "-2"], "checkpoint.load_step = -2 must be -1 (newest) or a step"),
     (["--checkpoint.initial_load_path", "/nonexistent/ckpt"], "checkpoint.initial_load_path = '/nonexistent/ckpt': no such"),

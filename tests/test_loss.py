@@ -110,10 +110,3 @@ def test_two_rank_fsdp_chunked_loss_matches_whole(tmp_path, corpus, tie):
     for a, b in grad_norms:
         assert b == pytest.approx(a, rel=1e-4)
 
-
-def test_negative_chunk_is_one_config_line():
-    from titanlike.config import ConfigError, load_config
-
-    with pytest.raises(ConfigError) as e:
-        load_config(["--training.loss_chunk_tokens", "-1"])
-    assert str(e.value) == "training.loss_chunk_tokens = -1 must be >= 0 (0 = off)"
