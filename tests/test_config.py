@@ -232,6 +232,7 @@ INVALID = [
     (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "0"],
      "selective_ac_option = '0' must be 'op' or a positive integer"),
     (["--checkpoint.interval", "0"], "checkpoint.interval = 0 must be >= 1"),
+    (["--training.loss_chunk_tokens", "-1"], "training.loss_chunk_tokens = -1 must be >= 0 (0 = off)"),
     (["--checkpoint.keep_latest_k", "-1"], "checkpoint.keep_latest_k = -1 must be >= 0"),
     (["--checkpoint.load_step", "-2"], "checkpoint.load_step = -2 must be -1 (newest) or a step"),
     (["--checkpoint.initial_load_path", "/nonexistent/ckpt"], "checkpoint.initial_load_path = '/nonexistent/ckpt': no such"),
@@ -467,3 +468,23 @@ def test_bare_option_needs_a_value_unless_boolean():
     with pytest.raises(ConfigError, match=r"^--training.steps needs a value: an integer$"):
         load_config(["--training.steps", "--compile.enable"])
     assert load_config(["--compile.enable", "--training.steps", "7"]).compile.enable is True
+
+
+@pytest.mark.parametrize("toml", sorted(p.name for p in (ROOT / "train_configs").glob("*.toml")))
+def test_every_shipped_config_loads_and_passes_preflight(toml):
+    """Each train_configs/*.toml parses, validates, builds a model shape and passes the launcher's
+    checks on the ranks it is meant for (one, or two replicas of its dp_shard for a multi-node one):
+    a typo in a shipped config would otherwise first show on a GPU."""
+    cfg = load_config(["--job.config_file", str(ROOT / "train_configs" / toml)])
+    p = cfg.parallel
+    world = max(p.dp_shard, 1) * (2 if p.dp_replicate == -1 else p.dp_replicate)
+    preflight(cfg, world)
+
+
+def test_gpt2_112m_config_is_the_issue_shape():
+    from titanlike.model import count_params
+    from titanlike.model_shape import resolve_model_args
+
+    margs = resolve_model_args(load_config(["--job.config_file", str(ROOT / "train_configs" / "gpt2_112m.toml")]))
+    assert (margs.n_layers, margs.n_heads, margs.dim, margs.vocab_size) == (12, 12, 768, 49152)
+    assert round(count_params(margs)[0] / 1e6) == 112

@@ -374,3 +374,28 @@ def test_fsdp_all_gather_carries_float8_bytes(tmp_path):
     a, b = torch.tensor(fp8["logits"]), torch.tensor(plain["logits"])
     rel = float((a - b).norm() / b.norm())
     assert 0 < rel < 0.05
+
+
+@pytest.mark.parametrize("capability,gpu,recipe,advice", [
+    ((12, 0), "NVIDIA GeForce RTX 5090", "rowwise",
+     "torch's rowwise float8 matmul for sm_120 (RTX 50xx) is reported to work on some torch versions (field "
+     "reports differ; docs/float8.md): try another torch version, or use --fp8.recipe tensorwise"),
+    ((9, 0), "NVIDIA H100 80GB HBM3", "rowwise", "use --fp8.recipe tensorwise"),
+    ((12, 0), "NVIDIA GeForce RTX 5090", "tensorwise", "use --fp8.recipe none"),
+])
+def test_probe_failure_on_a_gpu_names_what_to_do(monkeypatch, capability, gpu, recipe, advice):
+    """A failing probe on a GPU (here faked: this machine has none) ends in one line that says what
+    the user can do; on an RTX 50xx with rowwise that includes other torch versions, as a report."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability)
+
+    def failing_probe(recipe, device):
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul\nmore")
+
+    monkeypatch.setattr(layers, "_run_probe", failing_probe)
+    with pytest.raises(UserError) as e:
+        layers.check_device(plan(recipe, emulate=False), torch.device("cuda", 0))
+    assert str(e.value) == (
+        f"fp8.recipe = {recipe} cannot run on {gpu} with torch {torch.__version__} "
+        f"(CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul); {advice}"
+    )

@@ -110,6 +110,10 @@ class Training:
     gpu_memory_limit_gib: float = 0.0
     """Cap this process's CUDA memory at this many GiB, e.g. 31 to prove a job fits an RTX 5090 while
     running on a larger GPU (0 = no cap)."""
+    loss_chunk_tokens: int = 0
+    """Compute the output layer and the loss this many tokens at a time, recomputing each chunk's
+    logits in backward, so that the whole (tokens × vocab) logits never exist (0 = off: whole
+    logits). Same loss and gradients; saves memory with large vocabularies (titanlike/loss.py)."""
     mixed_precision: Literal["bf16", "fp32"] = "bf16"
     """Compute dtype on GPU (params stay fp32, gradients reduce in fp32). CPU always runs fp32."""
     nonfinite: Literal["abort", "skip", "rollback"] = "abort"
@@ -169,9 +173,11 @@ class Fp8:
     filter_fqns: list[str] = field(default_factory=lambda: ["output"])
     """Linear layers whose name contains one of these stay in high precision."""
     auto_filter: Literal["true", "false", "measure"] = "true"
-    """Which Linears convert: true = those large enough to pay (by a size rule); measure = time each
-    shape in bf16 and float8 on this GPU at start-up and convert the winners (cached); false = all
-    (dimensions not multiples of 16 always stay high precision)."""
+    """Which Linears convert: true = those large enough to pay (by a size rule); measure = at start-up
+    on this GPU, time one whole compiled block forward + backward at the run's micro-batch with no,
+    the feed-forward's or every Linear in float8 (and the output layer + loss in bf16 and float8, when
+    filter_fqns lets it convert) and convert what was fastest (cached; the size rule without a GPU);
+    false = all (dimensions not multiples of 16 always stay high precision)."""
     scaling: Literal["dynamic", "delayed"] = "dynamic"
     """How tensorwise scales each Linear's input, weight and output gradient: dynamic = from the
     tensor's own amax (a read of the whole tensor before the cast); delayed = from the amaxes of the
@@ -513,6 +519,7 @@ def validate(cfg: JobConfig) -> None:
     )
     need(t.steps >= 1, f"training.steps = {t.steps} must be >= 1")
     need(t.max_norm >= 0, f"training.max_norm = {t.max_norm} must be >= 0 (0 = no clipping)")
+    need(t.loss_chunk_tokens >= 0, f"training.loss_chunk_tokens = {t.loss_chunk_tokens} must be >= 0 (0 = off)")
     need(t.gpu_memory_limit_gib >= 0, f"training.gpu_memory_limit_gib = {t.gpu_memory_limit_gib} must be >= 0 (0 = no cap)")
     need(o.lr > 0, f"optimizer.lr = {o.lr} must be > 0")
     need(o.weight_decay >= 0, f"optimizer.weight_decay = {o.weight_decay} must be >= 0")

@@ -212,7 +212,11 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, head=None) -> torch.Tensor:
+        """The logits (batch, seq, vocab); or, given `head`, what `head(self.output, h)` returns for
+        the final normed hidden states h (the chunked loss, titanlike/loss.py, calls the output layer
+        chunk by chunk so the whole logits never exist). Through this forward either way, so that
+        FSDP's hooks on the model and its output layer run."""
         seq = tokens.shape[1]
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         h = self.tok_embeddings(tokens)
@@ -225,7 +229,8 @@ class Transformer(nn.Module):
             h = h.to(torch.get_autocast_dtype(h.device.type))
         for layer in self.layers:
             h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+        h = self.norm(h)
+        return self.output(h) if head is None else head(self.output, h)
 
     # ---- initialisation ------------------------------------------------------------------
 

@@ -19,7 +19,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from titanlike import faults, parallel, stopping
 from titanlike.checkpoint import Checkpointer, RunFacts, TrainState
@@ -27,6 +26,7 @@ from titanlike.config import ConfigError, JobConfig, help_text, load_config, to_
 from titanlike.data import build_train_loader, open_dataset, resolve_paths, validation_batches
 from titanlike.errors import UserError
 from titanlike.float8 import Float8Training, health_summary
+from titanlike.loss import build_loss, cross_entropy  # noqa: F401  (cross_entropy: tests use it from here)
 from titanlike.metrics import MetricsLogger
 from titanlike.model import Transformer, count_params, flops_per_token
 from titanlike.model_shape import describe, resolve_model_args
@@ -51,12 +51,6 @@ def resumable_settings(cfg: JobConfig) -> dict:
             "optimizer.eps": o.eps, "lr_scheduler.warmup_steps": s.warmup_steps, "lr_scheduler.decay_ratio": s.decay_ratio,
             "lr_scheduler.decay_type": s.decay_type, "lr_scheduler.min_lr_factor": s.min_lr_factor,
             "training.steps": cfg.training.steps}
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    # In fp32 whatever the logits' dtype; compiled, the upcast fuses into the softmax instead of
-    # materialising a float copy of the (tokens × vocab) logits.
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
 def preflight(cfg: JobConfig, world_size: int) -> tuple[int, int, int, int]:
@@ -124,7 +118,7 @@ class Trainer:
         # ---- 3. Model: meta → float8 → AC → compile → FSDP → materialise → init ------------------
         with torch.device("meta"):
             model = Transformer(self.margs)
-        self.fp8.convert(model, t.local_batch_size * cfg.data.seq_len, self.device)
+        self.fp8.convert(model, t.local_batch_size * cfg.data.seq_len, self.device, cfg.data.seq_len)
         parallel.apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
                                                 cfg.activation_checkpoint.selective_ac_option)
         if cfg.compile.enable:
@@ -146,7 +140,8 @@ class Trainer:
         model.init_weights(cfg.job.seed, cfg.data.seq_len)
         self.fp8.after_materialize()
         self.model = model
-        self.loss_fn = torch.compile(cross_entropy) if cfg.compile.enable else cross_entropy
+        # loss_fn(model, inputs, targets): over whole logits, or chunk by chunk (training.loss_chunk_tokens).
+        self.loss_fn = build_loss(t.loss_chunk_tokens, cfg.compile.enable)
         # Training's loss: the same, unless a test asks for NaNs on some batches (faults.py).
         self.train_loss_fn = faults.with_nan_batches(self.loss_fn, self.batch_number, self.dp_rank)
         self.flops_per_token = flops_per_token(self.margs, cfg.data.seq_len)
@@ -217,7 +212,7 @@ class Trainer:
             data_wait += wait
             inputs, targets = batch[:, :-1], batch[:, 1:]
             with self.autocast:
-                loss = self.train_loss_fn(self.model(inputs), targets)
+                loss = self.train_loss_fn(self.model, inputs, targets)
             # Each micro-batch has the same token count, so the mean of means is the batch mean;
             # FSDP averages over ranks in its reduce-scatter.
             (loss / self.accum_steps).backward()
@@ -300,7 +295,7 @@ class Trainer:
                                         self.dims.dp, micro_batches):
             batch = batch.to(self.device)
             with self.autocast:
-                total += self.loss_fn(self.model(batch[:, :-1]), batch[:, 1:]).float()
+                total += self.loss_fn(self.model, batch[:, :-1], batch[:, 1:]).float()
         loss = self.global_mean(total / micro_batches).item()
         self.metrics.log(self.state.step, {"loss": loss, "ppl": math.exp(min(loss, 50.0))}, prefix="val")
 

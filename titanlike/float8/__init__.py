@@ -6,7 +6,7 @@ The trainer calls it at a handful of moments of a run, in this order:
   check_device          before any real work, one tiny float8 matmul on the actual device, so a GPU
                         that cannot run the recipe stops the run with one line, not a kernel error
   convert               on the meta model, before activation checkpointing, compile and FSDP: time
-                        the shapes if fp8.auto_filter = measure (measure.py), swap the chosen
+                        whole blocks if fp8.auto_filter = measure (measure.py), swap the chosen
                         Linears for torchao's Float8Linear (layers.py), with fp8.scaling = delayed
                         for DelayedFloat8Linear (delayed.py)
   compile_options       what torch.compile needs for the converted blocks; installs the fused
@@ -67,12 +67,12 @@ class Float8Training:
         """Stop with one line if this device cannot run the recipe (layers.check_device)."""
         layers.check_device(self.options, device)
 
-    def convert(self, model: nn.Module, tokens: int, device: torch.device) -> Float8Report:
-        """Convert the chosen Linears of `model` in place (`tokens` per micro-batch, for timing the
-        shapes when fp8.auto_filter = measure); returns, and keeps, the report of what converted."""
+    def convert(self, model: nn.Module, tokens: int, device: torch.device, seq_len: int = 0) -> Float8Report:
+        """Convert the chosen Linears of `model` in place (`tokens` per micro-batch of sequences of
+        `seq_len`, for timing blocks when fp8.auto_filter = measure); returns, and keeps, the report."""
         self.model = model
-        measured = measure.measure(model, self.options, tokens, device)
-        self.report = layers.convert(model, self.options, measured)
+        plan = measure.measure(model, self.options, tokens, device, seq_len)
+        self.report = layers.convert(model, self.options, plan)
         if self._delayed:
             self._delayed.convert(model, self.options.amax_history)
         return self.report

@@ -1,8 +1,8 @@
 """Which Linears become float8 and why, the conversion itself, and whether this device can run it.
 
 The rules, in order: a name in fp8.filter_fqns stays; a shape that is not a multiple of 16 stays
-(float8 matmuls need it); with fp8.auto_filter a shape too small to pay stays, judged by size or,
-with auto_filter = measure, by its timing on this GPU (measure.py).
+(float8 matmuls need it); with fp8.auto_filter a shape too small to pay stays (the size rule), or, with auto_filter = measure,
+the layers that the whole-block timings on this GPU chose to keep (measure.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from titanlike.errors import UserError
+from titanlike.float8.measure import Float8Plan
 from titanlike.float8.options import Float8Options
 
 logger = logging.getLogger("titanlike")
@@ -29,46 +30,38 @@ logger = logging.getLogger("titanlike")
 # decides from its own timings.
 MIN_FEATURES_PRODUCT = {"tensorwise": 2048 * 2048, "rowwise": 4096 * 4096, "rowwise_with_gw_hp": 4096 * 4096}
 MIN_FEATURES = 1024
-# With fp8.auto_filter = measure: convert a shape only if its compiled forward + backward ran at
-# least this much faster in float8 than in bf16 (a margin for timing noise and for the casts of
-# activations that the isolated timing shares with neighbouring layers).
-MEASURED_MIN_SPEEDUP = 1.03
 
 
 @dataclass
 class Float8Report:
-    """What conversion did: the layers converted, those kept in high precision and why, and the
-    float8 speed-up measured per (in, out) shape when fp8.auto_filter = measure timed them."""
+    """What conversion did: the layers converted, those kept in high precision and why, and what
+    fp8.auto_filter = measure timed and chose (None when it timed nothing)."""
 
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
-    measured: dict[tuple[int, int], float] = field(default_factory=dict)
+    plan: Float8Plan | None = None
 
 
-def skip_reason(fqn: str, linear: nn.Linear, options: Float8Options,
-                measured: dict[tuple[int, int], float] | None = None) -> str | None:
-    """Why this Linear stays in high precision, or None to convert it. `measured`: the speed-ups
-    that auto_filter = measure timed; a shape without one falls back to the size rule."""
+def skip_reason(fqn: str, linear: nn.Linear, options: Float8Options, plan: Float8Plan | None = None) -> str | None:
+    """Why this Linear stays in high precision, or None to convert it. `plan`: what
+    auto_filter = measure chose on this GPU; without one, auto_filter falls back to the size rule."""
     for f in options.filter_fqns:
         if f and f in fqn:
             return f"name matches fp8.filter_fqns entry {f!r}"
     k, n = linear.in_features, linear.out_features
     if k % 16 or n % 16:
         return f"{k}×{n} is not a multiple of 16 (float8 matmuls need it)"
-    if options.auto_filter == "measure" and measured and (k, n) in measured:
-        speedup = measured[(k, n)]
-        if speedup < MEASURED_MIN_SPEEDUP:
-            return f"{k}×{n}: float8 measured {speedup:.2f}× bf16 on this GPU (fp8.auto_filter = measure)"
-    elif options.auto_filter:
+    if options.auto_filter == "measure" and plan is not None:
+        return plan.reason(fqn)
+    if options.auto_filter:
         if min(k, n) < MIN_FEATURES or k * n < MIN_FEATURES_PRODUCT[options.recipe]:
             return f"{k}×{n} is too small for float8 to pay (fp8.auto_filter)"
     return None
 
 
-def convert(model: nn.Module, options: Float8Options,
-            measured: dict[tuple[int, int], float] | None = None) -> Float8Report:
+def convert(model: nn.Module, options: Float8Options, plan: Float8Plan | None = None) -> Float8Report:
     """Swap the chosen Linears for torchao's Float8Linear in place; report what converted and why not."""
-    report = Float8Report(measured=dict(measured or {}))
+    report = Float8Report(plan=plan)
     if not options.enabled:
         return report
     with warnings.catch_warnings():
@@ -78,7 +71,7 @@ def convert(model: nn.Module, options: Float8Options,
     def want(module: nn.Module, fqn: str) -> bool:
         if not isinstance(module, nn.Linear):
             return False
-        reason = skip_reason(fqn, module, options, measured)
+        reason = skip_reason(fqn, module, options, plan)
         if reason:
             report.skipped[fqn] = reason
         else:
@@ -133,20 +126,37 @@ def check_device(options: Float8Options, device: torch.device) -> None:
                 f"fp8.recipe = {options.recipe}: {name} (compute capability {cap[0]}.{cap[1]}) has no float8 "
                 f"tensor cores (they start at 8.9: Ada, Hopper, Blackwell); use --fp8.recipe none"
             )
-    probe = nn.Sequential(nn.Linear(32, 32, bias=False)).to(device)
     try:
-        convert(probe, Float8Options(recipe=options.recipe))
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        x = torch.randn(16, 32, device=device, dtype=dtype, requires_grad=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            probe(x).sum().backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _run_probe(options.recipe, device)
     except Exception as e:  # the kernel's own error is the evidence; we say what to do instead
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        other = "tensorwise" if options.recipe != "tensorwise" else "none"
-        emulate = " or --fp8.emulate (slow, for testing)" if device.type == "cpu" else ""
         raise UserError(
             f"fp8.recipe = {options.recipe} cannot run on {name} with torch {torch.__version__} ({first}); "
-            f"use --fp8.recipe {other}{emulate}"
+            f"{what_to_do(options.recipe, device)}"
         ) from None
+
+
+def _run_probe(recipe: str, device: torch.device) -> None:
+    """One tiny float8 Linear forward and backward on the device; raises what the kernel raises."""
+    probe = nn.Sequential(nn.Linear(32, 32, bias=False)).to(device)
+    convert(probe, Float8Options(recipe=recipe))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x = torch.randn(16, 32, device=device, dtype=dtype, requires_grad=True)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        probe(x).sum().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def what_to_do(recipe: str, device: torch.device) -> str:
+    """The end of the probe's error line: what the user can run instead."""
+    other = "tensorwise" if recipe != "tensorwise" else "none"
+    if device.type == "cpu":
+        return f"use --fp8.recipe {other} or --fp8.emulate (slow, for testing)"
+    if recipe.startswith("rowwise") and torch.cuda.get_device_capability(device)[0] == 12:
+        # RTX 50xx (sm_120). torch has a rowwise kernel for it, but whether it runs depends on the
+        # torch build: field reports differ (CUBLAS_STATUS_NOT_SUPPORTED on some, working on
+        # others). We have measured none, so we name no version as working.
+        return ("torch's rowwise float8 matmul for sm_120 (RTX 50xx) is reported to work on some torch versions "
+                "(field reports differ; docs/float8.md): try another torch version, or use --fp8.recipe tensorwise")
+    return f"use --fp8.recipe {other}"

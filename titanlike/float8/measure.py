@@ -1,10 +1,20 @@
-"""fp8.auto_filter = measure: time each candidate Linear shape, compiled, in bf16 and in float8 on
-this GPU, and convert only the shapes where float8 wins.
+"""fp8.auto_filter = measure: decide which Linears become float8 from what a training step sees.
 
-The timing (time_linear_ms, median_cuda_ms) also serves scripts/bench_linear.py and
-scripts/bench_attention.py. Measured plans are cached per GPU, torch and torchao
-version, recipe and shape in ~/.cache/titanlike/float8_plans.json, since compiling every
-shape twice costs tens of seconds.
+Timing one Linear alone misleads: in the compiled model float8's casts fuse with the norms, RoPE and
+SwiGLU around them (an isolated w2 of `1b` timed 0.51× bf16 while whole runs with it in float8 were
+as fast or faster). So this times what a step runs, at the run's own micro-batch (batch × seq):
+
+- one whole transformer block, compiled as the trainer compiles it, forward + backward, for each
+  block choice in BLOCK_CHOICES (all bf16, only the feed-forward in float8, every Linear in float8);
+- the final norm + output layer + loss, compiled, forward + backward, with the output layer in
+  bf16 and in float8 (only when fp8.filter_fqns leaves the output layer to be chosen).
+
+`decide` (pure: timings in, choice out) picks the fastest of each; `Float8Plan.reason` then says,
+per Linear, why it stays in high precision. Rank 0 times, every rank gets its plan, so all ranks
+convert the same layers. Timings are cached per GPU, torch and torchao version, recipe, scaling,
+model shape and micro-batch in ~/.cache/titanlike/float8_plans.json (compiling every candidate
+costs tens of seconds). `time_linear_ms` and `median_cuda_ms` also serve scripts/bench_linear.py
+and scripts/bench_attention.py.
 """
 
 from __future__ import annotations
@@ -13,39 +23,71 @@ import json
 import logging
 import os
 import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
-from titanlike.float8.layers import MEASURED_MIN_SPEEDUP, convert, skip_reason
 from titanlike.float8.options import Float8Options, inductor_options
 
 logger = logging.getLogger("titanlike")
 
 CACHE = Path(os.environ.get("TITANLIKE_CACHE", Path.home() / ".cache" / "titanlike")) / "float8_plans.json"
 
+# The block choices, from the most precise to the least: name -> the parts of a block (substrings
+# of a Linear's name inside the block) that run in float8.
+BLOCK_CHOICES: dict[str, tuple[str, ...]] = {
+    "bf16": (),
+    "feed-forward": ("feed_forward.",),
+    "all": ("attention.", "feed_forward."),
+}
+# A less precise choice must beat a more precise one by more than this share to be picked: below
+# it, two timings of the same code differ by noise, and the more precise choice keeps precision.
+NOISE = 0.02
 
-def time_linear_ms(tokens: int, in_features: int, out_features: int, recipe: str, device: torch.device,
-                   iters: int = 20, warmup: int = 5) -> float:
-    """Median ms of forward + backward of one compiled Linear on `tokens` bf16 rows."""
-    torch._dynamo.reset()  # a fresh compile per shape, never the recompile limit's eager fallback
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(in_features, out_features, bias=False)).to(device)
-    if recipe != "none":
-        convert(model, Float8Options(recipe=recipe))
-    # The trainer's settings for this recipe's compiled blocks, so that the timing is the trainer's.
-    model = torch.compile(model, options=inductor_options(recipe) or None)
-    x = torch.randn(tokens, in_features, device=device, dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn(tokens, out_features, device=device, dtype=torch.bfloat16)
 
-    def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            out = model(x)
-        out.backward(grad)
+@dataclass(frozen=True)
+class Float8Plan:
+    """What measure decided: the block choice (a key of BLOCK_CHOICES), whether the output layer
+    runs in float8 (None: it was not a candidate), and the timings in ms it was decided from."""
 
-    return median_cuda_ms(step, iters, warmup)
+    block: str
+    output: bool | None
+    block_ms: dict[str, float] = field(default_factory=dict)
+    output_ms: dict[str, float] = field(default_factory=dict)
+
+    def reason(self, fqn: str) -> str | None:
+        """Why the Linear `fqn` stays in high precision under this plan, or None to convert it."""
+        times = ", ".join(f"{k} {v:.2f} ms" for k, v in self.block_ms.items())
+        if fqn == "output" or fqn.endswith(".output"):
+            if self.output is None or self.output:
+                return None
+            return (f"output layer + loss measured bf16 {self.output_ms['bf16']:.2f} ms, float8 "
+                    f"{self.output_ms['float8']:.2f} ms (fp8.auto_filter = measure)")
+        if any(part in fqn for part in BLOCK_CHOICES[self.block]):
+            return None
+        return f"measured block choice is {self.block!r} ({times} per block; fp8.auto_filter = measure)"
+
+
+def fastest(times: dict[str, float], order: list[str]) -> str:
+    """The fastest of `times`, except that a choice earlier in `order` (more precise) wins when it
+    is within NOISE of the fastest."""
+    best = min(times.values())
+    return next(name for name in order if name in times and times[name] <= best * (1 + NOISE))
+
+
+def decide(block_ms: dict[str, float], output_ms: dict[str, float] | None) -> Float8Plan:
+    """The plan from the timings: the fastest block choice, and the output layer in float8 if that
+    was faster (`output_ms` holds "bf16" and "float8", or is None when the output was no candidate)."""
+    block = fastest(block_ms, list(BLOCK_CHOICES))
+    output = fastest(output_ms, ["bf16", "float8"]) == "float8" if output_ms else None
+    return Float8Plan(block, output, dict(block_ms), dict(output_ms or {}))
+
+
+# ---- timing on the GPU ---------------------------------------------------------------------------
 
 
 def median_cuda_ms(fn, iters: int = 20, warmup: int = 5) -> float:
@@ -63,52 +105,169 @@ def median_cuda_ms(fn, iters: int = 20, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
-def _key(device: torch.device, recipe: str, tokens: int, k: int, n: int) -> str:
+def _float8(module: nn.Module, options: Float8Options, parts: tuple[str, ...]) -> nn.Module:
+    """`module` with the Linears whose name contains one of `parts` in float8 (dimensions not
+    multiples of 16 excepted), with the run's scaling."""
+    from torchao.float8 import convert_to_float8_training
+
+    def want(m: nn.Module, fqn: str) -> bool:
+        return (isinstance(m, nn.Linear) and any(p in fqn for p in parts)
+                and not (m.in_features % 16 or m.out_features % 16))
+
+    if parts:
+        convert_to_float8_training(module, config=options.torchao_config(), module_filter_fn=want)
+        if options.delayed:
+            from titanlike.float8 import delayed
+
+            delayed.convert(module, options.amax_history)
+    return module
+
+
+def _time_step(module: nn.Module, options: Float8Options, make_step) -> float:
+    """Median ms of `make_step(module)()` after one step that, with delayed scaling, fills the
+    history; steps then measure amaxes as often as the run will (fp8.amax_every)."""
+    step = make_step(module)
+    step()
+    if options.delayed:
+        from titanlike.float8 import delayed
+
+        delayed.update_scales(module)
+        delayed.set_recording(module, 2, options.amax_every)
+    return median_cuda_ms(step)
+
+
+def time_block_ms(margs, batch: int, seq: int, options: Float8Options, choice: str, device: torch.device) -> float:
+    """Forward + backward of one compiled transformer block on (batch, seq) bf16 activations."""
+    from titanlike.model import TransformerBlock, rope_tables
+
+    torch._dynamo.reset()  # a fresh compile per candidate, never the recompile limit's eager fallback
+    torch.manual_seed(0)
+    block = TransformerBlock(margs).to(device)
+    for name, p in block.named_parameters():
+        nn.init.ones_(p) if name.endswith("norm.weight") else nn.init.normal_(p, std=0.02)
+    block = _float8(block, options, BLOCK_CHOICES[choice])
+    # The trainer compiles every block with the recipe's options, whichever Linears converted.
+    block.compile(fullgraph=True, options=inductor_options(options.recipe) or None)
+    cos, sin = rope_tables(margs.head_dim, seq, margs.rope_theta, device)
+    x = torch.randn(batch, seq, margs.dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def make_step(module):
+        def step():
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                out = module(x, cos, sin)
+            out.backward(grad)
+        return step
+
+    return _time_step(block, options, make_step)
+
+
+def time_output_ms(margs, tokens: int, options: Float8Options, in_float8: bool, device: torch.device) -> float:
+    """Forward + backward of the final norm, the output layer and the loss, compiled, on `tokens` rows."""
+    from titanlike.model import RMSNorm
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    head = nn.Sequential(RMSNorm(margs.dim, margs.norm_eps), nn.Linear(margs.dim, margs.vocab_size, bias=False))
+    head = head.to(device)
+    nn.init.ones_(head[0].weight)
+    nn.init.normal_(head[1].weight, std=margs.dim ** -0.5)
+    head = _float8(head, options, ("1",) if in_float8 else ())
+    h = torch.randn(tokens, margs.dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, margs.vocab_size, (tokens,), device=device)
+
+    @torch.compile(options=inductor_options(options.recipe) if in_float8 else None)
+    def loss_of(module, h):
+        return F.cross_entropy(module(h).float(), targets)
+
+    def make_step(module):
+        def step():
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = loss_of(module, h)
+            loss.backward()
+        return step
+
+    return _time_step(head, options, make_step)
+
+
+def time_linear_ms(tokens: int, in_features: int, out_features: int, recipe: str, device: torch.device,
+                   iters: int = 20, warmup: int = 5) -> float:
+    """Median ms of forward + backward of one compiled Linear on `tokens` bf16 rows (benchmarks only:
+    measure times whole blocks, not Linears alone)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(in_features, out_features, bias=False)).to(device)
+    model = _float8(model, Float8Options(recipe=recipe), ("0",) if recipe != "none" else ())
+    model = torch.compile(model, options=inductor_options(recipe) or None)
+    x = torch.randn(tokens, in_features, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(tokens, out_features, device=device, dtype=torch.bfloat16)
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out = model(x)
+        out.backward(grad)
+
+    return median_cuda_ms(step, iters, warmup)
+
+
+def _cache_key(device: torch.device, options: Float8Options, margs, batch: int, seq: int, candidate: str) -> str:
     import torchao
 
-    versions = f"torch {torch.__version__}|torchao {torchao.__version__}"
-    return f"{torch.cuda.get_device_name(device)}|{versions}|{recipe}|{tokens}x{k}x{n}"
+    scaling = f"delayed every {options.amax_every}" if options.delayed else "dynamic"
+    return (f"{torch.cuda.get_device_name(device)}|torch {torch.__version__}|torchao {torchao.__version__}|"
+            f"{options.recipe} {scaling}|{margs}|{batch}x{seq}|{candidate}")
 
 
-def measure_shapes(shapes: list[tuple[int, int]], tokens: int, recipe: str,
-                   device: torch.device) -> dict[tuple[int, int], float]:
-    """float8 speed-up over bf16 (bf16 ms / float8 ms) of each (in, out) shape; cached on disk."""
+def time_candidates(margs, batch: int, seq: int, options: Float8Options, with_output: bool,
+                    device: torch.device) -> tuple[dict[str, float], dict[str, float]]:
+    """(ms per block choice, ms of the output layer + loss in bf16 and float8, or {}); cached on disk."""
     cache = json.loads(CACHE.read_text()) if CACHE.exists() else {}
-    out = {}
-    for k, n in sorted(set(shapes)):
-        key = _key(device, recipe, tokens, k, n)
+    block_ms, output_ms = {}, {}
+    for choice in BLOCK_CHOICES:
+        key = _cache_key(device, options, margs, batch, seq, f"block {choice}")
         if key not in cache:
-            bf16 = time_linear_ms(tokens, k, n, "none", device)
-            fp8 = time_linear_ms(tokens, k, n, recipe, device)
-            cache[key] = bf16 / fp8
-        out[(k, n)] = cache[key]
+            cache[key] = time_block_ms(margs, batch, seq, options, choice, device)
+        block_ms[choice] = cache[key]
+    for name in ("bf16", "float8") if with_output else ():
+        key = _cache_key(device, options, margs, batch, seq, f"output {name}")
+        if key not in cache:
+            cache[key] = time_output_ms(margs, batch * seq, options, name == "float8", device)
+        output_ms[name] = cache[key]
+    torch._dynamo.reset()  # the run compiles its own blocks afresh
     CACHE.parent.mkdir(parents=True, exist_ok=True)
     tmp = CACHE.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(cache, indent=1))
     os.replace(tmp, CACHE)
-    return out
+    return block_ms, output_ms
 
 
-def measure(model: nn.Module, options: Float8Options, tokens: int,
-            device: torch.device) -> dict[tuple[int, int], float]:
-    """For auto_filter = measure: the float8 speed-up of every candidate Linear shape on this GPU
-    (rank 0's timings go to every rank, so all ranks convert the same layers). Empty where nothing
-    is timed: the layers are then chosen by size."""
+def measure(model: nn.Module, options: Float8Options, tokens: int, device: torch.device,
+            seq_len: int = 0) -> Float8Plan | None:
+    """For auto_filter = measure: time the candidates on this GPU at the run's micro-batch (`tokens`
+    = batch × seq_len) and decide. None where nothing is timed: the layers are then chosen by size."""
     if not options.enabled or options.auto_filter != "measure":
-        return {}
+        return None
     if device.type != "cuda" or options.emulate:
         logger.info("fp8.auto_filter = measure needs a GPU running real float8: choosing layers by size instead")
-        return {}
-    candidates = Float8Options(recipe=options.recipe, filter_fqns=options.filter_fqns)
-    shapes = [(m.in_features, m.out_features) for fqn, m in model.named_modules()
-              if isinstance(m, nn.Linear) and skip_reason(fqn, m, candidates) is None]
-    result = [None]
+        return None
+    from titanlike.float8.layers import skip_reason
+
+    seq = seq_len or tokens
+    # The output layer is a candidate unless the user's fp8.filter_fqns keeps it in high precision.
+    names_only = Float8Options(recipe=options.recipe, filter_fqns=options.filter_fqns)
+    output = getattr(model, "output", None)
+    with_output = isinstance(output, nn.Linear) and skip_reason("output", output, names_only) is None
+    result: list = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
-        result = [measure_shapes(shapes, tokens, options.recipe, device)]
+        result = [time_candidates(model.args, tokens // seq, seq, options, with_output, device)]
     if dist.is_initialized():
         dist.broadcast_object_list(result, src=0)
-    measured = result[0]
-    for (k, n), speedup in sorted(measured.items()):
-        logger.info(f"  float8 {options.recipe} {tokens}×{k}×{n}: {speedup:.2f}× bf16 -> "
-                    f"{'float8' if speedup >= MEASURED_MIN_SPEEDUP else 'bf16'}")
-    return measured
+    block_ms, output_ms = result[0]
+    plan = decide(block_ms, output_ms)
+    for choice, ms in block_ms.items():
+        logger.info(f"  fp8.auto_filter = measure: one block, float8 on {choice!r}: {ms:.2f} ms"
+                    f"{' <- chosen' if choice == plan.block else ''}")
+    for name, ms in output_ms.items():
+        logger.info(f"  fp8.auto_filter = measure: output layer + loss in {name}: {ms:.2f} ms"
+                    f"{' <- chosen' if (name == 'float8') == plan.output else ''}")
+    return plan

@@ -1,0 +1,135 @@
+"""fp8.auto_filter = measure: the decision from whole-block timings (pure, tested here on CPU), the
+conversion it leads to, and the CPU fallback to the size rule. The timing itself needs a GPU
+(scripts/bench_train.py runs it; the command is in docs/float8.md)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from titanlike.float8 import Float8Options, Float8Training, layers, measure
+from titanlike.float8.measure import BLOCK_CHOICES, Float8Plan, decide, fastest
+from titanlike.model import PRESETS, Transformer, model_args
+
+
+def test_fastest_prefers_the_more_precise_choice_within_noise():
+    order = list(BLOCK_CHOICES)
+    assert fastest({"bf16": 10.0, "feed-forward": 9.0, "all": 8.0}, order) == "all"
+    assert fastest({"bf16": 10.0, "feed-forward": 9.0, "all": 9.5}, order) == "feed-forward"
+    assert fastest({"bf16": 8.0, "feed-forward": 9.0, "all": 8.5}, order) == "bf16"
+    # 1.5 % faster is within noise: bf16 keeps its precision; 3 % faster is not.
+    assert fastest({"bf16": 10.0, "feed-forward": 10.0, "all": 9.85}, order) == "bf16"
+    assert fastest({"bf16": 10.0, "feed-forward": 10.0, "all": 9.7}, order) == "all"
+
+
+def test_decide_picks_block_and_output_separately():
+    p = decide({"bf16": 10.0, "feed-forward": 9.0, "all": 9.6}, {"bf16": 5.0, "float8": 4.0})
+    assert (p.block, p.output) == ("feed-forward", True)
+    p = decide({"bf16": 10.0, "feed-forward": 11.0, "all": 12.0}, {"bf16": 5.0, "float8": 6.0})
+    assert (p.block, p.output) == ("bf16", False)
+    p = decide({"bf16": 10.0, "feed-forward": 11.0, "all": 9.0}, None)
+    assert (p.block, p.output) == ("all", None)
+
+
+def converted(p: Float8Plan | None, filter_fqns=(), auto_filter="measure") -> tuple[set[str], layers.Float8Report]:
+    model_args_ = model_args("debug", dim=256, ffn_dim=1024)
+    with torch.device("meta"):
+        model = Transformer(model_args_)
+    options = Float8Options(recipe="tensorwise", emulate=True, filter_fqns=tuple(filter_fqns), auto_filter=auto_filter)
+    report = layers.convert(model, options, p)
+    return {name.split(".", 2)[-1] if name.startswith("layers.") else name for name in report.converted}, report
+
+
+@pytest.mark.parametrize("block,output,expected", [
+    ("bf16", False, set()),
+    ("bf16", True, {"output"}),
+    ("feed-forward", False, {"feed_forward.w1", "feed_forward.w2", "feed_forward.w3"}),
+    ("all", None, {"feed_forward.w1", "feed_forward.w2", "feed_forward.w3", "attention.wqkv", "attention.wo",
+                   "output"}),
+])
+def test_plan_converts_the_chosen_layers(block, output, expected):
+    p = Float8Plan(block, output, {c: 1.0 for c in BLOCK_CHOICES}, {"bf16": 2.0, "float8": 3.0})
+    names, report = converted(p)
+    assert names == expected
+    # Every layer left out says it was the measured choice.
+    assert all("fp8.auto_filter = measure" in why for why in report.skipped.values())
+    assert report.plan is p
+
+
+def test_filter_fqns_still_wins_over_the_plan():
+    p = Float8Plan("all", True, {c: 1.0 for c in BLOCK_CHOICES}, {"bf16": 2.0, "float8": 1.0})
+    names, report = converted(p, filter_fqns=("output", "wo"))
+    assert "output" not in names and "attention.wo" not in names and "attention.wqkv" in names
+    assert report.skipped["output"] == "name matches fp8.filter_fqns entry 'output'"
+
+
+def test_measure_off_the_gpu_falls_back_to_the_size_rule(caplog):
+    """On CPU nothing is timed: one line, then the size rule (which keeps the debug model in bf16)."""
+    with torch.device("meta"):
+        model = Transformer(PRESETS["debug"])
+    options = Float8Options(recipe="tensorwise", emulate=False, filter_fqns=("output",), auto_filter="measure")
+    fp8 = Float8Training(options)
+    with caplog.at_level(logging.INFO, logger="titanlike"):
+        report = fp8.convert(model, 2 * 64, torch.device("cpu"), 64)
+    assert "fp8.auto_filter = measure needs a GPU running real float8: choosing layers by size instead" in caplog.text
+    assert report.plan is None and report.converted == []
+    assert all("too small for float8 to pay" in why for name, why in report.skipped.items() if name != "output")
+
+
+def test_measure_decides_from_the_timings_it_is_given(monkeypatch, caplog):
+    """The GPU path with the timing replaced: the output is a candidate only when filter_fqns lets
+    it be, one log line per candidate, and all block Linears follow the fastest block choice."""
+    seen = {}
+
+    def fake_times(margs, batch, seq, options, with_output, device):
+        seen.update(batch=batch, seq=seq, with_output=with_output)
+        return {"bf16": 10.0, "feed-forward": 8.0, "all": 9.0}, ({"bf16": 3.0, "float8": 2.0} if with_output else {})
+
+    monkeypatch.setattr(measure, "time_candidates", fake_times)
+    with torch.device("meta"):
+        model = Transformer(PRESETS["debug"])
+    options = Float8Options(recipe="tensorwise", filter_fqns=(), auto_filter="measure")
+    with caplog.at_level(logging.INFO, logger="titanlike"):
+        p = measure.measure(model, options, 4 * 64, torch.device("cuda", 0), 64)
+    assert seen == {"batch": 4, "seq": 64, "with_output": True}
+    assert (p.block, p.output) == ("feed-forward", True)
+    lines = [r.getMessage() for r in caplog.records if "fp8.auto_filter = measure" in r.getMessage()]
+    assert len(lines) == 5 and "float8 on 'feed-forward': 8.00 ms <- chosen" in lines[1]
+    assert lines[4].endswith("output layer + loss in float8: 2.00 ms <- chosen")
+
+    p = measure.measure(model, Float8Options(recipe="tensorwise", filter_fqns=("output",), auto_filter="measure"),
+                        4 * 64, torch.device("cuda", 0), 64)
+    assert seen["with_output"] is False and p.output is None
+
+
+@pytest.mark.parametrize("scaling", ["dynamic", "delayed"])
+def test_candidates_build_compile_and_run_on_cpu(monkeypatch, tmp_path, scaling):
+    """The timing code itself, run on CPU with emulated float8 and a stand-in for the CUDA-event
+    timer: every candidate builds, runs forward + backward, and lands in the cache, which the next
+    call reads instead of timing again. Compiling is left out (it took 4 to 5 minutes on a shared
+    CPU); on a GPU each candidate is compiled as the trainer compiles it."""
+    runs = []
+
+    def no_compile(fn=None, **kwargs):
+        return fn if fn is not None else (lambda f: f)
+
+    monkeypatch.setattr(torch, "compile", no_compile)
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: None)
+
+    def one_run(fn, iters=20, warmup=5):
+        fn()
+        runs.append(fn)
+        return float(len(runs))
+
+    monkeypatch.setattr(measure, "median_cuda_ms", one_run)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "CPU stand-in")
+    monkeypatch.setattr(measure, "CACHE", tmp_path / "plans.json")
+    margs = model_args("debug", n_layers=1, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=256, vocab_size=256)
+    options = Float8Options(recipe="tensorwise", emulate=True, scaling=scaling, amax_every=2, auto_filter="measure")
+    block_ms, output_ms = measure.time_candidates(margs, 2, 32, options, True, torch.device("cpu"))
+    assert list(block_ms) == list(BLOCK_CHOICES) and list(output_ms) == ["bf16", "float8"]
+    assert sorted(block_ms.values()) + sorted(output_ms.values()) == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert measure.time_candidates(margs, 2, 32, options, True, torch.device("cpu")) == (block_ms, output_ms)
+    assert len(runs) == 5  # the second call timed nothing

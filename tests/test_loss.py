@@ -1,0 +1,112 @@
+"""The loss over whole logits and chunk by chunk (training.loss_chunk_tokens): the same loss and
+gradients, and the chunked one never keeps the whole (tokens × vocab) logits for backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import losses, metrics, run_train
+from titanlike.float8 import Float8Options, layers
+from titanlike.loss import build_loss
+from titanlike.model import Transformer, model_args
+
+BATCH, SEQ = 3, 40  # 120 tokens: chunks of 7 leave a last chunk of 1
+
+
+def model_and_batch(tie: bool = False, float8_output: bool = False):
+    torch.manual_seed(0)
+    args = model_args("debug", n_layers=2, tie_embeddings=tie)
+    model = Transformer(args)
+    model.init_weights(seed=1, seq_len=SEQ)
+    if float8_output:
+        report = layers.convert(model, Float8Options(recipe="tensorwise", emulate=True, auto_filter=False,
+                                                     filter_fqns=("layers",)))
+        assert report.converted == ["output"]
+    tokens = torch.randint(0, args.vocab_size, (BATCH, SEQ + 1))
+    return model, tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_and_grads(model, inputs, targets, chunk_tokens: int, compile: bool = False):
+    model.zero_grad(set_to_none=True)
+    loss = build_loss(chunk_tokens, compile)(model, inputs, targets)
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("chunk_tokens", [7, 64, 1000])
+def test_chunked_loss_equals_whole_logits(tie, chunk_tokens):
+    """Loss and every gradient (the output layer's, a tied embedding's, the blocks') within fp32 tolerance."""
+    model, inputs, targets = model_and_batch(tie)
+    want_loss, want_grads = loss_and_grads(model, inputs, targets, 0)
+    loss, grads = loss_and_grads(model, inputs, targets, chunk_tokens)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == want_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("chunk_tokens,rtol", [(1000, 1e-6), (7, 2e-2)])
+def test_chunked_loss_with_a_float8_output_layer(chunk_tokens, rtol):
+    """A float8 output layer (emulated) takes its dynamic tensorwise scales per call: one chunk holding
+    every token gives the whole-logits numbers; smaller chunks scale each chunk by its own amax, so
+    the loss and gradients differ from the whole-logits ones by float8 rounding, no more."""
+    model, inputs, targets = model_and_batch(float8_output=True)
+    want_loss, want_grads = loss_and_grads(model, inputs, targets, 0)
+    loss, grads = loss_and_grads(model, inputs, targets, chunk_tokens)
+    torch.testing.assert_close(loss, want_loss, rtol=rtol, atol=1e-6)
+    for name in grads:
+        rel = (grads[name] - want_grads[name]).norm() / want_grads[name].norm()
+        assert rel <= max(rtol, 1e-6) * 5, (name, rel.item())
+
+
+def test_chunked_loss_compiled_equals_whole_logits():
+    model, inputs, targets = model_and_batch()
+    want_loss, want_grads = loss_and_grads(model, inputs, targets, 0, compile=True)
+    loss, grads = loss_and_grads(model, inputs, targets, 32, compile=True)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for name in grads:
+        torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 16])
+def test_chunked_loss_keeps_no_logits_for_backward(chunk_tokens):
+    """What autograd saves for backward: the whole (tokens × vocab) logits without chunks; with
+    chunks, no logits at all (backward recomputes each chunk's)."""
+    model, inputs, targets = model_and_batch()
+    vocab = model.args.vocab_size
+    logits_saved: list[int] = []
+
+    def pack(t):
+        # Logits, their fp32 copy, the softmax; not the output weight (saved transposed: dim × vocab).
+        if t.shape and t.shape[-1] == vocab and t.numel() != model.args.dim * vocab:
+            logits_saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = build_loss(chunk_tokens, compile=False)(model, inputs, targets)
+    if chunk_tokens:
+        assert logits_saved == []
+    else:
+        assert max(logits_saved) == BATCH * SEQ * vocab
+    loss.backward()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_two_rank_fsdp_chunked_loss_matches_whole(tmp_path, corpus, tie):
+    """Under FSDP2 (2 gloo ranks) the output layer's weight is gathered by its module's hooks: the
+    chunked loss calls the module, so every step's loss and gradient norm match the whole-logits run."""
+    common = ["--training.steps", "4", "--metrics.log_freq", "1", "--model.tie_embeddings", str(tie).lower(),
+              "--training.local_batch_size", "2", "--data.seq_len", "64"]
+    run_train(tmp_path / "whole", *common, nproc=2, corpus=corpus)
+    run_train(tmp_path / "chunked", *common, "--training.loss_chunk_tokens", "48", nproc=2, corpus=corpus)
+    whole, chunked = losses(tmp_path / "whole"), losses(tmp_path / "chunked")
+    assert whole.keys() == chunked.keys() == {1, 2, 3, 4}
+    for step in whole:
+        assert chunked[step] == pytest.approx(whole[step], rel=1e-5), step
+    grad_norms = [(a["grad_norm"], b["grad_norm"]) for a, b in zip(metrics(tmp_path / "whole"),
+                                                                   metrics(tmp_path / "chunked"))]
+    for a, b in grad_norms:
+        assert b == pytest.approx(a, rel=1e-4)
+
