@@ -4,12 +4,17 @@ Timing one Linear alone misleads: in the compiled model float8's casts fuse with
 SwiGLU around them (an isolated w2 of `1b` timed 0.51× bf16 while whole runs with it in float8 were
 as fast or faster). So this times what a step runs, at the run's own micro-batch (batch × seq):
 
-- one whole transformer block, compiled as the trainer compiles it, forward + backward, for each
-  block choice in BLOCK_CHOICES (all bf16, only the feed-forward in float8, every Linear in float8);
-- the final norm + output layer + loss, compiled, forward + backward, with the output layer in
-  bf16 and in float8 (only when fp8.filter_fqns leaves the output layer to be chosen).
+one whole transformer block, compiled as the trainer compiles it, forward + backward, for each
+block choice in BLOCK_CHOICES (all bf16, only the feed-forward in float8, every Linear in float8).
 
-`decide` (pure: timings in, choice out) picks the fastest of each; `Float8Plan.reason` then says,
+The output layer is no candidate: measure keeps it in high precision. Timed alone (compiled with the
+loss) it looked faster in float8 on `124m`, while the trainer runs it outside the compiled blocks,
+where its casts do not fuse, and whole runs with it in float8 were far slower than bf16
+(docs/benchmarks/2026-11-23-one-gpu-124m-float8-choices.md and
+2026-11-23-one-gpu-measure-chunked-loss.md). To force it into float8: fp8.auto_filter = false
+with fp8.filter_fqns = [].
+
+`decide` (pure: timings in, choice out) picks the fastest; `Float8Plan.reason` then says,
 per Linear, why it stays in high precision. Rank 0 times, every rank gets its plan, so all ranks
 convert the same layers. Timings are cached per GPU, torch and torchao version, recipe, scaling,
 model shape and micro-batch in ~/.cache/titanlike/float8_plans.json (compiling every candidate
@@ -28,7 +33,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from titanlike.float8.options import Float8Options, inductor_options
@@ -51,22 +55,17 @@ NOISE = 0.02
 
 @dataclass(frozen=True)
 class Float8Plan:
-    """What measure decided: the block choice (a key of BLOCK_CHOICES), whether the output layer
-    runs in float8 (None: it was not a candidate), and the timings in ms it was decided from."""
+    """What measure decided: the block choice (a key of BLOCK_CHOICES) and the timings in ms it was
+    decided from."""
 
     block: str
-    output: bool | None
     block_ms: dict[str, float] = field(default_factory=dict)
-    output_ms: dict[str, float] = field(default_factory=dict)
 
     def reason(self, fqn: str) -> str | None:
         """Why the Linear `fqn` stays in high precision under this plan, or None to convert it."""
         times = ", ".join(f"{k} {v:.2f} ms" for k, v in self.block_ms.items())
         if fqn == "output" or fqn.endswith(".output"):
-            if self.output is None or self.output:
-                return None
-            return (f"output layer + loss measured bf16 {self.output_ms['bf16']:.2f} ms, float8 "
-                    f"{self.output_ms['float8']:.2f} ms (fp8.auto_filter = measure)")
+            return "fp8.auto_filter = measure keeps the output layer in high precision (see float8/measure.py)"
         if any(part in fqn for part in BLOCK_CHOICES[self.block]):
             return None
         return f"measured block choice is {self.block!r} ({times} per block; fp8.auto_filter = measure)"
@@ -79,12 +78,9 @@ def fastest(times: dict[str, float], order: list[str]) -> str:
     return next(name for name in order if name in times and times[name] <= best * (1 + NOISE))
 
 
-def decide(block_ms: dict[str, float], output_ms: dict[str, float] | None) -> Float8Plan:
-    """The plan from the timings: the fastest block choice, and the output layer in float8 if that
-    was faster (`output_ms` holds "bf16" and "float8", or is None when the output was no candidate)."""
-    block = fastest(block_ms, list(BLOCK_CHOICES))
-    output = fastest(output_ms, ["bf16", "float8"]) == "float8" if output_ms else None
-    return Float8Plan(block, output, dict(block_ms), dict(output_ms or {}))
+def decide(block_ms: dict[str, float]) -> Float8Plan:
+    """The plan from the timings: the fastest block choice (the more precise one within noise)."""
+    return Float8Plan(fastest(block_ms, list(BLOCK_CHOICES)), dict(block_ms))
 
 
 # ---- timing on the GPU ---------------------------------------------------------------------------
@@ -162,34 +158,6 @@ def time_block_ms(margs, batch: int, seq: int, options: Float8Options, choice: s
     return _time_step(block, options, make_step)
 
 
-def time_output_ms(margs, tokens: int, options: Float8Options, in_float8: bool, device: torch.device) -> float:
-    """Forward + backward of the final norm, the output layer and the loss, compiled, on `tokens` rows."""
-    from titanlike.model import RMSNorm
-
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    head = nn.Sequential(RMSNorm(margs.dim, margs.norm_eps), nn.Linear(margs.dim, margs.vocab_size, bias=False))
-    head = head.to(device)
-    nn.init.ones_(head[0].weight)
-    nn.init.normal_(head[1].weight, std=margs.dim ** -0.5)
-    head = _float8(head, options, ("1",) if in_float8 else ())
-    h = torch.randn(tokens, margs.dim, device=device, dtype=torch.bfloat16, requires_grad=True)
-    targets = torch.randint(0, margs.vocab_size, (tokens,), device=device)
-
-    @torch.compile(options=inductor_options(options.recipe) if in_float8 else None)
-    def loss_of(module, h):
-        return F.cross_entropy(module(h).float(), targets)
-
-    def make_step(module):
-        def step():
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = loss_of(module, h)
-            loss.backward()
-        return step
-
-    return _time_step(head, options, make_step)
-
-
 def time_linear_ms(tokens: int, in_features: int, out_features: int, recipe: str, device: torch.device,
                    iters: int = 20, warmup: int = 5) -> float:
     """Median ms of forward + backward of one compiled Linear on `tokens` bf16 rows (benchmarks only:
@@ -218,27 +186,21 @@ def _cache_key(device: torch.device, options: Float8Options, margs, batch: int, 
             f"{options.recipe} {scaling}|{margs}|{batch}x{seq}|{candidate}")
 
 
-def time_candidates(margs, batch: int, seq: int, options: Float8Options, with_output: bool,
-                    device: torch.device) -> tuple[dict[str, float], dict[str, float]]:
-    """(ms per block choice, ms of the output layer + loss in bf16 and float8, or {}); cached on disk."""
+def time_candidates(margs, batch: int, seq: int, options: Float8Options, device: torch.device) -> dict[str, float]:
+    """ms per block choice; cached on disk."""
     cache = json.loads(CACHE.read_text()) if CACHE.exists() else {}
-    block_ms, output_ms = {}, {}
+    block_ms = {}
     for choice in BLOCK_CHOICES:
         key = _cache_key(device, options, margs, batch, seq, f"block {choice}")
         if key not in cache:
             cache[key] = time_block_ms(margs, batch, seq, options, choice, device)
         block_ms[choice] = cache[key]
-    for name in ("bf16", "float8") if with_output else ():
-        key = _cache_key(device, options, margs, batch, seq, f"output {name}")
-        if key not in cache:
-            cache[key] = time_output_ms(margs, batch * seq, options, name == "float8", device)
-        output_ms[name] = cache[key]
     torch._dynamo.reset()  # the run compiles its own blocks afresh
     CACHE.parent.mkdir(parents=True, exist_ok=True)
     tmp = CACHE.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(cache, indent=1))
     os.replace(tmp, CACHE)
-    return block_ms, output_ms
+    return block_ms
 
 
 def measure(model: nn.Module, options: Float8Options, tokens: int, device: torch.device,
@@ -250,24 +212,15 @@ def measure(model: nn.Module, options: Float8Options, tokens: int, device: torch
     if device.type != "cuda" or options.emulate:
         logger.info("fp8.auto_filter = measure needs a GPU running real float8: choosing layers by size instead")
         return None
-    from titanlike.float8.layers import skip_reason
-
     seq = seq_len or tokens
-    # The output layer is a candidate unless the user's fp8.filter_fqns keeps it in high precision.
-    names_only = Float8Options(recipe=options.recipe, filter_fqns=options.filter_fqns)
-    output = getattr(model, "output", None)
-    with_output = isinstance(output, nn.Linear) and skip_reason("output", output, names_only) is None
     result: list = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
-        result = [time_candidates(model.args, tokens // seq, seq, options, with_output, device)]
+        result = [time_candidates(model.args, tokens // seq, seq, options, device)]
     if dist.is_initialized():
         dist.broadcast_object_list(result, src=0)
-    block_ms, output_ms = result[0]
-    plan = decide(block_ms, output_ms)
+    block_ms = result[0]
+    plan = decide(block_ms)
     for choice, ms in block_ms.items():
         logger.info(f"  fp8.auto_filter = measure: one block, float8 on {choice!r}: {ms:.2f} ms"
                     f"{' <- chosen' if choice == plan.block else ''}")
-    for name, ms in output_ms.items():
-        logger.info(f"  fp8.auto_filter = measure: output layer + loss in {name}: {ms:.2f} ms"
-                    f"{' <- chosen' if (name == 'float8') == plan.output else ''}")
     return plan
