@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from titanlike import config  # noqa: E402
+from titanlike import config, config_loader  # noqa: E402
 
 PAGE = ROOT / "docs" / "configuration.md"
 README = ROOT / "README.md"
@@ -58,18 +58,18 @@ def _cell(text: str) -> str:
 
 
 def _default(value: object) -> str:
-    return "*unset*" if value is None else f"`{config._toml_value(value)}`"
+    return "*unset*" if value is None else f"`{config_loader.toml_value(value)}`"
 
 
 def render() -> str:
     out = [HEADER]
     for name, cls in config.sections().items():
         docs = config.field_docs(cls)
-        types = config._field_types(cls)
+        types = config_loader.field_types(cls)
         defaults = cls()
         out += [f"## [{name}]", "", "| key | type | default | description |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
-            out.append(f"| `{name}.{f.name}` | {_cell(config._describe(types[f.name]))} | "
+            out.append(f"| `{name}.{f.name}` | {_cell(config_loader.describe_type(types[f.name]))} | "
                        f"{_cell(_default(getattr(defaults, f.name)))} | {_cell(docs.get(f.name, ''))} |")
         out.append("")
     return "\n".join(out)
@@ -79,7 +79,7 @@ def readme_table() -> str:
     """One row per section: its keys in order, with the choices of each fixed-choice key."""
     rows = ["| section | keys |", "|---|---|"]
     for name, cls in config.sections().items():
-        types = config._field_types(cls)
+        types = config_loader.field_types(cls)
         keys = []
         for f in dataclasses.fields(cls):
             choices = typing.get_args(types[f.name]) if typing.get_origin(types[f.name]) is typing.Literal else ()

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, _env
-from titanlike.config import ConfigError, JobConfig, field_docs, load_config, sections, to_toml, validate
+from titanlike import config
+from titanlike.config import ConfigError, JobConfig, field_docs, load_config, sections, to_toml
 from titanlike.data import DataError, write_shard
 from titanlike.parallel import resolve_dims
 from titanlike.train import preflight
@@ -175,9 +176,9 @@ def test_literal_choices():
         assert load_config(["--fp8.recipe", recipe]).fp8.recipe == recipe
 
 
-# ---- every validation in validate() -----------------------------------------------------------------
+# ---- every validation rule in config.py --------------------------------------------------------------
 
-# (overrides, a piece of the message); together they trip every need(...) in validate().
+# (overrides, a piece of the message); together they trip every need(...) in config.py.
 INVALID = [
     (["--model.flavor", "9b"], "model.flavor = '9b' is not a preset"),
     (["--model.vocab_size", "-1"], "model.vocab_size = -1 must be >= 0"),
@@ -255,31 +256,39 @@ def test_validation_rejects(argv, expected):
 
 
 def _need_call_lines() -> list[range]:
-    """Line ranges of every need(...) call in validate()."""
-    source, start = inspect.getsourcelines(validate)
-    tree = ast.parse("".join(source))
-    return [range(n.lineno + start - 1, n.end_lineno + start)
+    """Line ranges of every need(...) call in config.py: each section's validate() and the rules across
+    sections alike, so a rule added anywhere in the schema is found."""
+    tree = ast.parse(Path(config.__file__).read_text())
+    return [range(n.lineno, n.end_lineno + 1)
             for n in ast.walk(tree)
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "need"]
 
 
 def test_every_validation_is_exercised():
-    """Each need(...) in validate() is tripped by at least one case of INVALID (and no other line raises)."""
+    """Each need(...) in config.py is tripped by at least one case of INVALID (and no other line raises)."""
     calls = _need_call_lines()
     assert len(calls) >= 25  # the test below would pass vacuously if the AST walk found nothing
     hit = set()
     for argv, _ in INVALID:
         with pytest.raises(ConfigError) as e:
             load_config(argv)
-        frames = [f for f in traceback.extract_tb(e.value.__traceback__) if f.name == "validate"]
-        if not frames:
-            continue  # a parse-time error, not a validation (none expected, checked below)
+        tb = traceback.extract_tb(e.value.__traceback__)
+        if not any(f.filename == config.__file__ and f.name == "validate" for f in tb):
+            continue  # a parse-time error (config_loader.py), not a validation (none expected, checked below)
+        # The innermost frame in config.py outside need() itself is the rule that failed.
+        frames = [f for f in tb if f.filename == config.__file__ and f.name != "need"]
         line = frames[-1].lineno
         owner = [i for i, r in enumerate(calls) if line in r]
-        assert owner, f"{argv} raised from validate() line {line}, outside any need(...)"
+        assert owner, f"{argv} raised from config.py line {line} ({frames[-1].name}), outside any need(...)"
         hit.add(owner[0])
     missed = [calls[i].start for i in range(len(calls)) if i not in hit]
     assert not missed, f"need(...) calls at lines {missed} of config.py have no failing case in INVALID"
+
+
+def test_every_section_validates_itself():
+    """Each section's rules sit on its dataclass: every section has a validate() of its own."""
+    for name, cls in sections().items():
+        assert "validate" in vars(cls), f"[{name}] ({cls.__name__}) has no validate() method"
 
 
 def test_valid_edge_values_pass():

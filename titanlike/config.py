@@ -1,38 +1,32 @@
-"""The job configuration: a tree of dataclasses, loaded from TOML and overridden on the command line.
+"""The job configuration's schema: every option, its type, default and docstring, and what a valid value is.
 
-Precedence is dataclass default < TOML file < `--section.key value` on the command line.
-Every field carries a docstring (the string literal under it); `field_docs()` reads them back,
-so `--help`, error messages and docs/configuration.md all come from one place.
-
-Everything the user can get wrong is checked here, before a process group or a GPU is touched,
-and reported as one `ConfigError` line that names the key, the value and what would be valid.
+Each `[section]` is a dataclass; the string literal under a field is its documentation, which
+`--help`, error lines and docs/configuration.md all read back (config_loader.field_docs). Each
+section's `validate()` holds the rules that section alone decides; `validate_across_sections` holds
+the few that tie two sections together. All of them run before a process group or a GPU is touched
+and fail as one `ConfigError` line that names the key, the value and what would be valid.
+Reading TOML and the command line is titanlike/config_loader.py's job.
 """
 
 from __future__ import annotations
 
-import ast
-import dataclasses
-import difflib
-import inspect
 import os
-import sys
-import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
+from titanlike import config_loader
+from titanlike.config_loader import ConfigError
+from titanlike.config_loader import field_docs as field_docs  # re-exported: callers read docs from the schema
+from titanlike.config_loader import to_toml as to_toml  # re-exported beside load_config
+
+USAGE = "usage: run_train.sh [--section.key value ...]   (TOML file via --job.config_file)"
 
 
-from titanlike.errors import UserError
-
-
-class ConfigError(UserError):
-    """A mistake in the job configuration; its message is one line meant for the user."""
-
-    same_on_all_ranks = True
+def need(ok: bool, msg: str) -> None:
+    """A validation rule: raise `msg` as a ConfigError unless `ok`. tests/test_config.py finds every call
+    in this file and checks that some invalid config trips it."""
+    if not ok:
+        raise ConfigError(msg)
 
 
 @dataclass
@@ -45,6 +39,10 @@ class Job:
     """Seed for weight init, data order and dropout-free RNG state; same seed, same run."""
     print_config: bool = False
     """Print the resolved config as TOML and exit without training."""
+
+    def validate(self) -> None:
+        need(0 <= self.seed < 2**63, f"job.seed = {self.seed} must be in [0, 2^63)")
+        need(bool(self.dump_folder.strip()), "job.dump_folder must not be empty (default ./outputs)")
 
 
 @dataclass
@@ -78,6 +76,22 @@ class Model:
     """Longest sequence the model is meant for (config.json's max_position_embeddings); data.seq_len must not
     exceed it."""
 
+    def validate(self) -> None:
+        from titanlike.model import PRESETS, model_args  # late: the schema must not import torch
+        from titanlike.model_shape import shape_overrides
+
+        need(self.flavor in PRESETS or self.flavor == "hf",
+             f"model.flavor = {self.flavor!r} is not a preset; valid: {', '.join(PRESETS)}, hf")
+        need(self.vocab_size >= 0,
+             f"model.vocab_size = {self.vocab_size} must be >= 0 (0 = the tokenizer's or the preset's)")
+        # Real vocabularies stay below 2^20; past 2^24 the embedding alone takes tens of GB.
+        need(self.vocab_size <= 2**24, f"model.vocab_size = {self.vocab_size} is too large: at most 2^24 = {2**24}")
+        for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta", "norm_eps", "max_seq_len"):
+            need(getattr(self, key) >= 0, f"model.{key} = {getattr(self, key)} must be >= 0 (0 = the preset's)")
+        if self.flavor != "hf":  # an hf shape is checked once its config.json is read (titanlike/model_shape.py)
+            for problem in model_args(self.flavor, **shape_overrides(self)).problems():
+                need(False, f"model shape ({self.flavor} with the model.* overrides): {problem}")
+
 
 @dataclass
 class Data:
@@ -90,6 +104,12 @@ class Data:
     """Tokens per sample (each sample reads seq_len + 1 tokens: inputs and shifted targets)."""
     num_workers: int = 0
     """Data-loader worker processes per rank (0 = load in the training process)."""
+
+    def validate(self) -> None:
+        need(self.seq_len >= 8, f"data.seq_len = {self.seq_len} must be at least 8")
+        need(self.num_workers >= 0, f"data.num_workers = {self.num_workers} must be >= 0")
+        for key, path in (("data.path", self.path), ("data.val_path", self.val_path)):
+            need(not path or os.path.exists(path), f"{key} = {path!r}: no such file or folder")
 
 
 @dataclass
@@ -124,6 +144,22 @@ class Training:
     checkpoint the next one stops the run). Values are checked at log steps and before each save
     (docs/troubleshooting.md)."""
 
+    def validate(self) -> None:
+        need(self.local_batch_size >= 1, f"training.local_batch_size = {self.local_batch_size} must be >= 1")
+        need(self.global_batch_size >= 0,
+             f"training.global_batch_size = {self.global_batch_size} must be >= 0 (0 = local × DP)")
+        need(
+            self.global_batch_size == 0 or self.global_batch_size % self.local_batch_size == 0,
+            f"training.global_batch_size = {self.global_batch_size} must be a multiple of "
+            f"training.local_batch_size = {self.local_batch_size} (× the data-parallel degree)",
+        )
+        need(self.steps >= 1, f"training.steps = {self.steps} must be >= 1")
+        need(self.max_norm >= 0, f"training.max_norm = {self.max_norm} must be >= 0 (0 = no clipping)")
+        need(self.loss_chunk_tokens >= 0,
+             f"training.loss_chunk_tokens = {self.loss_chunk_tokens} must be >= 0 (0 = off)")
+        need(self.gpu_memory_limit_gib >= 0,
+             f"training.gpu_memory_limit_gib = {self.gpu_memory_limit_gib} must be >= 0 (0 = no cap)")
+
 
 @dataclass
 class Optimizer:
@@ -135,6 +171,15 @@ class Optimizer:
     """AdamW betas, two numbers: --optimizer.betas 0.9,0.95"""
     eps: float = 1e-8
     """AdamW epsilon."""
+
+    def validate(self) -> None:
+        need(self.lr > 0, f"optimizer.lr = {self.lr} must be > 0")
+        need(self.weight_decay >= 0, f"optimizer.weight_decay = {self.weight_decay} must be >= 0")
+        need(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            f"optimizer.betas = {self.betas} must be two numbers in [0, 1), like 0.9,0.95",
+        )
+        need(self.eps > 0, f"optimizer.eps = {self.eps} must be > 0")
 
 
 @dataclass
@@ -148,6 +193,11 @@ class LRScheduler:
     min_lr_factor: float = 0.0
     """LR at the end of decay, as a fraction of the peak."""
 
+    def validate(self) -> None:
+        need(self.warmup_steps >= 0, f"lr_scheduler.warmup_steps = {self.warmup_steps} must be >= 0")
+        need(0 <= self.decay_ratio <= 1, f"lr_scheduler.decay_ratio = {self.decay_ratio} must be in [0, 1]")
+        need(0 <= self.min_lr_factor <= 1, f"lr_scheduler.min_lr_factor = {self.min_lr_factor} must be in [0, 1]")
+
 
 @dataclass
 class Parallel:
@@ -160,6 +210,15 @@ class Parallel:
     output layer, and for none of them when all weights in bf16 take at most 1/16 of a GPU's memory."""
     backend_timeout_s: int = 600
     """Seconds a collective may wait for another rank before the run fails with its name."""
+
+    def validate(self) -> None:
+        """Checks without a world size; those with one are parallel.resolve_dims and train.preflight."""
+        need(self.dp_shard == -1 or self.dp_shard >= 1,
+             f"parallel.dp_shard = {self.dp_shard} must be -1 (all ranks) or >= 1")
+        need(self.dp_replicate == -1 or self.dp_replicate >= 1,
+             f"parallel.dp_replicate = {self.dp_replicate} must be -1 (the rest) or >= 1")
+        need(1 <= self.backend_timeout_s <= 10**6,
+             f"parallel.backend_timeout_s = {self.backend_timeout_s} must be in [1, 1000000] (about 11 days)")
 
 
 @dataclass
@@ -196,11 +255,33 @@ class Fp8:
     0 = off): per converted Linear, the weight amax and the shares of values that would saturate or flush to
     zero when cast to float8; per layer in TensorBoard (fp8/<layer>/...), the worst layer in metrics.jsonl."""
 
+    def validate(self) -> None:
+        need(
+            not (self.enable_fsdp_float8_all_gather and self.recipe != "tensorwise"),
+            f"fp8.enable_fsdp_float8_all_gather needs fp8.recipe = tensorwise (got {self.recipe!r}): rowwise "
+            f"scales are per row of each matmul input, so a weight cannot be gathered in float8 once for all uses",
+        )
+        need(
+            self.scaling == "dynamic" or self.recipe == "tensorwise",
+            f"fp8.scaling = delayed needs fp8.recipe = tensorwise (got {self.recipe!r}): rowwise scales are per "
+            f"row of each tensor, which changes from step to step",
+        )
+        need(self.amax_history >= 1, f"fp8.amax_history = {self.amax_history} must be >= 1")
+        need(self.amax_every >= 1, f"fp8.amax_every = {self.amax_every} must be >= 1")
+        need(
+            not (self.precompute_float8_dynamic_scale_for_fsdp and self.enable_fsdp_float8_all_gather is False),
+            "fp8.precompute_float8_dynamic_scale_for_fsdp needs fp8.enable_fsdp_float8_all_gather",
+        )
+        need(self.health_log_freq >= 0, f"fp8.health_log_freq = {self.health_log_freq} must be >= 0 (0 = off)")
+
 
 @dataclass
 class Compile:
     enable: bool = False
     """torch.compile each transformer block and the loss."""
+
+    def validate(self) -> None:
+        pass  # a boolean: every value is valid
 
 
 @dataclass
@@ -210,6 +291,14 @@ class ActivationCheckpoint:
     selective_ac_option: str = "op"
     """With mode = selective: "op" saves matmul outputs and float8 amax reductions and recomputes
     the rest; an integer k checkpoints every k-th block fully."""
+
+    def validate(self) -> None:
+        option = self.selective_ac_option
+        if self.mode == "selective":  # the option means nothing in the other modes
+            need(
+                option == "op" or (option.isascii() and option.isdigit() and int(option) >= 1),
+                f"activation_checkpoint.selective_ac_option = {option!r} must be 'op' or a positive integer",
+            )
 
 
 @dataclass
@@ -233,6 +322,15 @@ class Checkpoint:
     """Load a DCP checkpoint folder from elsewhere under initial_load_path. Its .metadata is a Python pickle:
     loading it can run any code its author put there. Only for folders from someone you trust."""
 
+    def validate(self) -> None:
+        need(self.interval >= 1, f"checkpoint.interval = {self.interval} must be >= 1")
+        need(self.keep_latest_k >= 0, f"checkpoint.keep_latest_k = {self.keep_latest_k} must be >= 0 (0 = keep all)")
+        need(self.load_step >= -1, f"checkpoint.load_step = {self.load_step} must be -1 (newest) or a step")
+        need(
+            not self.initial_load_path or os.path.exists(self.initial_load_path),
+            f"checkpoint.initial_load_path = {self.initial_load_path!r}: no such file or folder",
+        )
+
 
 @dataclass
 class Metrics:
@@ -240,6 +338,9 @@ class Metrics:
     """Log one console line and one metrics.jsonl record every this many steps."""
     enable_tensorboard: bool = True
     """Write TensorBoard scalars to <dump_folder>/tb."""
+
+    def validate(self) -> None:
+        need(self.log_freq >= 1, f"metrics.log_freq = {self.log_freq} must be >= 1")
 
 
 @dataclass
@@ -250,6 +351,10 @@ class Validation:
     """Validate every this many steps (and at the last step)."""
     steps: int = 4
     """Global batches of held-out data per evaluation (the same samples for any number of ranks)."""
+
+    def validate(self) -> None:
+        need(self.freq >= 1 and self.steps >= 1,
+             f"validation.freq and validation.steps must be >= 1 (got {self.freq}, {self.steps})")
 
 
 @dataclass
@@ -267,6 +372,14 @@ class Profiling:
     folder: str = "profile"
     """Where traces and memory snapshots go, relative to job.dump_folder unless absolute:
     <folder>/step-N/rank{R}_trace.json."""
+
+    def validate(self) -> None:
+        need(
+            self.freq >= 1 and self.warmup >= 0 and self.active >= 1 and self.warmup + self.active < self.freq + 1,
+            f"profiling: need freq >= 1, active >= 1 and warmup + active <= freq "
+            f"(got {self.freq}, {self.warmup}, {self.active})",
+        )
+        need(bool(self.folder.strip()), "profiling.folder must not be empty (default \"profile\", inside job.dump_folder)")
 
 
 @dataclass
@@ -288,345 +401,45 @@ class JobConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Introspection: sections, fields, their types and docstrings.
+# Rules across sections, and the entry points.
+
+
+def validate_across_sections(cfg: JobConfig) -> None:
+    """Rules that tie one section's value to another's."""
+    m = cfg.model
+    need(m.flavor != "hf" or bool(cfg.checkpoint.initial_load_path),
+         "model.flavor = hf takes the shape from a Hugging Face folder's config.json: "
+         "set --checkpoint.initial_load_path")
+    if m.flavor != "hf":
+        from titanlike.model import model_args
+        from titanlike.model_shape import shape_overrides
+
+        max_seq_len = model_args(m.flavor, **shape_overrides(m)).max_seq_len
+        need(cfg.data.seq_len <= max_seq_len,
+             f"data.seq_len = {cfg.data.seq_len} exceeds model.max_seq_len = {max_seq_len}")
+    need(
+        cfg.training.nonfinite != "rollback" or cfg.checkpoint.enable,
+        "training.nonfinite = rollback reloads the last checkpoint: it needs --checkpoint.enable",
+    )
+
+
+def validate(cfg: JobConfig) -> None:
+    """Checks that need no process group and no GPU: each section's, then those across sections.
+    World-size checks live in parallel.py (resolve_dims) and train.py (preflight)."""
+    for name in sections():
+        getattr(cfg, name).validate()
+    validate_across_sections(cfg)
 
 
 def sections() -> dict[str, type]:
-    return {f.name: f.default_factory for f in dataclasses.fields(JobConfig)}  # type: ignore[misc]
-
-
-def field_docs(section_cls: type) -> dict[str, str]:
-    """The docstring under each field of a section dataclass, read from its source."""
-    tree = ast.parse(inspect.getsource(section_cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-def _field_types(section_cls: type) -> dict[str, object]:
-    return typing.get_type_hints(section_cls)
-
-
-def _describe(tp: object) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " | ".join(str(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        return " or ".join(_describe(a) for a in typing.get_args(tp) if a is not type(None))
-    if origin is list:
-        return f"a comma-separated list of {_describe(typing.get_args(tp)[0])}"
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
-
-
-class _BareFlag(str):
-    """A command-line option given without a value: true for booleans, a mistake otherwise."""
-
-
-BARE_FLAG = _BareFlag("true")
-
-
-def _coerce(key: str, raw: object, tp: object) -> object:
-    """Turn a TOML value or a command-line string into the field's type, or raise ConfigError."""
-    if isinstance(raw, _BareFlag) and bool not in (tp, *typing.get_args(tp)) and "true" not in typing.get_args(tp):
-        raise ConfigError(f"--{key} needs a value: {_describe(tp)}")
-    origin = typing.get_origin(tp)
-    bad = ConfigError(f"{key} = {raw!r} is not valid: expected {_describe(tp)}")
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if raw is None or (isinstance(raw, str) and raw.lower() in ("", "none", "auto")):
-            return None
-        return _coerce(key, raw, args[0])
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        value = str(raw).lower() if isinstance(raw, bool) else str(raw)  # TOML true → "true"
-        if value not in choices:
-            close = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{key} = {raw!r} is not one of {', '.join(map(str, choices))}{hint}")
-        return value
-    if origin is list:
-        (elem,) = typing.get_args(tp)
-        if isinstance(raw, str):
-            items = [s.strip() for s in raw.split(",") if s.strip()]
-        elif isinstance(raw, (list, tuple)):
-            items = list(raw)
-        else:
-            raise bad
-        return [_coerce(key, item, elem) for item in items]
-    if tp is bool:
-        if isinstance(raw, bool):
-            return raw
-        if isinstance(raw, str) and raw.lower() in ("true", "1", "yes", "on"):
-            return True
-        if isinstance(raw, str) and raw.lower() in ("false", "0", "no", "off"):
-            return False
-        raise bad
-    if tp is int:
-        if isinstance(raw, bool):
-            raise bad
-        if isinstance(raw, int):
-            return raw
-        try:
-            return int(str(raw).replace("_", ""))
-        except ValueError:
-            raise bad from None
-    if tp is float:
-        if isinstance(raw, bool):
-            raise bad
-        try:
-            return float(raw)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            raise bad from None
-    if tp is str:
-        if isinstance(raw, (dict, list)):
-            raise bad
-        return str(raw)
-    raise bad
-
-
-def _closest(name: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
-    return f"; did you mean {close[0]}?" if close else f"; valid: {', '.join(candidates)}"
-
-
-def _set(cfg: JobConfig, section: str, key: str, raw: object, source: str) -> None:
-    secs = sections()
-    if section not in secs:
-        raise ConfigError(f"unknown config section [{section}] in {source}{_closest(section, list(secs))}")
-    types = _field_types(secs[section])
-    if key not in types:
-        full = [f"{section}.{k}" for k in types]
-        everything = [f"{s}.{k}" for s, c in secs.items() for k in _field_types(c)]
-        # The same key in another section (--training.lr → optimizer.lr) beats a look-alike spelling.
-        same_key = [f"{s}.{key}" for s, c in secs.items() if key in _field_types(c)]
-        near = same_key or difflib.get_close_matches(f"{section}.{key}", everything, n=1, cutoff=0.6)
-        hint = f"; did you mean {near[0]}?" if near else f"; valid: {', '.join(full)}"
-        raise ConfigError(f"unknown config key {section}.{key} in {source}{hint}")
-    setattr(getattr(cfg, section), key, _coerce(f"{section}.{key}", raw, types[key]))
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading.
-
-
-def _parse_cli(argv: list[str]) -> list[tuple[str, str, object]]:
-    """`--section.key value`, `--section.key=value`, or a bare `--section.key` for booleans."""
-    out: list[tuple[str, str, object]] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}: options look like --section.key value")
-        name, eq, value = arg[2:].partition("=")
-        if "." not in name:
-            raise ConfigError(f"option --{name} needs a section, like --training.steps 100")
-        section, _, key = name.partition(".")
-        if not eq:
-            # A value follows unless the next token is another option (a bare boolean flag).
-            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                value = argv[i + 1]
-                i += 1
-            else:
-                value = BARE_FLAG
-        out.append((section.replace("-", "_"), key.replace("-", "_"), value))
-        i += 1
-    return out
+    """Each `[section]` name and its dataclass, in the order of JobConfig."""
+    return config_loader.sections_of(JobConfig)
 
 
 def load_config(argv: list[str] | None = None) -> JobConfig:
     """Defaults, then the TOML file (job.config_file, from the CLI), then the CLI overrides; validated."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(help_text())
-        raise SystemExit(0)
-    overrides = _parse_cli(argv)
-    cfg = JobConfig()
-    config_file = [v for s, k, v in overrides if (s, k) == ("job", "config_file")]
-    if config_file and config_file[-1]:
-        path = str(config_file[-1])
-        if not os.path.isfile(path):
-            raise ConfigError(f"job.config_file = {path!r}: no such file")
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"job.config_file = {path!r} is not valid TOML: {e}") from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"job.config_file = {path!r} is not UTF-8 text (byte {e.start}): TOML files are UTF-8") from None
-        except OSError as e:
-            raise ConfigError(f"job.config_file = {path!r} cannot be read: {e.strerror}") from None
-        for section, table in data.items():
-            if not isinstance(table, dict):
-                raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table")
-            for key, value in table.items():
-                _set(cfg, section, key, value, path)
-    for section, key, value in overrides:
-        _set(cfg, section, key, value, "the command line")
-    validate(cfg)
-    return cfg
-
-
-def validate(cfg: JobConfig) -> None:
-    """Checks that need no process group and no GPU. World-size checks live in parallel.py."""
-    from titanlike.model import PRESETS, model_args  # late import: config must not depend on torch at import
-
-    t, d, o, s = cfg.training, cfg.data, cfg.optimizer, cfg.lr_scheduler
-
-    def need(ok: bool, msg: str) -> None:
-        if not ok:
-            raise ConfigError(msg)
-
-    m = cfg.model
-    need(m.flavor in PRESETS or m.flavor == "hf",
-         f"model.flavor = {m.flavor!r} is not a preset; valid: {', '.join(PRESETS)}, hf")
-    need(m.vocab_size >= 0, f"model.vocab_size = {m.vocab_size} must be >= 0 (0 = the tokenizer's or the preset's)")
-    # Real vocabularies stay below 2^20; past 2^24 the embedding alone takes tens of GB.
-    need(m.vocab_size <= 2**24, f"model.vocab_size = {m.vocab_size} is too large: at most 2^24 = {2**24}")
-    need(0 <= cfg.job.seed < 2**63, f"job.seed = {cfg.job.seed} must be in [0, 2^63)")
-    need(bool(cfg.job.dump_folder.strip()), "job.dump_folder must not be empty (default ./outputs)")
-    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta", "norm_eps", "max_seq_len"):
-        need(getattr(m, key) >= 0, f"model.{key} = {getattr(m, key)} must be >= 0 (0 = the preset's)")
-    need(m.flavor != "hf" or bool(cfg.checkpoint.initial_load_path),
-         "model.flavor = hf takes the shape from a Hugging Face folder's config.json: "
-         "set --checkpoint.initial_load_path")
-    if m.flavor != "hf":  # an hf shape is checked once its config.json is read (titanlike/model_shape.py)
-        from titanlike.model_shape import shape_overrides
-
-        shape = model_args(m.flavor, **shape_overrides(m))
-        for problem in shape.problems():
-            need(False, f"model shape ({m.flavor} with the model.* overrides): {problem}")
-        need(d.seq_len <= shape.max_seq_len,
-             f"data.seq_len = {d.seq_len} exceeds model.max_seq_len = {shape.max_seq_len}")
-    need(d.seq_len >= 8, f"data.seq_len = {d.seq_len} must be at least 8")
-    need(d.num_workers >= 0, f"data.num_workers = {d.num_workers} must be >= 0")
-    for key, path in (("data.path", d.path), ("data.val_path", d.val_path)):
-        need(not path or os.path.exists(path), f"{key} = {path!r}: no such file or folder")
-    need(t.local_batch_size >= 1, f"training.local_batch_size = {t.local_batch_size} must be >= 1")
-    need(t.global_batch_size >= 0, f"training.global_batch_size = {t.global_batch_size} must be >= 0 (0 = local × DP)")
-    need(
-        t.global_batch_size == 0 or t.global_batch_size % t.local_batch_size == 0,
-        f"training.global_batch_size = {t.global_batch_size} must be a multiple of "
-        f"training.local_batch_size = {t.local_batch_size} (× the data-parallel degree)",
-    )
-    need(t.steps >= 1, f"training.steps = {t.steps} must be >= 1")
-    need(t.max_norm >= 0, f"training.max_norm = {t.max_norm} must be >= 0 (0 = no clipping)")
-    need(t.loss_chunk_tokens >= 0, f"training.loss_chunk_tokens = {t.loss_chunk_tokens} must be >= 0 (0 = off)")
-    need(t.gpu_memory_limit_gib >= 0, f"training.gpu_memory_limit_gib = {t.gpu_memory_limit_gib} must be >= 0 (0 = no cap)")
-    need(o.lr > 0, f"optimizer.lr = {o.lr} must be > 0")
-    need(o.weight_decay >= 0, f"optimizer.weight_decay = {o.weight_decay} must be >= 0")
-    need(
-        len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
-        f"optimizer.betas = {o.betas} must be two numbers in [0, 1), like 0.9,0.95",
-    )
-    need(o.eps > 0, f"optimizer.eps = {o.eps} must be > 0")
-    need(s.warmup_steps >= 0, f"lr_scheduler.warmup_steps = {s.warmup_steps} must be >= 0")
-    need(0 <= s.decay_ratio <= 1, f"lr_scheduler.decay_ratio = {s.decay_ratio} must be in [0, 1]")
-    need(0 <= s.min_lr_factor <= 1, f"lr_scheduler.min_lr_factor = {s.min_lr_factor} must be in [0, 1]")
-    p = cfg.parallel
-    need(p.dp_shard == -1 or p.dp_shard >= 1, f"parallel.dp_shard = {p.dp_shard} must be -1 (all ranks) or >= 1")
-    need(p.dp_replicate == -1 or p.dp_replicate >= 1, f"parallel.dp_replicate = {p.dp_replicate} must be -1 (the rest) or >= 1")
-    need(1 <= p.backend_timeout_s <= 10**6,
-         f"parallel.backend_timeout_s = {p.backend_timeout_s} must be in [1, 1000000] (about 11 days)")
-    f8 = cfg.fp8
-    need(
-        not (f8.enable_fsdp_float8_all_gather and f8.recipe != "tensorwise"),
-        f"fp8.enable_fsdp_float8_all_gather needs fp8.recipe = tensorwise (got {f8.recipe!r}): rowwise "
-        f"scales are per row of each matmul input, so a weight cannot be gathered in float8 once for all uses",
-    )
-    need(
-        f8.scaling == "dynamic" or f8.recipe == "tensorwise",
-        f"fp8.scaling = delayed needs fp8.recipe = tensorwise (got {f8.recipe!r}): rowwise scales are per row "
-        f"of each tensor, which changes from step to step",
-    )
-    need(f8.amax_history >= 1, f"fp8.amax_history = {f8.amax_history} must be >= 1")
-    need(f8.amax_every >= 1, f"fp8.amax_every = {f8.amax_every} must be >= 1")
-    need(
-        not (f8.precompute_float8_dynamic_scale_for_fsdp and f8.enable_fsdp_float8_all_gather is False),
-        "fp8.precompute_float8_dynamic_scale_for_fsdp needs fp8.enable_fsdp_float8_all_gather",
-    )
-    ac = cfg.activation_checkpoint
-    if ac.mode == "selective":
-        need(
-            ac.selective_ac_option == "op"
-            or (ac.selective_ac_option.isascii() and ac.selective_ac_option.isdigit() and int(ac.selective_ac_option) >= 1),
-            f"activation_checkpoint.selective_ac_option = {ac.selective_ac_option!r} must be 'op' or a positive integer",
-        )
-    c = cfg.checkpoint
-    need(c.interval >= 1, f"checkpoint.interval = {c.interval} must be >= 1")
-    need(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k = {c.keep_latest_k} must be >= 0 (0 = keep all)")
-    need(c.load_step >= -1, f"checkpoint.load_step = {c.load_step} must be -1 (newest) or a step")
-    need(
-        not c.initial_load_path or os.path.exists(c.initial_load_path),
-        f"checkpoint.initial_load_path = {c.initial_load_path!r}: no such file or folder",
-    )
-    need(
-        t.nonfinite != "rollback" or c.enable,
-        "training.nonfinite = rollback reloads the last checkpoint: it needs --checkpoint.enable",
-    )
-    need(f8.health_log_freq >= 0, f"fp8.health_log_freq = {f8.health_log_freq} must be >= 0 (0 = off)")
-    need(cfg.metrics.log_freq >= 1, f"metrics.log_freq = {cfg.metrics.log_freq} must be >= 1")
-    v = cfg.validation
-    need(v.freq >= 1 and v.steps >= 1, f"validation.freq and validation.steps must be >= 1 (got {v.freq}, {v.steps})")
-    pr = cfg.profiling
-    need(
-        pr.freq >= 1 and pr.warmup >= 0 and pr.active >= 1 and pr.warmup + pr.active < pr.freq + 1,
-        f"profiling: need freq >= 1, active >= 1 and warmup + active <= freq (got {pr.freq}, {pr.warmup}, {pr.active})",
-    )
-    need(bool(pr.folder.strip()), "profiling.folder must not be empty (default \"profile\", inside job.dump_folder)")
-
-
-# ---------------------------------------------------------------------------------------------
-# Output.
-
-
-def _toml_value(v: object) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    # A TOML basic string: backslash, quote and every control character escaped (a path may hold them).
-    out = []
-    for ch in str(v):
-        if ch in ('"', "\\"):
-            out.append("\\" + ch)
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\u{ord(ch):04x}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
-
-
-def to_toml(cfg: JobConfig) -> str:
-    """The resolved config as TOML (unset optional fields are omitted: they mean 'decide for me')."""
-    lines = []
-    for name in sections():
-        lines.append(f"[{name}]")
-        for key, value in dataclasses.asdict(getattr(cfg, name)).items():
-            if value is not None:
-                lines.append(f"{key} = {_toml_value(value)}")
-        lines.append("")
-    return "\n".join(lines)
+    return config_loader.load(JobConfig, argv, validate, USAGE)
 
 
 def help_text() -> str:
-    out = ["usage: run_train.sh [--section.key value ...]   (TOML file via --job.config_file)", ""]
-    for name, cls in sections().items():
-        out.append(f"[{name}]")
-        docs = field_docs(cls)
-        defaults = cls()
-        for key, tp in _field_types(cls).items():
-            out.append(f"  --{name}.{key} ({_describe(tp)}; default {getattr(defaults, key)!r})")
-            out.append(f"      {docs.get(key, '')}")
-        out.append("")
-    return "\n".join(out)
+    return config_loader.help_text(JobConfig, USAGE)

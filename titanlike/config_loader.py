@@ -1,0 +1,294 @@
+"""Reading a tree of option dataclasses from a TOML file and `--section.key value` overrides.
+
+This module knows how options are spelled, coerced and printed, not which options exist: the schema
+(titanlike/config.py) hands it the root dataclass (one field per `[section]`, each a dataclass of
+typed fields with a docstring under each) and its validation. Precedence is dataclass default <
+TOML file < command line. Every mistake is one `ConfigError` line that names the key, the value and
+what would be valid.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import os
+import sys
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+from titanlike.errors import UserError
+
+Root = TypeVar("Root")
+
+
+class ConfigError(UserError):
+    """A mistake in the job configuration; its message is one line meant for the user."""
+
+    same_on_all_ranks = True
+
+
+# ---------------------------------------------------------------------------------------------
+# Introspection: sections, fields, their types and docstrings.
+
+
+def sections_of(root_cls: type) -> dict[str, type]:
+    """Each `[section]` of a root dataclass and the dataclass that holds its fields."""
+    return {f.name: f.default_factory for f in dataclasses.fields(root_cls)}  # type: ignore[misc]
+
+
+def field_docs(section_cls: type) -> dict[str, str]:
+    """The docstring under each field of a section dataclass, read from its source."""
+    tree = ast.parse(inspect.getsource(section_cls))
+    cls_node = tree.body[0]
+    assert isinstance(cls_node, ast.ClassDef)
+    body = cls_node.body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def field_types(section_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)
+
+
+def _is_union(tp: object) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType)
+
+
+def describe_type(tp: object) -> str:
+    """A field's type in words, for --help, error lines and docs/configuration.md."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(str(a) for a in typing.get_args(tp))
+    if _is_union(tp):
+        return " or ".join(describe_type(a) for a in typing.get_args(tp) if a is not type(None))
+    if origin is list:
+        return f"a comma-separated list of {describe_type(typing.get_args(tp)[0])}"
+    names: dict[object, str] = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    return names.get(tp, str(tp))
+
+
+# ---------------------------------------------------------------------------------------------
+# Coercion: a TOML value or a command-line string into a field's type.
+
+
+class _BareFlag(str):
+    """A command-line option given without a value: true for booleans, a mistake otherwise."""
+
+
+BARE_FLAG = _BareFlag("true")
+
+
+def coerce(key: str, raw: object, tp: Any) -> object:
+    """Turn a TOML value or a command-line string into the field's type, or raise ConfigError."""
+    if isinstance(raw, _BareFlag) and bool not in (tp, *typing.get_args(tp)) and "true" not in typing.get_args(tp):
+        raise ConfigError(f"--{key} needs a value: {describe_type(tp)}")
+    origin = typing.get_origin(tp)
+    bad = ConfigError(f"{key} = {raw!r} is not valid: expected {describe_type(tp)}")
+    if _is_union(tp):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if raw is None or (isinstance(raw, str) and raw.lower() in ("", "none", "auto")):
+            return None
+        return coerce(key, raw, args[0])
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        value = str(raw).lower() if isinstance(raw, bool) else str(raw)  # TOML true → "true"
+        if value not in choices:
+            close = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{key} = {raw!r} is not one of {', '.join(map(str, choices))}{hint}")
+        return value
+    if origin is list:
+        (elem,) = typing.get_args(tp)
+        if isinstance(raw, str):
+            items: list[object] = [s.strip() for s in raw.split(",") if s.strip()]
+        elif isinstance(raw, (list, tuple)):
+            items = list(raw)
+        else:
+            raise bad
+        return [coerce(key, item, elem) for item in items]
+    if tp is bool:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(raw, str) and raw.lower() in ("false", "0", "no", "off"):
+            return False
+        raise bad
+    if tp is int:
+        if isinstance(raw, bool):
+            raise bad
+        if isinstance(raw, int):
+            return raw
+        try:
+            return int(str(raw).replace("_", ""))
+        except ValueError:
+            raise bad from None
+    if tp is float:
+        if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+            raise bad
+        try:
+            return float(raw)
+        except ValueError:
+            raise bad from None
+    if tp is str:
+        if isinstance(raw, (dict, list)):
+            raise bad
+        return str(raw)
+    raise bad
+
+
+def _closest(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
+    return f"; did you mean {close[0]}?" if close else f"; valid: {', '.join(candidates)}"
+
+
+def _set(cfg: object, section: str, key: str, raw: object, source: str) -> None:
+    secs = sections_of(type(cfg))
+    if section not in secs:
+        raise ConfigError(f"unknown config section [{section}] in {source}{_closest(section, list(secs))}")
+    types_ = field_types(secs[section])
+    if key not in types_:
+        full = [f"{section}.{k}" for k in types_]
+        everything = [f"{s}.{k}" for s, c in secs.items() for k in field_types(c)]
+        # The same key in another section (--training.lr → optimizer.lr) beats a look-alike spelling.
+        same_key = [f"{s}.{key}" for s, c in secs.items() if key in field_types(c)]
+        near = same_key or difflib.get_close_matches(f"{section}.{key}", everything, n=1, cutoff=0.6)
+        hint = f"; did you mean {near[0]}?" if near else f"; valid: {', '.join(full)}"
+        raise ConfigError(f"unknown config key {section}.{key} in {source}{hint}")
+    setattr(getattr(cfg, section), key, coerce(f"{section}.{key}", raw, types_[key]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading.
+
+
+def parse_cli(argv: list[str]) -> list[tuple[str, str, object]]:
+    """`--section.key value`, `--section.key=value`, or a bare `--section.key` for booleans."""
+    out: list[tuple[str, str, object]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: options look like --section.key value")
+        name, eq, value = arg[2:].partition("=")
+        if "." not in name:
+            raise ConfigError(f"option --{name} needs a section, like --training.steps 100")
+        section, _, key = name.partition(".")
+        if not eq:
+            # A value follows unless the next token is another option (a bare boolean flag).
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                value = argv[i + 1]
+                i += 1
+            else:
+                value = BARE_FLAG
+        out.append((section.replace("-", "_"), key.replace("-", "_"), value))
+        i += 1
+    return out
+
+
+def read_toml(path: str) -> dict[str, Any]:
+    """The TOML file that `--job.config_file` names, or one ConfigError line saying why not."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"job.config_file = {path!r}: no such file")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"job.config_file = {path!r} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"job.config_file = {path!r} is not UTF-8 text (byte {e.start}): TOML files are UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"job.config_file = {path!r} cannot be read: {e.strerror}") from None
+
+
+def load(root_cls: type[Root], argv: list[str] | None, validate: Callable[[Root], None],
+         usage: str = "") -> Root:
+    """Defaults, then the TOML file (job.config_file, from the CLI), then the CLI overrides; validated.
+
+    `--help` anywhere prints the usage line and every option, and exits 0."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text(root_cls, usage))
+        raise SystemExit(0)
+    overrides = parse_cli(argv)
+    cfg = root_cls()
+    config_file = [v for s, k, v in overrides if (s, k) == ("job", "config_file")]
+    if config_file and config_file[-1]:
+        path = str(config_file[-1])
+        for section, table in read_toml(path).items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table")
+            for key, value in table.items():
+                _set(cfg, section, key, value, path)
+    for section, key, value in overrides:
+        _set(cfg, section, key, value, "the command line")
+    validate(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Output.
+
+
+def toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    # A TOML basic string: backslash, quote and every control character escaped (a path may hold them).
+    out = []
+    for ch in str(v):
+        if ch in ('"', "\\"):
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def to_toml(cfg: object) -> str:
+    """The resolved config as TOML (unset optional fields are omitted: they mean 'decide for me')."""
+    lines = []
+    for name in sections_of(type(cfg)):
+        lines.append(f"[{name}]")
+        for key, value in dataclasses.asdict(getattr(cfg, name)).items():
+            if value is not None:
+                lines.append(f"{key} = {toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def help_text(root_cls: type, usage: str = "") -> str:
+    """The usage line, then every option with its type, default and docstring, section by section."""
+    out = [usage, ""] if usage else []
+    for name, cls in sections_of(root_cls).items():
+        out.append(f"[{name}]")
+        docs = field_docs(cls)
+        defaults = cls()
+        for key, tp in field_types(cls).items():
+            out.append(f"  --{name}.{key} ({describe_type(tp)}; default {getattr(defaults, key)!r})")
+            out.append(f"      {docs.get(key, '')}")
+        out.append("")
+    return "\n".join(out)
