@@ -106,7 +106,8 @@ def main() -> None:
     p.add_argument("--log-freq", type=int, default=5)
     p.add_argument("--ngpu", type=int, default=1)
     p.add_argument("--variant", action="append", required=True, help="name=overrides")
-    p.add_argument("--corpus", default="", help="a cache folder ($TITANLIKE_CACHE) holding an already-built corpus to reuse")
+    p.add_argument("--corpus", default="",
+                   help="a cache folder ($TITANLIKE_CACHE) holding an already-built corpus to reuse")
     p.add_argument("--out", default="", help="write the results as JSON here")
     p.add_argument("--workdir", default="", help="keep run folders and logs here (default: a temp dir)")
     args = p.parse_args(argv)

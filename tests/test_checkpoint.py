@@ -318,8 +318,8 @@ def test_sigterm_to_every_process_saves_and_resumes_exactly(ref, tmp_path, corpu
 def test_signal_to_single_process_saves_and_exits_zero(tmp_path, corpus, sig):
     """One process, no torchrun (the one-GPU launch): the signal → finish the step, save, exit 0."""
     logs = tmp_path / "preempted"
-    proc = start([sys.executable, "-m", "titanlike.train", *train_args(tmp_path, corpus, "--checkpoint.interval", "100")],
-                 logs)
+    args = train_args(tmp_path, corpus, "--checkpoint.interval", "100")
+    proc = start([sys.executable, "-m", "titanlike.train", *args], logs)
     try:
         wait_for(lambda: logged_steps(tmp_path) >= 2, "step 2", proc, logs)
         proc.send_signal(sig)
@@ -400,8 +400,8 @@ def exported(ref, tmp_path_factory):
     step_dir, out = ckpt(ref[0]) / f"step-{STEPS}", tmp_path_factory.mktemp("export") / "hf"
     proc = export(step_dir, out, "--dtype", "fp32")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == (f"exported {step_dir} to {out} (fp32, LlamaForCausalLM): model.safetensors, config.json, "
-                                   f"generation_config.json, tokenizer.json, tokenizer_config.json")
+    assert proc.stdout.strip() == (f"exported {step_dir} to {out} (fp32, LlamaForCausalLM): model.safetensors, "
+                                   f"config.json, generation_config.json, tokenizer.json, tokenizer_config.json")
     return step_dir, out
 
 
@@ -500,7 +500,8 @@ def test_export_tied_embeddings(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True])
 def test_export_loads_in_transformers_llama(request, tmp_path, tied):
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
+    transformers = pytest.importorskip("transformers",
+                                       reason="transformers is not installed (pip install transformers)")
     if tied:
         step_dir, hf = tmp_path / "step-1", tmp_path / "hf"
         original = synthetic_checkpoint(step_dir, tie_embeddings=True)
@@ -614,11 +615,13 @@ def test_stacked_qkv_is_three_hugging_face_projections(tmp_path):
     write_hf_folder(source.state_dict(), a, str(hf), torch.float32)
     del tensors["model.layers.2.self_attn.v_proj.weight"]
     save_file(tensors, hf / "model.safetensors")
-    assert load_error(debug_model(), hf) == f"{hf} has no model.layers.2.self_attn.v_proj.weight: it holds a different model"
+    assert load_error(debug_model(), hf) == (
+        f"{hf} has no model.layers.2.self_attn.v_proj.weight: it holds a different model")
     # A tensor no Llama has, in a second shard file: named with its file.
     save_file({"model.layers.0.mlp.extra_proj.weight": torch.zeros(2, 2)}, hf / "model-extra.safetensors")
     assert load_error(debug_model(), hf) == (
-        f"{hf}/model-extra.safetensors: parameter model.layers.0.mlp.extra_proj.weight is not part of a Llama or Qwen3 model")
+        f"{hf}/model-extra.safetensors: parameter model.layers.0.mlp.extra_proj.weight "
+        f"is not part of a Llama or Qwen3 model")
 
 
 def test_import_of_another_model_names_the_first_difference(tmp_path):
@@ -652,7 +655,8 @@ def test_import_of_another_model_names_the_first_difference(tmp_path):
     step_dir = tmp_path / "step-1"
     synthetic_checkpoint(step_dir)
     assert load_error(debug_model(tie_embeddings=True), step_dir, trust=True) == (
-        f"{step_dir} was saved with untied embeddings (an output layer of its own); run with --model.tie_embeddings false"
+        f"{step_dir} was saved with untied embeddings (an output layer of its own); "
+        f"run with --model.tie_embeddings false"
     )
     # A checkpoint of an earlier titanlike, whose attention had separate wq, wk, wv: the line says how across.
     import torch.distributed.checkpoint as dcp

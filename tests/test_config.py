@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import inspect
 import subprocess
 import tomllib
 import traceback
@@ -184,7 +183,8 @@ INVALID = [
     (["--model.vocab_size", "-1"], "model.vocab_size = -1 must be >= 0"),
     (["--model.dim", "-8"], "model.dim = -8 must be >= 0 (0 = the preset's)"),
     (["--model.flavor", "hf"], "model.flavor = hf takes the shape from a Hugging Face folder's config.json"),
-    (["--model.n_kv_heads", "3"], "model shape (debug with the model.* overrides): n_heads = 8 is not divisible by n_kv_heads = 3"),
+    (["--model.n_kv_heads", "3"],
+     "model shape (debug with the model.* overrides): n_heads = 8 is not divisible by n_kv_heads = 3"),
     (["--model.max_seq_len", "64", "--data.seq_len", "128"], "data.seq_len = 128 exceeds model.max_seq_len = 64"),
     (["--data.seq_len", "4"], "data.seq_len = 4 must be at least 8"),
     (["--data.num_workers", "-1"], "data.num_workers = -1 must be >= 0"),
@@ -236,8 +236,10 @@ INVALID = [
     (["--training.loss_chunk_tokens", "-1"], "training.loss_chunk_tokens = -1 must be >= 0 (0 = off)"),
     (["--checkpoint.keep_latest_k", "-1"], "checkpoint.keep_latest_k = -1 must be >= 0"),
     (["--checkpoint.load_step", "-2"], "checkpoint.load_step = -2 must be -1 (newest) or a step"),
-    (["--checkpoint.initial_load_path", "/nonexistent/ckpt"], "checkpoint.initial_load_path = '/nonexistent/ckpt': no such"),
-    (["--training.nonfinite", "rollback"], "training.nonfinite = rollback reloads the last checkpoint: it needs --checkpoint.enable"),
+    (["--checkpoint.initial_load_path", "/nonexistent/ckpt"],
+     "checkpoint.initial_load_path = '/nonexistent/ckpt': no such"),
+    (["--training.nonfinite", "rollback"],
+     "training.nonfinite = rollback reloads the last checkpoint: it needs --checkpoint.enable"),
     (["--fp8.health_log_freq", "-1"], "fp8.health_log_freq = -1 must be >= 0 (0 = off)"),
     (["--metrics.log_freq", "0"], "metrics.log_freq = 0 must be >= 1"),
     (["--validation.freq", "0"], "validation.freq and validation.steps must be >= 1 (got 0, 4)"),
@@ -349,7 +351,8 @@ def test_preflight_global_batch_not_divisible_by_local_times_dp():
     assert preflight(cfg, 1)[3] == 3
     with pytest.raises(ConfigError) as e:
         preflight(cfg, 2)
-    assert "training.global_batch_size = 12 must be a multiple of training.local_batch_size × data-parallel degree = 4 × 2 = 8" == str(e.value)
+    assert str(e.value) == ("training.global_batch_size = 12 must be a multiple of "
+                            "training.local_batch_size × data-parallel degree = 4 × 2 = 8")
 
 
 def test_preflight_world_size_mismatch():

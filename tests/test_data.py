@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import struct
-
 import os
+import struct
 
 import numpy as np
 import pytest
@@ -87,7 +86,8 @@ def test_truncated(tmp_path):
     write_shard(path, np.arange(1000))
     data = path.read_bytes()
     path.write_bytes(data[:-10])
-    with pytest.raises(DataError, match=r"cut\.bin is truncated: the header promises 1000 tokens \(2032 bytes\), the file has 2022 bytes"):
+    with pytest.raises(DataError, match=r"cut\.bin is truncated: the header promises 1000 tokens \(2032 bytes\), "
+                                        r"the file has 2022 bytes"):
         Shard(path)
 
 
@@ -101,7 +101,8 @@ def test_missing_file(tmp_path):
 def test_token_id_beyond_vocab(tmp_path):
     path = tmp_path / "ids.bin"
     write_shard(path, np.array([5, 6, 319, 320, 7] * 50))
-    with pytest.raises(DataError, match=r"holds token id 320 but the model's vocabulary has 320 ids; set --model.vocab_size 321"):
+    with pytest.raises(DataError,
+                       match=r"holds token id 320 but the model's vocabulary has 320 ids; set --model.vocab_size 321"):
         open_dataset(str(path), 8, 320, "data.path")
     assert len(open_dataset(str(path), 8, 321, "data.path")) == (250 - 1) // 8
 

@@ -35,7 +35,8 @@ def test_disk_full_keeps_previous_checkpoint(tmp_path, corpus):
         subprocess.run(["umount", str(small)], check=False)
 
     # The surviving checkpoint loads, and the run continues to the end on a disk with room.
-    resumed = run_train(tmp_path / "resume", "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2",
+    resumed = run_train(tmp_path / "resume", "--training.steps", "4", "--checkpoint.enable",
+                        "--checkpoint.interval", "2",
                         "--checkpoint.folder", str(saved), "--metrics.log_freq", "1", corpus=corpus)
     assert "resumed from" in resumed.stdout + resumed.stderr
     first = losses(tmp_path / "run")

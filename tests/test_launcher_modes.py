@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 
 import pytest
-import tomllib
 
 from conftest import ROOT, _env
 

@@ -19,7 +19,8 @@ def test_launcher_signal_saves_and_exits_zero(tmp_path, corpus, sig):
     env = dict(_env(), NGPU="2")
     cmd = [str(ROOT / "run_train.sh"), "--job.dump_folder", str(tmp_path), "--training.device", "cpu",
            "--training.steps", "500", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
-           "--checkpoint.enable", "--checkpoint.interval", "1000", "--data.path", corpus[0], "--data.val_path", corpus[1]]
+           "--checkpoint.enable", "--checkpoint.interval", "1000",
+           "--data.path", corpus[0], "--data.val_path", corpus[1]]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     lines = []
     for line in proc.stdout:

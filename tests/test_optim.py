@@ -70,8 +70,8 @@ def test_scheduler_drives_the_optimizer():
     opt = torch.optim.SGD([p], lr=0.5)
     sched = build_scheduler(opt, 10, 3, 0.4, "linear", 0.0)
     used = []
-    for step in range(1, 13):
-        used.append(opt.param_groups[0]["lr"])  # the LR of update `step`
+    for _ in range(12):
+        used.append(opt.param_groups[0]["lr"])  # the LR of the next update
         opt.step()
         sched.step()
     assert used == pytest.approx([0.5 * x for x in factors(10, 3, 0.4, "linear", 0.0, upto=12)])

@@ -141,7 +141,8 @@ def test_allocator_default_leaves_the_users_choice_alone():
     env: dict[str, str] = {}
     parallel.default_allocator_settings(env)
     assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    for mine in ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}):
+    for mine in ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"},
+                 {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}):
         env = dict(mine)
         parallel.default_allocator_settings(env)
         assert env == mine

@@ -37,14 +37,16 @@ import resource
 import shutil
 import time
 import warnings
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -127,7 +129,7 @@ class ModelState:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return _plain_tensors(get_model_state_dict(self.model))
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         set_model_state_dict(self.model, state)
 
 
@@ -179,7 +181,9 @@ def _plain_tensors(sd: dict) -> dict:
 
 def _rng_state() -> dict:
     version, keys, gauss = random.getstate()
-    name, np_keys, pos, has_gauss, cached = np.random.get_state()
+    np_state = np.random.get_state(legacy=True)
+    assert isinstance(np_state, tuple)  # legacy=True: the tuple form, never the dict
+    name, np_keys, pos, has_gauss, cached = np_state
     state = {
         "python": [version, list(keys), gauss],
         "numpy": [name, np_keys.tolist(), pos, has_gauss, cached],
@@ -218,7 +222,9 @@ def check_model_shape(model: torch.nn.Module, margs, path: str) -> None:
             if not json.load(f).get("tie_embeddings", False):
                 raise CheckpointMismatch(f"{path} was saved with untied embeddings (an output layer of its own); "
                                          f"run with --model.tie_embeddings false")
-    for name, tensor in get_model_state_dict(model).items():
+    # DCP types a state dict's values broadly (tensors, numbers, strings, containers); a model's holds tensors.
+    params = cast("dict[str, torch.Tensor]", get_model_state_dict(model))
+    for name, tensor in params.items():
         saved = meta.get(f"model.{name}")
         if saved is None and name.endswith("attention.wqkv.weight") and f"model.{name.replace('wqkv', 'wq')}" in meta:
             # Earlier titanlike versions had three Linears (wq, wk, wv). Hugging Face folders hold them
@@ -227,7 +233,7 @@ def check_model_shape(model: torch.nn.Module, margs, path: str) -> None:
                 f"{path} was saved by an earlier titanlike, with separate wq/wk/wv projections (now one "
                 f"stacked wqkv): export it with that version's scripts/export_safetensors.py and start from "
                 f"the export with --checkpoint.initial_load_path")
-        if saved is None:
+        if not isinstance(saved, TensorStorageMetadata):  # absent (None), or saved as bytes: not a tensor
             raise CheckpointMismatch(f"{path} has no parameter {name}: it was saved from a different model")
         if tuple(saved.size) != tuple(tensor.shape):
             raise CheckpointMismatch(
@@ -252,13 +258,13 @@ def load_initial_weights(model: torch.nn.Module, margs, path: str, *, trust_pick
     if os.path.isfile(os.path.join(path, ".metadata")):
         check_trusted_dcp(path, trust_pickled_dcp)
         check_model_shape(model, margs, path)
-        state = {"model": ModelState(model).state_dict()}
+        state: dict[str, Any] = {"model": ModelState(model).state_dict()}
         dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=not dist.is_initialized())
         set_model_state_dict(model, state["model"])
     else:
         from titanlike.interchange import read_hf_folder
 
-        full = read_hf_folder(path, margs)
+        full: dict[str, Any] = read_hf_folder(path, margs)
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
 
 
@@ -281,9 +287,9 @@ class Checkpointer:
         self.sharded = dist.is_initialized()
         self.rank = dist.get_rank() if self.sharded else 0
         self.world = dist.get_world_size() if self.sharded else 1
-        self.pending: tuple[int, object] | None = None  # (step, future) of an async save in flight
+        self.pending: tuple[int, Future] | None = None  # (step, future) of an async save in flight
         self.staging = None  # future of the host copy of an async_with_pinned_mem save
-        self.stager = None  # keeps the pinned host buffers from one save to the next
+        self.stager: Any = None  # keeps the pinned host buffers from one save to the next (a DefaultStager)
         self.resumed_from: int | None = None  # the step this run resumed from, if it did
         self.resumed_preemption_save: int | None = None  # ... when that was a preemption save (no enable)
         # Checkpoint collectives run on CPU (gloo) groups, so they never queue behind (or block) the
@@ -425,10 +431,10 @@ class Checkpointer:
         tmp = self.step_dir(step) + ".tmp"
         try:
             names = sorted(os.listdir(tmp))
-            mine = describe_files(tmp, [n for n in names if owner(n, self.world) == self.rank])
+            mine: dict[str, Any] = describe_files(tmp, [n for n in names if owner(n, self.world) == self.rank])
         except OSError as e:
-            mine = {"error": f"{e.strerror}: {e.filename}"}
-        parts = [mine]
+            mine = {"error": f"{e.strerror}: {e.filename}"}  # this rank's failure, for all to see
+        parts: list[Any] = [mine]
         if self.sharded:
             parts = [None] * self.world
             dist.all_gather_object(parts, mine, group=self.cpu_group)

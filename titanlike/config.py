@@ -379,7 +379,8 @@ class Profiling:
             f"profiling: need freq >= 1, active >= 1 and warmup + active <= freq "
             f"(got {self.freq}, {self.warmup}, {self.active})",
         )
-        need(bool(self.folder.strip()), "profiling.folder must not be empty (default \"profile\", inside job.dump_folder)")
+        need(bool(self.folder.strip()),
+             "profiling.folder must not be empty (default \"profile\", inside job.dump_folder)")
 
 
 @dataclass

@@ -25,8 +25,8 @@ import math
 import os
 import sys
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -300,7 +300,8 @@ def open_dataset(path: str, seq_len: int, vocab_size: int, what: str) -> TokenWi
     ds = TokenWindows(shards, seq_len, vocab_size)
     if len(ds) == 0:
         total = sum(s.count for s in shards)
-        raise DataError(f"{what} = {path!r} holds {total} tokens, fewer than one sample of data.seq_len + 1 = {seq_len + 1}")
+        raise DataError(f"{what} = {path!r} holds {total} tokens, "
+                        f"fewer than one sample of data.seq_len + 1 = {seq_len + 1}")
     return ds
 
 

@@ -55,6 +55,7 @@ def load_checkpoint_model(step_dir: str, trust_pickled_dcp: bool = False):
     """(ModelArgs, full CPU state dict under our parameter names) of a checkpoint step folder."""
     import torch
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from titanlike.model import ModelArgs, Transformer
 
@@ -73,7 +74,7 @@ def load_checkpoint_model(step_dir: str, trust_pickled_dcp: bool = False):
     state = {}
     for name, tensor in model.state_dict().items():
         meta = saved.get(f"model.{name}")
-        if meta is None:
+        if not isinstance(meta, TensorStorageMetadata):  # absent, or bytes: not a parameter
             if margs.tie_embeddings and name == "output.weight":
                 continue  # the same tensor as the embedding
             raise UserError(f"{step_dir} has no parameter {name}: model_args.json does not match its weights")

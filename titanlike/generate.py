@@ -17,6 +17,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +47,7 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> 
     cos, sin = model.rope_cos[start : start + new], model.rope_sin[start : start + new]
     h = model.tok_embeddings(tokens)
     end = start + new
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.blocks()):
         attn = layer.attention
         q, k, v = attn.project(layer.attention_norm(h), cos, sin)
         cache.k[i][:, :, start:end] = k.transpose(1, 2)
@@ -86,7 +87,7 @@ def decode_step(model: Transformer, token: torch.Tensor, pos: torch.Tensor, cach
     cos, sin = model.rope_cos.index_select(0, pos), model.rope_sin.index_select(0, pos)
     h = model.tok_embeddings(token)
     visible = (torch.arange(cache.k[0].shape[2], device=pos.device) <= pos).view(1, -1)  # (new, cached)
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.blocks()):
         attn = layer.attention
         q, k, v = attn.project(layer.attention_norm(h), cos, sin)
         cache.k[i].index_copy_(2, pos, k.transpose(1, 2))
@@ -144,10 +145,11 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, tempera
     logits = forward_cached(model, torch.tensor([prompt], device=device), cache)[:, -1]
     if static is None:
         static = device.type == "cuda"
+    step: Callable[[int, int], torch.Tensor]
     if static and device.type == "cuda" and max_new_tokens > 1:
         step = CudaGraphDecoder(model, cache)
     elif static:
-        def step(token: int, pos: int) -> torch.Tensor:
+        def step(token: int, pos: int) -> torch.Tensor:  # noqa: F811 (one of three ways to decode)
             return decode_step(model, torch.tensor([[token]], device=device), torch.tensor([pos], device=device), cache)
     else:
         def step(token: int, pos: int) -> torch.Tensor:

@@ -50,6 +50,7 @@ def chunked_output_loss(output: nn.Module, h: torch.Tensor, targets: torch.Tenso
     for h_chunk, t_chunk in zip(h.split(chunk_tokens), targets.split(chunk_tokens)):
         part = checkpoint(_chunk_loss, output, h_chunk, t_chunk, ce_sum, use_reentrant=False)
         total = part if total is None else total + part
+    assert total is not None, "h holds at least one token, so one chunk"
     return total / targets.numel()
 
 

@@ -108,7 +108,8 @@ class MetricsLogger:
         return {
             "mem_active_gib": stats.get("active_bytes.all.peak", 0) / gib,
             "mem_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / gib,
-            "mem_pct": 100 * stats.get("reserved_bytes.all.peak", 0) / torch.cuda.get_device_properties(self.device).total_memory,
+            "mem_pct": 100 * stats.get("reserved_bytes.all.peak", 0)
+            / torch.cuda.get_device_properties(self.device).total_memory,
         }
 
     # ---- output ---------------------------------------------------------------------------

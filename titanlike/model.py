@@ -12,7 +12,9 @@ which is what Hugging Face's Llama uses, so exported weights need no permutation
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -128,7 +130,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim, self.qkv_widths = a.n_heads, a.n_kv_heads, a.head_dim, a.qkv_widths
+        self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
+        self.qkv_widths = a.qkv_widths
         # q, k and v projections stacked in one Linear (rows: q, then k, then v): one matmul of
         # width (n_heads + 2·n_kv_heads)·head_dim instead of three narrow ones, and in backward one
         # matmul for the gradient of x instead of three and two additions. 1b, tensorwise float8,
@@ -148,7 +151,7 @@ class Attention(nn.Module):
         q = q.view(bsz, seq, self.n_heads, self.head_dim)
         k = k.view(bsz, seq, self.n_kv_heads, self.head_dim)
         v = v.view(bsz, seq, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -186,7 +189,7 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(a)
         # Set by activation checkpointing (parallel.py): runs the body so that its activations
         # are recomputed in backward. A hook rather than a wrapper module keeps parameter names.
-        self.checkpoint_fn = None
+        self.checkpoint_fn: Callable[..., torch.Tensor] | None = None
 
     def body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -211,6 +214,10 @@ class Transformer(nn.Module):
         # Rotary tables are derived state: rebuilt by init_weights(), never checkpointed.
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+
+    def blocks(self) -> list[TransformerBlock]:
+        """self.layers with their type (to a type checker an nn.ModuleList holds plain Modules)."""
+        return cast("list[TransformerBlock]", list(self.layers))
 
     def forward(self, tokens: torch.Tensor, head=None) -> torch.Tensor:
         """The logits (batch, seq, vocab); or, given `head`, what `head(self.output, h)` returns for

@@ -17,7 +17,7 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: lis
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # Fused AdamW is one kernel for all parameters on CUDA; foreach is the fast path on CPU.
     fused = device_type == "cuda"
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused, foreach=not fused)
+    return torch.optim.AdamW(groups, lr=lr, betas=(betas[0], betas[1]), eps=eps, fused=fused, foreach=not fused)
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, decay_ratio: float, decay_type: str,
@@ -89,9 +89,10 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], 
         return total, skipped
     # The same factor as clip_grads_with_norm_, as the divisor the fused kernel expects.
     if max_norm > 0:
-        optimizer.grad_scale = (max_norm / (total + 1e-6)).clamp(max=1.0).reciprocal()
+        # Attributes that torch's fused AdamW reads (torch/optim/adam.py), not declared on Optimizer.
+        optimizer.grad_scale = (max_norm / (total + 1e-6)).clamp(max=1.0).reciprocal()  # type: ignore[attr-defined]
     if skip_nonfinite:
-        optimizer.found_inf = skipped
+        optimizer.found_inf = skipped  # type: ignore[attr-defined]
     try:
         optimizer.step()
     finally:

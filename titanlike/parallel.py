@@ -47,7 +47,8 @@ def resolve_dims(world_size: int, dp_shard: int, dp_replicate: int) -> tuple[int
     if dp_replicate == -1:
         if dp_shard == -1 or world_size % dp_shard:
             raise ConfigError(
-                f"parallel.dp_replicate = -1 needs parallel.dp_shard to be a divisor of the {world_size} ranks (got {dp_shard})"
+                f"parallel.dp_replicate = -1 needs parallel.dp_shard to be a divisor of the {world_size} ranks "
+                f"(got {dp_shard})"
             )
         dp_replicate = world_size // dp_shard
     if world_size % dp_replicate:
@@ -93,7 +94,8 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if local_rank >= torch.cuda.device_count():
             raise ConfigError(
-                f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible; lower --nproc_per_node / NGPU"
+                f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible; "
+                f"lower --nproc_per_node / NGPU"
             )
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
@@ -110,7 +112,8 @@ def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: int):
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=device if device.type == "cuda" else None)
     if dims.dp_replicate > 1:
-        return init_device_mesh(device.type, (dims.dp_replicate, dims.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+        return init_device_mesh(device.type, (dims.dp_replicate, dims.dp_shard),
+                                mesh_dim_names=("dp_replicate", "dp_shard"))
     return init_device_mesh(device.type, (dims.dp_shard,), mesh_dim_names=("dp_shard",))
 
 
@@ -163,11 +166,11 @@ def apply_activation_checkpointing(model: Transformer, mode: str, option: str) -
 
         policy = _save_matmuls_policy()
         runner = partial(_checkpointed, context_fn=partial(create_selective_checkpoint_contexts, policy))
-        for block in model.layers:
+        for block in model.blocks():
             block.checkpoint_fn = runner
         return
     every = 1 if mode == "full" else int(option)
-    for i, block in enumerate(model.layers):
+    for i, block in enumerate(model.blocks()):
         if i % every == 0:
             block.checkpoint_fn = _checkpointed
 

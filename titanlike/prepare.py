@@ -29,6 +29,7 @@ import shutil
 import signal
 import sys
 import time
+from typing import BinaryIO
 
 import numpy as np
 
@@ -58,6 +59,7 @@ def _token_dtype(vocab_size: int):
 def tokenize_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, int]:
     """(all tokens of the chunk's documents with their BOS/EOS, each document's length, input bytes)."""
     tok = _tokenizer
+    assert tok is not None, "tokenize_chunk runs in a worker set up by _init_worker"
     docs = read_chunk(chunk)
     ids = tok.encode_batch(docs) if docs else []
     head = [tok.bos_id] if tok.bos_id is not None else []
@@ -88,16 +90,18 @@ class ShardWriter:
 
         self.header, self.magic, self.version = HEADER, MAGIC, VERSION
         self.folder, self.shard_tokens, self.dtype = folder, shard_tokens, np.dtype(dtype)
-        self.file = None
+        self.file: BinaryIO | None = None  # the shard being written
         self.index = self.count = self.max_id = self.total = self.documents = 0
 
-    def _open(self) -> None:
+    def _open(self) -> BinaryIO:
         os.makedirs(self.folder, exist_ok=True)
-        self.file = open(os.path.join(self.folder, f"shard-{self.index:05d}.bin"), "wb")
-        self.file.write(b"\0" * self.header.size)  # the header, once the count is known
+        self.file = file = open(os.path.join(self.folder, f"shard-{self.index:05d}.bin"), "wb")
+        file.write(b"\0" * self.header.size)  # the header, once the count is known
         self.count = self.max_id = 0
+        return file
 
     def _close(self) -> None:
+        assert self.file is not None
         self.file.seek(0)
         self.file.write(self.header.pack(self.magic, self.version, self.dtype.itemsize, self.count, self.max_id))
         self.file.close()
@@ -105,10 +109,9 @@ class ShardWriter:
 
     def add(self, tokens: np.ndarray) -> None:
         while tokens.size:
-            if self.file is None:
-                self._open()
+            file = self.file if self.file is not None else self._open()
             take = tokens[: self.shard_tokens - self.count]
-            self.file.write(take.astype(self.dtype, copy=False).tobytes())
+            file.write(take.astype(self.dtype, copy=False).tobytes())
             self.count += take.size
             self.total += take.size
             self.max_id = max(self.max_id, int(take.max()))

@@ -126,7 +126,8 @@ class RunFolder:
         path = os.path.join(self.path, "metrics.jsonl")
         if not os.path.exists(path):
             return
-        keep, drop = [], []
+        keep: list[str] = []
+        drop: list[str] = []
         with open(path) as f:
             for line in f:
                 try:

@@ -48,7 +48,8 @@ def resumable_settings(cfg: JobConfig) -> dict:
     """The settings a resume may change (each change is logged; the configured value applies)."""
     o, s = cfg.optimizer, cfg.lr_scheduler
     return {"optimizer.lr": o.lr, "optimizer.weight_decay": o.weight_decay, "optimizer.betas": list(o.betas),
-            "optimizer.eps": o.eps, "lr_scheduler.warmup_steps": s.warmup_steps, "lr_scheduler.decay_ratio": s.decay_ratio,
+            "optimizer.eps": o.eps, "lr_scheduler.warmup_steps": s.warmup_steps,
+            "lr_scheduler.decay_ratio": s.decay_ratio,
             "lr_scheduler.decay_type": s.decay_type, "lr_scheduler.min_lr_factor": s.min_lr_factor,
             "training.steps": cfg.training.steps}
 
@@ -131,10 +132,12 @@ class Trainer:
                                                parallel.device_memory_bytes(self.device, t.gpu_memory_limit_gib))
             parallel.apply_fsdp(model, self.mesh, torch.bfloat16 if gpu_bf16 else None, reshard)
             if self.is_main and reshard != cfg.parallel.reshard_after_forward:
-                logger.info(f"FSDP keeps the gathered weights from forward to backward ({gathered / 1e9:.1f} GB in bf16, "
-                            f"small next to the GPU's memory); --parallel.reshard_after_forward always frees them")
+                logger.info(f"FSDP keeps the gathered weights from forward to backward "
+                            f"({gathered / 1e9:.1f} GB in bf16, small next to the GPU's memory); "
+                            f"--parallel.reshard_after_forward always frees them")
         self.autocast = (
-            torch.autocast("cuda", dtype=torch.bfloat16) if gpu_bf16 and not self.dims.sharded else contextlib.nullcontext()
+            torch.autocast("cuda", dtype=torch.bfloat16) if gpu_bf16 and not self.dims.sharded
+            else contextlib.nullcontext()
         )
         model.to_empty(device=self.device)
         model.init_weights(cfg.job.seed, cfg.data.seq_len)
@@ -181,9 +184,11 @@ class Trainer:
         if self.is_main:
             n_params = sum(p.numel() for p in self.model.parameters())
             logger.info(
-                f"model {cfg.model.flavor}: {n_params / 1e6:,.1f}M parameters ({describe(self.margs)}) | {world} rank(s) on {self.device.type} "
+                f"model {cfg.model.flavor}: {n_params / 1e6:,.1f}M parameters ({describe(self.margs)}) | "
+                f"{world} rank(s) on {self.device.type} "
                 f"(dp_replicate {dp_replicate} × dp_shard {dp_shard}) | global batch {self.global_batch} = "
-                f"{t.local_batch_size} × {self.dims.dp} ranks × {self.accum_steps} micro-batches | seq {cfg.data.seq_len}"
+                f"{t.local_batch_size} × {self.dims.dp} ranks × {self.accum_steps} micro-batches | "
+                f"seq {cfg.data.seq_len}"
             )
         self._window_losses: list[torch.Tensor] = []
         self.nonfinite = NonFinitePolicy(cfg.training.nonfinite, self._checkpoints_to_roll_back_to,
@@ -226,7 +231,8 @@ class Trainer:
         self.fp8.after_optimizer_step()
         self.state.step += 1
         self.state.tokens_seen += self.global_batch * self.cfg.data.seq_len
-        self.metrics.add_tokens(self.accum_steps * self.cfg.training.local_batch_size * self.cfg.data.seq_len, data_wait)
+        local_tokens = self.accum_steps * self.cfg.training.local_batch_size * self.cfg.data.seq_len  # this rank's
+        self.metrics.add_tokens(local_tokens, data_wait)
         self._window_losses.append(torch.stack([step_loss, grad_norm.float(), skipped]))
         return grad_norm
 
@@ -257,6 +263,7 @@ class Trainer:
         """Reload the checkpoint the verdict names (model, optimizer, LR schedule, step count) but keep
         reading data from where the loader is, so the batches read since that checkpoint, the
         offending one among them, are never replayed."""
+        assert verdict.rollback_to is not None and verdict.cause is not None, "a rollback verdict names both"
         target, (step, what, value), times = verdict.rollback_to, verdict.cause, verdict.in_a_row
         read = self.state.step + self.state.data_offset  # global batches read so far
         self.checkpointer.load(target, restore_data=False)
@@ -289,6 +296,7 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> None:
+        assert self.val_data is not None, "called only when there is held-out data"
         micro_batches = self.cfg.validation.steps * self.accum_steps  # `steps` global batches
         total = torch.zeros((), device=self.device)
         for batch in validation_batches(self.val_data, self.cfg.training.local_batch_size, self.dp_rank,
@@ -351,7 +359,8 @@ class Trainer:
                     open(marker, "w").close()  # tells run_train.sh on this node: a clean stop, exit 0
                 if self.is_main:
                     where = self.checkpointer.step_dir(step)
-                    logger.info(stopping.stopped_line(stop, step, where, resumes=True))  # a stop's save resumes either way
+                    # A stop's save resumes either way.
+                    logger.info(stopping.stopped_line(stop, step, where, resumes=True))
                 return stopping.EXIT_CODE[stop]
             self.profiler.step(step)
             self.progress.show()
@@ -365,8 +374,9 @@ class Trainer:
         return 0
 
     def close(self) -> None:
-        if getattr(self, "progress", None) is not None:
-            self.progress.close()
+        progress = getattr(self, "progress", None)  # absent when __init__ failed early
+        if progress is not None:
+            progress.close()
         for part in ("profiler", "metrics", "run_folder"):  # what __init__ got to build
             if hasattr(self, part):
                 getattr(self, part).close()
@@ -423,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         gpu = torch.cuda.is_available() and cfg.training.device != "cpu"
         device = trainer.device if trainer is not None else torch.device("cuda" if gpu else "cpu")
         step = trainer.state.step if trainer is not None else None
-        print(f"error: {faults.oom_message(cfg, world, rank, step, faults.gpu_memory(device), snapshot)}", file=sys.stderr)
+        message = faults.oom_message(cfg, world, rank, step, faults.gpu_memory(device), snapshot)
+        print(f"error: {message}", file=sys.stderr)
         return 2
     except RuntimeError as e:
         if "can't allocate memory" in str(e):  # the CPU allocator: a model or batch too large for this machine

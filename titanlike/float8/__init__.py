@@ -102,6 +102,7 @@ class Float8Training:
         """Once the weights are set other than by a training step (initialised, loaded from a
         checkpoint, rolled back): the float8 all-gather's weight scales follow them, never earlier."""
         if self.options.precompute_scales:
+            assert self.model is not None, "after_load() follows convert()"
             all_gather.precompute_scales(self.model)
 
     # ---- each training step ------------------------------------------------------------------------

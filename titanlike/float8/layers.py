@@ -1,8 +1,9 @@
 """Which Linears become float8 and why, the conversion itself, and whether this device can run it.
 
 The rules, in order: a name in fp8.filter_fqns stays; a shape that is not a multiple of 16 stays
-(float8 matmuls need it); with fp8.auto_filter a shape too small to pay stays (the size rule), or, with auto_filter = measure,
-the layers that the whole-block timings on this GPU chose to keep (measure.py).
+(float8 matmuls need it); with fp8.auto_filter a shape too small to pay stays (the size rule), or,
+with auto_filter = measure, the layers that the whole-block timings on this GPU chose to keep
+(measure.py).
 """
 
 from __future__ import annotations

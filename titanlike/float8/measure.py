@@ -138,7 +138,7 @@ def time_block_ms(margs, batch: int, seq: int, options: Float8Options, choice: s
 
     torch._dynamo.reset()  # a fresh compile per candidate, never the recompile limit's eager fallback
     torch.manual_seed(0)
-    block = TransformerBlock(margs).to(device)
+    block: nn.Module = TransformerBlock(margs).to(device)
     for name, p in block.named_parameters():
         nn.init.ones_(p) if name.endswith("norm.weight") else nn.init.normal_(p, std=0.02)
     block = _float8(block, options, BLOCK_CHOICES[choice])
@@ -164,15 +164,15 @@ def time_linear_ms(tokens: int, in_features: int, out_features: int, recipe: str
     measure times whole blocks, not Linears alone)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(in_features, out_features, bias=False)).to(device)
+    model: nn.Module = nn.Sequential(nn.Linear(in_features, out_features, bias=False)).to(device)
     model = _float8(model, Float8Options(recipe=recipe), ("0",) if recipe != "none" else ())
-    model = torch.compile(model, options=inductor_options(recipe) or None)
+    compiled = torch.compile(model, options=inductor_options(recipe) or None)
     x = torch.randn(tokens, in_features, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(tokens, out_features, device=device, dtype=torch.bfloat16)
 
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            out = model(x)
+            out = compiled(x)
         out.backward(grad)
 
     return median_cuda_ms(step, iters, warmup)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 AutoFilter = Literal[True, False, "measure"]
 
@@ -79,7 +79,7 @@ class Float8Options:
         return dataclasses.replace(config, emulate=True) if self.emulate else config
 
 
-def inductor_options(recipe: str) -> dict[str, object]:
+def inductor_options(recipe: str) -> dict[str, Any]:
     """Inductor settings for compiling layers converted to `recipe` (torch.compile's `options`)."""
     if not recipe.startswith("rowwise"):
         return {}
