@@ -208,7 +208,7 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(_bytes_tensor(state["cuda"]))
 
 
-# ---- manifest: every file's size and checksum -----------------------------------------------------------
+# ---- a checkpoint's model shape against this run's --------------------------------------------------------------
 
 
 def check_model_shape(model: torch.nn.Module, margs, path: str) -> None:

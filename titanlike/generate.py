@@ -149,7 +149,7 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, tempera
     if static and device.type == "cuda" and max_new_tokens > 1:
         step = CudaGraphDecoder(model, cache)
     elif static:
-        def step(token: int, pos: int) -> torch.Tensor:  # noqa: F811 (one of three ways to decode)
+        def step(token: int, pos: int) -> torch.Tensor:
             return decode_step(model, torch.tensor([[token]], device=device), torch.tensor([pos], device=device), cache)
     else:
         def step(token: int, pos: int) -> torch.Tensor:
