@@ -26,8 +26,16 @@ def start(dump: Path, corpus, *overrides: str, ngpu: int = 1) -> tuple[subproces
            "--data.path", corpus[0], "--data.num_workers", "1", *overrides]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=dict(_env(), NGPU=str(ngpu)), cwd=ROOT, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=terminal_signals)
     return proc, log
+
+
+def terminal_signals() -> None:
+    """Ctrl-C and Ctrl-\\ at their default actions, as in a terminal's job. When the test suite itself
+    runs in the background of a non-interactive shell (`pytest &`), it inherits them ignored, and a
+    shell started with a signal ignored can never trap it: the launcher would not see the Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
 
 def wait_for(text: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
