@@ -67,6 +67,7 @@ from titanlike.checkpoint_manifest import (  # noqa: F401 (check_trusted_dcp: re
 )
 from titanlike.errors import UserError
 from titanlike.optim import resume_schedule
+from titanlike.run_folder import write_probe
 
 logger = logging.getLogger("titanlike")
 # DCP warns that a single-process save is single-process (its background thread ignores no_dist).
@@ -323,12 +324,8 @@ class Checkpointer:
         """Before step 1: a checkpoint folder that cannot be written is found now, not after the steps."""
         if not self.cfg.enable:
             return  # (a preemption save without it makes the folder when it is needed)
-        probe = os.path.join(self.folder, f".write-test-rank{self.rank}")
         try:
-            os.makedirs(self.folder, exist_ok=True)
-            with open(probe, "w") as f:
-                f.write("ok")
-            os.remove(probe)
+            write_probe(self.folder, f".write-test-rank{self.rank}")
         except OSError as e:
             raise CheckpointError(f"checkpoint folder {self.folder} is not writable ({e.strerror}: "
                                   f"{e.filename or self.folder}); set --checkpoint.folder to a writable path") from None

@@ -34,13 +34,18 @@ class RunFolderError(UserError):
     """Raised by rank 0 only (the one that locks and writes the folder)."""
 
 
+def write_probe(path: str, name: str) -> None:
+    """Make `path` and write, then remove, a small file `name` in it: raises the OSError a save would."""
+    os.makedirs(path, exist_ok=True)
+    probe = os.path.join(path, name)
+    with open(probe, "w") as f:
+        f.write("ok")
+    os.remove(probe)
+
+
 def _writable(path: str) -> None:
     try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write-test-{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        write_probe(path, f".write-test-{os.getpid()}")
     except OSError as e:
         raise RunFolderError(f"job.dump_folder {path} is not writable ({e.strerror}: {e.filename or path}); "
                              f"set --job.dump_folder to a writable path") from None
