@@ -92,15 +92,20 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_130(tmp_path, corpus):
     assert f"done: steps {step + 1}-{step + 2} (2 steps, resumed at step {step}) in " in out, out[-2000:]
 
 
-def test_second_ctrl_c_stops_at_once(tmp_path, corpus):
-    dump = tmp_path / "run"
-    proc, log = start(dump, corpus, "--training.steps", "500")
+def ctrl_c_twice(dump: Path, corpus, ngpu: int = 1) -> tuple[int, str]:
+    """Ctrl-C once the run trains, again once it has said it will finish the step: (exit code, log)."""
+    proc, log = start(dump, corpus, "--training.steps", "500", ngpu=ngpu)
     wait_for("train step      2/500", proc, log)
     ctrl_c(proc)
     wait_for(NOTICE, proc, log)
     ctrl_c(proc)
     rc = proc.wait(timeout=300)
-    out = log.read_text()
+    return rc, log.read_text()
+
+
+def test_second_ctrl_c_stops_at_once(tmp_path, corpus):
+    dump = tmp_path / "run"
+    rc, out = ctrl_c_twice(dump, corpus)
     # Killed by the signal itself (a shell shows 130), before the step could finish or a save begin.
     assert rc == -signal.SIGINT, out[-4000:]
     assert "interrupted: stopped after" not in out and "checkpoint saved" not in out
@@ -125,13 +130,7 @@ def test_ctrl_c_through_the_launcher_with_two_ranks(tmp_path, corpus):
 @pytest.mark.slow
 def test_second_ctrl_c_through_the_launcher_stops_the_workers_at_once(tmp_path, corpus):
     dump = tmp_path / "run"
-    proc, log = start(dump, corpus, "--training.steps", "500", ngpu=2)
-    wait_for("train step      2/500", proc, log)
-    ctrl_c(proc)
-    wait_for(NOTICE, proc, log)
-    ctrl_c(proc)
-    rc = proc.wait(timeout=300)
-    out = log.read_text()
+    rc, out = ctrl_c_twice(dump, corpus, ngpu=2)
     assert rc == 130, out[-4000:]
     assert "Traceback" not in out and "interrupted: stopped after" not in out and "checkpoint saved" not in out
     assert complete_checkpoints(dump) == []
