@@ -27,9 +27,9 @@ def model_and_batch(tie: bool = False, float8_output: bool = False):
     return model, tokens[:, :-1], tokens[:, 1:]
 
 
-def loss_and_grads(model, inputs, targets, chunk_tokens: int, compile: bool = False):
+def loss_and_grads(model, inputs, targets, chunk_tokens: int, compile: bool = False, compile_head: bool = False):
     model.zero_grad(set_to_none=True)
-    loss = build_loss(chunk_tokens, compile)(model, inputs, targets)
+    loss = build_loss(chunk_tokens, compile, compile_head)(model, inputs, targets)
     loss.backward()
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
@@ -68,6 +68,21 @@ def test_chunked_loss_compiled_equals_whole_logits():
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
     for name in grads:
         torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("float8_output", [False, True])
+def test_compiled_head_equals_eager_loss(float8_output):
+    """One process, compiled: the final norm, the output layer (bf16 or float8) and the loss as one
+    graph give the eager loss and gradients; and the same compiled loss serves under no_grad (validation)."""
+    model, inputs, targets = model_and_batch(float8_output=float8_output)
+    want_loss, want_grads = loss_and_grads(model, inputs, targets, 0)
+    loss, grads = loss_and_grads(model, inputs, targets, 0, compile=True, compile_head=True)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for name in grads:
+        torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    with torch.no_grad():
+        again = build_loss(0, compile=True, compile_head=True)(model, inputs, targets)
+    torch.testing.assert_close(again, want_loss, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("chunk_tokens", [0, 16])

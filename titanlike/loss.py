@@ -10,6 +10,12 @@ more output-layer matmul per chunk in backward.
 
 The output layer is always *called* (`output(h_chunk)`), never its weight read: FSDP gathers the
 weight in the module's forward hooks, and a float8 output layer does its casts there.
+
+Compiled on one process (no FSDP), the whole-logits loss compiles the final norm, the output layer
+and the cross-entropy as one graph (`head_loss`), so the norm, the casts of the output layer's input
+and weight (to bf16 under autocast, or float8) and the softmax fuse around its matmul instead of
+running as separate eager kernels. Under FSDP those modules' forward hooks (which gather the
+weights) must run outside compiled code, so there only the cross-entropy is compiled.
 """
 
 from __future__ import annotations
@@ -35,6 +41,11 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     return F.cross_entropy(logits.float(), targets, reduction="sum")
 
 
+def head_loss(norm: nn.Module, output: nn.Module, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the logits `output(norm(h))`: the model's head and the loss in one."""
+    return cross_entropy(output(norm(h)), targets)
+
+
 def _chunk_loss(output: nn.Module, h: torch.Tensor, targets: torch.Tensor, ce_sum) -> torch.Tensor:
     return ce_sum(output(h), targets)
 
@@ -54,10 +65,19 @@ def chunked_output_loss(output: nn.Module, h: torch.Tensor, targets: torch.Tenso
     return total / targets.numel()
 
 
-def build_loss(chunk_tokens: int, compile: bool) -> LossFn:
-    """loss(model, inputs, targets): over whole logits (chunk_tokens = 0) or chunked; the
-    cross-entropy compiled when `compile` (the upcast and softmax then fuse into one kernel)."""
+def build_loss(chunk_tokens: int, compile: bool, compile_head: bool = False) -> LossFn:
+    """loss(model, inputs, targets): over whole logits (chunk_tokens = 0) or chunked. With `compile`,
+    the cross-entropy is compiled (the upcast and softmax then fuse into one kernel); with
+    `compile_head` too (one process: no FSDP hooks on the head), the final norm and the output layer
+    are compiled with it into one graph."""
     if not chunk_tokens:
+        if compile and compile_head:
+            compiled_head = torch.compile(head_loss, fullgraph=True)
+
+            def compiled_head_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+                return model(inputs, head=lambda norm, output, h: compiled_head(norm, output, h, targets))
+
+            return compiled_head_loss
         ce = torch.compile(cross_entropy) if compile else cross_entropy
 
         def whole_logits_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -69,8 +89,8 @@ def build_loss(chunk_tokens: int, compile: bool) -> LossFn:
     ce_sum = torch.compile(cross_entropy_sum) if compile else cross_entropy_sum
 
     def chunked_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        def head(output: nn.Module, h: torch.Tensor) -> torch.Tensor:
-            return chunked_output_loss(output, h, targets, chunk_tokens, ce_sum)
+        def head(norm: nn.Module, output: nn.Module, h: torch.Tensor) -> torch.Tensor:
+            return chunked_output_loss(output, norm(h), targets, chunk_tokens, ce_sum)
 
         return model(inputs, head=head)
 

@@ -220,10 +220,11 @@ class Transformer(nn.Module):
         return cast("list[TransformerBlock]", list(self.layers))
 
     def forward(self, tokens: torch.Tensor, head=None) -> torch.Tensor:
-        """The logits (batch, seq, vocab); or, given `head`, what `head(self.output, h)` returns for
-        the final normed hidden states h (the chunked loss, titanlike/loss.py, calls the output layer
-        chunk by chunk so the whole logits never exist). Through this forward either way, so that
-        FSDP's hooks on the model and its output layer run."""
+        """The logits (batch, seq, vocab); or, given `head`, what `head(self.norm, self.output, h)`
+        returns for the last block's output h: the loss (titanlike/loss.py) runs the final norm, the
+        output layer and the cross-entropy itself, compiled as one graph or chunk by chunk so the
+        whole logits never exist. Through this forward either way, so that FSDP's hooks on the model
+        run."""
         seq = tokens.shape[1]
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         h = self.tok_embeddings(tokens)
@@ -236,8 +237,7 @@ class Transformer(nn.Module):
             h = h.to(torch.get_autocast_dtype(h.device.type))
         for layer in self.layers:
             h = layer(h, cos, sin)
-        h = self.norm(h)
-        return self.output(h) if head is None else head(self.output, h)
+        return self.output(self.norm(h)) if head is None else head(self.norm, self.output, h)
 
     # ---- initialisation ------------------------------------------------------------------
 

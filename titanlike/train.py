@@ -143,8 +143,9 @@ class Trainer:
         model.init_weights(cfg.job.seed, cfg.data.seq_len)
         self.fp8.after_materialize()
         self.model = model
-        # loss_fn(model, inputs, targets): over whole logits, or chunk by chunk (training.loss_chunk_tokens).
-        self.loss_fn = build_loss(t.loss_chunk_tokens, cfg.compile.enable)
+        # loss_fn(model, inputs, targets): over whole logits, or chunk by chunk (training.loss_chunk_tokens);
+        # on one process, compiled, the final norm + output layer + loss are one graph (loss.py).
+        self.loss_fn = build_loss(t.loss_chunk_tokens, cfg.compile.enable, compile_head=not self.dims.sharded)
         # Training's loss: the same, unless a test asks for NaNs on some batches (faults.py).
         self.train_loss_fn = faults.with_nan_batches(self.loss_fn, self.batch_number, self.dp_rank)
         self.flops_per_token = flops_per_token(self.margs, cfg.data.seq_len)
