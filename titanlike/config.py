@@ -171,6 +171,12 @@ class Optimizer:
     """AdamW betas, two numbers: --optimizer.betas 0.9,0.95"""
     eps: float = 1e-8
     """AdamW epsilon."""
+    state_dtype: Literal["fp32", "8bit"] = "fp32"
+    """How AdamW keeps its two moments. fp32: 8 bytes per parameter, torch's fused AdamW. 8bit:
+    torchao's AdamW8bit, blockwise-quantized moments at about 2 bytes per parameter (1.5B parameters:
+    12 GB → 3 GB), for activations to use instead; the update is computed in fp32 from dequantized
+    moments, so training follows fp32 closely but not bit for bit, and each parameter is updated by its
+    own compiled kernel (the first step compiles them). A resume must keep the value."""
 
     def validate(self) -> None:
         need(self.lr > 0, f"optimizer.lr = {self.lr} must be > 0")

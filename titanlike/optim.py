@@ -1,4 +1,4 @@
-"""AdamW, the warmup-stable-decay learning-rate schedule, and gradient clipping over DTensors."""
+"""AdamW (fp32 or 8-bit moments), the warmup-stable-decay learning-rate schedule, and gradient clipping over DTensors."""
 
 from __future__ import annotations
 
@@ -9,12 +9,19 @@ from torch import nn
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: list[float], eps: float,
-                    device_type: str) -> torch.optim.AdamW:
+                    device_type: str, state_dtype: str = "fp32") -> torch.optim.Optimizer:
     # Norm gains (1-D) take no weight decay: shrinking them toward zero only fights the norm.
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if state_dtype == "8bit":
+        # Moments quantized in blocks of 256 values (codes + one fp32 scale per block), a quarter of
+        # fp32's bytes; tensors under 4096 values (norm gains) keep fp32 moments. Its LR is a tensor in
+        # each param group, which the schedule fills in place (resume_schedule, LambdaLR).
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit(groups, lr=lr, betas=(betas[0], betas[1]), eps=eps)
     # Fused AdamW is one kernel for all parameters on CUDA; foreach is the fast path on CPU.
     fused = device_type == "cuda"
     return torch.optim.AdamW(groups, lr=lr, betas=(betas[0], betas[1]), eps=eps, fused=fused, foreach=not fused)
@@ -108,7 +115,12 @@ def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, done_steps: in
     state = scheduler.state_dict()
     state.update(last_epoch=done_steps, _step_count=done_steps + 1)
     scheduler.load_state_dict(state)
+    # LambdaLR's own arithmetic (a tensor base LR times the factor where the optimizer keeps a tensor
+    # LR), so that a resumed run's LR is bit for bit the uninterrupted run's.
     lrs = [base * fn(done_steps) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
     for group, lr in zip(scheduler.optimizer.param_groups, lrs):
-        group["lr"] = lr
-    scheduler._last_lr = lrs  # what get_last_lr() reports
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)  # torchao's low-bit AdamW refuses a float LR
+        else:
+            group["lr"] = lr
+    scheduler._last_lr = [lr.clone() if isinstance(lr, torch.Tensor) else lr for lr in lrs]  # get_last_lr()
