@@ -428,6 +428,13 @@ def validate_across_sections(cfg: JobConfig) -> None:
         cfg.training.nonfinite != "rollback" or cfg.checkpoint.enable,
         "training.nonfinite = rollback reloads the last checkpoint: it needs --checkpoint.enable",
     )
+    # DCP's background staging copies each tensor into a new host buffer, which torchao's 8-bit
+    # state class cannot make; a save in the foreground writes its codes and scales as they are.
+    need(
+        cfg.optimizer.state_dtype != "8bit" or cfg.checkpoint.async_mode == "disabled" or not cfg.checkpoint.enable,
+        f"optimizer.state_dtype = 8bit cannot be saved in the background: set --checkpoint.async_mode disabled "
+        f"(now {cfg.checkpoint.async_mode})",
+    )
 
 
 def validate(cfg: JobConfig) -> None:

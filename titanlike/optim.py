@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -21,6 +22,8 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: lis
         # each param group, which the schedule fills in place (resume_schedule, LambdaLR).
         from torchao.optim import AdamW8bit
 
+        # Said once per run by torch's compile cache about torchao's state class: nothing to act on.
+        warnings.filterwarnings("ignore", message="OptimState8bit does not implement _stable_hash_for_caching")
         return AdamW8bit(groups, lr=lr, betas=(betas[0], betas[1]), eps=eps)
     # Fused AdamW is one kernel for all parameters on CUDA; foreach is the fast path on CPU.
     fused = device_type == "cuda"
@@ -79,9 +82,9 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], 
     pass of its own over the gradients (one read and one write of every fp32 gradient, 12 GB for
     1b; docs/benchmarks/2026-11-22-bf16-residual-fused-clip.md); and `found_inf`, which makes the
     update a no-op on the device, so skipping needs no host synchronisation and the CPU keeps
-    queueing work. The foreach and for-loop implementations have neither: they clip in place and
-    read the flag on the host; they run on the CPU here, where kernels execute as they are called
-    and reading a value costs nothing.
+    queueing work. The foreach and for-loop implementations, and torchao's 8-bit AdamW
+    (optimizer.state_dtype), have neither: they clip in place and read the flag on the host (a
+    synchronisation on a GPU; on the CPU kernels execute as they are called and it costs nothing).
 
     The norm is the same number on every rank (grad_norm all-reduces it), so all ranks clip by the
     same factor and skip together; a non-finite loss on any rank makes the norm non-finite.
