@@ -176,7 +176,8 @@ class Optimizer:
     torchao's AdamW8bit, blockwise-quantized moments at about 2 bytes per parameter (1.5B parameters:
     12 GB → 3 GB), for activations to use instead; the update is computed in fp32 from dequantized
     moments, so training follows fp32 closely but not bit for bit, and each parameter is updated by its
-    own compiled kernel (the first step compiles them). A resume must keep the value."""
+    own compiled kernel (the first step compiles them). Checkpoints save in the foreground
+    (checkpoint.async_mode disabled); a resume must keep the value."""
 
     def validate(self) -> None:
         need(self.lr > 0, f"optimizer.lr = {self.lr} must be > 0")
