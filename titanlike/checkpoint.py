@@ -157,6 +157,7 @@ class RunFacts:
     model_args: Any  # the model's shape (a ModelArgs; model_args.json)
     global_batch: int
     dp_world: int
+    optimizer_state_dtype: str = "fp32"  # optimizer.state_dtype: 8-bit moments cannot become fp32 ones, nor back
     # The settings a resume may change, by their config names ("optimizer.lr": 3e-4, ...): each change
     # is logged in one line; the configured value applies.
     settings: dict = field(default_factory=dict)
@@ -348,7 +349,7 @@ class Checkpointer:
                 self._write_json(os.path.join(tmp, TRAINER_STATE), {
                     "train_state": self.train_state.state_dict(), "dp_world": self.run.dp_world,
                     "global_batch": self.run.global_batch, "settings": self.run.settings,
-                    "preemption": preemption,
+                    "optimizer_state_dtype": self.run.optimizer_state_dtype, "preemption": preemption,
                 })
             self._barrier()
             self._write_json(os.path.join(tmp, RNG_FILE.format(self.rank)), _rng_state())
@@ -638,6 +639,13 @@ class Checkpointer:
         check_model_shape(self.model, self.run.model_args, path)
         saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         trainer = self._trainer_state(step)
+        # Before reading any tensor: the saved moments have another layout, which DCP would only call missing keys.
+        saved_dtype = trainer.get("optimizer_state_dtype", "fp32")  # older checkpoints: fp32 AdamW
+        if saved_dtype != self.run.optimizer_state_dtype:
+            raise CheckpointMismatch(
+                f"{path} keeps AdamW's moments in {saved_dtype}, this run in {self.run.optimizer_state_dtype}: "
+                f"resume with --optimizer.state_dtype {saved_dtype} (the moments cannot be converted)"
+            )
         state: dict = {"model": self.model_state.state_dict(), "optimizer": self.optimizer_state.state_dict()}
         # Delayed scaling's history, where the checkpoint has one of this shape (else it starts afresh).
         f8 = {k: v for k, v in self.float8_state.state_dict().items()

@@ -1,20 +1,30 @@
-"""AdamW, the warmup-stable-decay learning-rate schedule, and gradient clipping over DTensors."""
+"""AdamW (fp32 or 8-bit moments), the warmup-stable-decay learning-rate schedule, and gradient clipping over DTensors."""
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: list[float], eps: float,
-                    device_type: str) -> torch.optim.AdamW:
+                    device_type: str, state_dtype: str = "fp32") -> torch.optim.Optimizer:
     # Norm gains (1-D) take no weight decay: shrinking them toward zero only fights the norm.
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if state_dtype == "8bit":
+        # Moments quantized in blocks of 256 values (codes + one fp32 scale per block), a quarter of
+        # fp32's bytes; tensors under 4096 values (norm gains) keep fp32 moments. Its LR is a tensor in
+        # each param group, which the schedule fills in place (resume_schedule, LambdaLR).
+        from torchao.optim import AdamW8bit
+
+        # Said once per run by torch's compile cache about torchao's state class: nothing to act on.
+        warnings.filterwarnings("ignore", message="OptimState8bit does not implement _stable_hash_for_caching")
+        return AdamW8bit(groups, lr=lr, betas=(betas[0], betas[1]), eps=eps)
     # Fused AdamW is one kernel for all parameters on CUDA; foreach is the fast path on CPU.
     fused = device_type == "cuda"
     return torch.optim.AdamW(groups, lr=lr, betas=(betas[0], betas[1]), eps=eps, fused=fused, foreach=not fused)
@@ -72,9 +82,9 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], 
     pass of its own over the gradients (one read and one write of every fp32 gradient, 12 GB for
     1b; docs/benchmarks/2026-11-22-bf16-residual-fused-clip.md); and `found_inf`, which makes the
     update a no-op on the device, so skipping needs no host synchronisation and the CPU keeps
-    queueing work. The foreach and for-loop implementations have neither: they clip in place and
-    read the flag on the host; they run on the CPU here, where kernels execute as they are called
-    and reading a value costs nothing.
+    queueing work. The foreach and for-loop implementations, and torchao's 8-bit AdamW
+    (optimizer.state_dtype), have neither: they clip in place and read the flag on the host (a
+    synchronisation on a GPU; on the CPU kernels execute as they are called and it costs nothing).
 
     The norm is the same number on every rank (grad_norm all-reduces it), so all ranks clip by the
     same factor and skip together; a non-finite loss on any rank makes the norm non-finite.
@@ -108,7 +118,12 @@ def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, done_steps: in
     state = scheduler.state_dict()
     state.update(last_epoch=done_steps, _step_count=done_steps + 1)
     scheduler.load_state_dict(state)
+    # LambdaLR's own arithmetic (a tensor base LR times the factor where the optimizer keeps a tensor
+    # LR), so that a resumed run's LR is bit for bit the uninterrupted run's.
     lrs = [base * fn(done_steps) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
     for group, lr in zip(scheduler.optimizer.param_groups, lrs):
-        group["lr"] = lr
-    scheduler._last_lr = lrs  # what get_last_lr() reports
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)  # torchao's low-bit AdamW refuses a float LR
+        else:
+            group["lr"] = lr
+    scheduler._last_lr = [lr.clone() if isinstance(lr, torch.Tensor) else lr for lr in lrs]  # get_last_lr()

@@ -155,7 +155,8 @@ class Trainer:
 
         # ---- 4. Optimizer and LR schedule ---------------------------------------------------------
         o, s = cfg.optimizer, cfg.lr_scheduler
-        self.optimizer = build_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, self.device.type)
+        self.optimizer = build_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, self.device.type,
+                                         o.state_dtype)
         self.scheduler = build_scheduler(self.optimizer, t.steps, s.warmup_steps, s.decay_ratio, s.decay_type,
                                          s.min_lr_factor)
         self.state = TrainState()
@@ -164,7 +165,7 @@ class Trainer:
         self.checkpointer = Checkpointer(
             cfg.checkpoint, cfg.job.dump_folder, model=model, optimizer=self.optimizer, scheduler=self.scheduler,
             loader=self.loader, train_state=self.state, float8_state=self.fp8,
-            run=RunFacts(self.margs, self.global_batch, self.dims.dp, resumable_settings(cfg)),
+            run=RunFacts(self.margs, self.global_batch, self.dims.dp, o.state_dtype, resumable_settings(cfg)),
             is_main=self.is_main, backend_timeout_s=cfg.parallel.backend_timeout_s, cuda=self.device.type == "cuda",
         )
         self.checkpointer.check_writable()  # before step 1, not at the first save
@@ -223,7 +224,8 @@ class Trainer:
             # FSDP averages over ranks in its reduce-scatter.
             (loss / self.accum_steps).backward()
             step_loss += loss.detach() / self.accum_steps
-        self.lr = self.optimizer.param_groups[0]["lr"]  # the LR this update uses, for the log
+        # The LR this update uses, for the log: a number now (8-bit AdamW's is a tensor the schedule refills).
+        self.lr = float(self.optimizer.param_groups[0]["lr"])
         self.checkpointer.before_update()  # a background save may still be copying the weights
         # training.nonfinite = skip decides on the device whether to update: no host sync on GPU.
         grad_norm, skipped = clip_and_step(self.optimizer, list(self.model.parameters()), self.cfg.training.max_norm,
