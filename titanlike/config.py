@@ -248,7 +248,8 @@ class Fp8:
     """How tensorwise scales each Linear's input, weight and output gradient: dynamic = from the
     tensor's own amax (a read of the whole tensor before the cast); delayed = from the amaxes of the
     last amax_history measurements, taken during the casts: faster (titanlike/float8/delayed.py).
-    Weights that FSDP all-gathers in float8 keep their precomputed dynamic scales either way."""
+    Weights that FSDP all-gathers in float8 keep their precomputed dynamic scales either way.
+    Ignored with recipe = none; rowwise recipes need dynamic."""
     amax_history: int = 16
     """Measurements of the largest magnitudes that delayed scaling takes the maximum of."""
     amax_every: int = 1
@@ -268,8 +269,10 @@ class Fp8:
             f"fp8.enable_fsdp_float8_all_gather needs fp8.recipe = tensorwise (got {self.recipe!r}): rowwise "
             f"scales are per row of each matmul input, so a weight cannot be gathered in float8 once for all uses",
         )
+        # With float8 off the scaling means nothing: `--fp8.recipe none` turns off a config that
+        # sets delayed scaling (train_configs/rtx5090_124m.toml) without a second flag.
         need(
-            self.scaling == "dynamic" or self.recipe == "tensorwise",
+            self.scaling == "dynamic" or self.recipe in ("tensorwise", "none"),
             f"fp8.scaling = delayed needs fp8.recipe = tensorwise (got {self.recipe!r}): rowwise scales are per "
             f"row of each tensor, which changes from step to step",
         )
