@@ -26,6 +26,7 @@ SCHEDULE = ("--training.steps", str(STEPS), "--data.seq_len", "64", "--training.
             "--training.global_batch_size", "8", "--metrics.log_freq", "1", "--validation.enable", "false",
             "--training.deterministic", "--checkpoint.enable", "--checkpoint.interval", "3")
 EIGHT_BIT = ("--optimizer.state_dtype", "8bit")
+FP8 = ("--fp8.recipe", "tensorwise", "--fp8.emulate", "--fp8.auto_filter", "false")
 
 
 @pytest.fixture(autouse=True)
@@ -205,21 +206,24 @@ def test_resume_that_changes_state_dtype_is_refused(straight, tmp_path, corpus):
 
 @pytest.mark.slow
 def test_8bit_two_rank_fsdp_resume_is_bitwise_exact(tmp_path, corpus):
-    """FSDP shards the moments: torchao wraps each rank's 8-bit shard in a DTensor, which DCP saves."""
+    """FSDP shards the moments: torchao wraps each rank's 8-bit shard in a DTensor, which DCP saves.
+    With float8 all-gather (emulated) the weights it updates are float8-cast wrappers in DTensors."""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    run_train(full, *SCHEDULE, *EIGHT_BIT, nproc=2, corpus=corpus)
+    run_train(full, *SCHEDULE, *EIGHT_BIT, *FP8, nproc=2, corpus=corpus)
     resume_from(full, 3, resumed)
-    proc = run_train(resumed, *SCHEDULE, *EIGHT_BIT, nproc=2, corpus=corpus)
+    proc = run_train(resumed, *SCHEDULE, *EIGHT_BIT, *FP8, nproc=2, corpus=corpus)
     assert "dp_shard 2" in proc.stderr and "(data position and RNG restored)" in proc.stderr
+    assert "float8 all-gather on" in proc.stderr
     a, b = losses(full), losses(resumed)
     assert sorted(b) == [4, 5, 6] and b == {s: a[s] for s in b}
     assert_same_checkpoint(full / "checkpoint" / "step-6", resumed / "checkpoint" / "step-6", tmp_path)
-    # On one process DCP reshards the 8-bit codes and scales: the same samples, fp32 rounding apart.
+    # On one process DCP reshards the 8-bit codes and scales: the same samples, and losses within the
+    # rounding of another reduction order (measured: 2e-5 relative at step 6, float8 included).
     one = tmp_path / "one"
     resume_from(full, 3, one)
-    proc = run_train(one, *SCHEDULE, *EIGHT_BIT, corpus=corpus)
+    proc = run_train(one, *SCHEDULE, *EIGHT_BIT, *FP8, corpus=corpus)
     assert "saved on 2 data-parallel ranks, now 1" in proc.stderr
-    assert losses(one) == pytest.approx({s: a[s] for s in (4, 5, 6)}, rel=1e-5)
+    assert losses(one) == pytest.approx({s: a[s] for s in (4, 5, 6)}, rel=1e-4)
 
 
 def test_state_dtype_is_a_config_choice():

@@ -20,14 +20,30 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: lis
         # Moments quantized in blocks of 256 values (codes + one fp32 scale per block), a quarter of
         # fp32's bytes; tensors under 4096 values (norm gains) keep fp32 moments. Its LR is a tensor in
         # each param group, which the schedule fills in place (resume_schedule, LambdaLR).
-        from torchao.optim import AdamW8bit
-
-        # Said once per run by torch's compile cache about torchao's state class: nothing to act on.
-        warnings.filterwarnings("ignore", message="OptimState8bit does not implement _stable_hash_for_caching")
-        return AdamW8bit(groups, lr=lr, betas=(betas[0], betas[1]), eps=eps)
+        return _adamw_8bit()(groups, lr=lr, betas=(betas[0], betas[1]), eps=eps)
     # Fused AdamW is one kernel for all parameters on CUDA; foreach is the fast path on CPU.
     fused = device_type == "cuda"
     return torch.optim.AdamW(groups, lr=lr, betas=(betas[0], betas[1]), eps=eps, fused=fused, foreach=not fused)
+
+
+def _adamw_8bit() -> type[torch.optim.Optimizer]:
+    from torchao.optim import AdamW8bit
+
+    # torch warns that its compile cache cannot hash torchao's state class stably; the step below
+    # does not use that cache.
+    warnings.filterwarnings("ignore", message="OptimState8bit does not implement _stable_hash_for_caching")
+
+    class AdamW8bitUncached(AdamW8bit):
+        """torchao compiles its update per parameter; a compiled update taken from the on-disk AOT
+        autograd cache crashed (SIGSEGV, torch 2.13 CPU: two FSDP ranks with float8 all-gather,
+        after other runs had filled the cache), and compiling it afresh does not. So the step
+        compiles without that cache; inductor's own cache still spares most of the time."""
+
+        def step(self, closure=None):
+            with torch._functorch.config.patch(enable_autograd_cache=False):
+                return super().step(closure)
+
+    return AdamW8bitUncached
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, decay_ratio: float, decay_type: str,
