@@ -1,12 +1,17 @@
-"""AdamW (fp32 or 8-bit moments), the warmup-stable-decay learning-rate schedule, and gradient clipping over DTensors."""
+"""AdamW (fp32 or 8-bit moments), the warmup-stable-decay learning-rate schedule, and gradient clipping over
+DTensors."""
 
 from __future__ import annotations
 
 import math
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    import torchao.optim
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: list[float], eps: float,
@@ -26,7 +31,7 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: lis
     return torch.optim.AdamW(groups, lr=lr, betas=(betas[0], betas[1]), eps=eps, fused=fused, foreach=not fused)
 
 
-def _adamw_8bit() -> type[torch.optim.Optimizer]:
+def _adamw_8bit() -> type[torchao.optim.AdamW8bit]:
     from torchao.optim import AdamW8bit
 
     # torch warns that its compile cache cannot hash torchao's state class stably; the step below
