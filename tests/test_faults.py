@@ -40,6 +40,8 @@ def test_oom_message_names_peak_batch_and_knobs():
         "allocated, 78.6 GiB reserved; training.local_batch_size 8 × data.seq_len 4096; to use less: "
         "--activation_checkpoint.mode selective or full (now none), --training.local_batch_size 4 "
         "--training.global_batch_size 128 (the same global batch in 4 gradient-accumulation micro-batches), "
+        "--training.loss_chunk_tokens 4096 (the logits then never exist whole), "
+        "--optimizer.state_dtype 8bit (AdamW's moments in about 2 bytes a parameter instead of 8), "
         "--fp8.recipe tensorwise (now none): FSDP then gathers weights in float8, "
         "--parallel.reshard_after_forward always (frees every gathered weight after forward); "
         "--profiling.memory_snapshot shows what held it"
@@ -51,8 +53,9 @@ def test_oom_message_only_offers_what_is_left(monkeypatch):
     # fragmentation (with the allocator's default settings turned off), a memory cap and a snapshot.
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
-    cfg = config(training={"local_batch_size": 6, "gpu_memory_limit_gib": 31.0},
-                 activation_checkpoint={"mode": "full"}, fp8={"recipe": "tensorwise"})
+    cfg = config(training={"local_batch_size": 6, "gpu_memory_limit_gib": 31.0, "loss_chunk_tokens": 2048},
+                 activation_checkpoint={"mode": "full"}, fp8={"recipe": "tensorwise"},
+                 optimizer={"state_dtype": "8bit"})
     msg = faults.oom_message(cfg, 1, 0, 0, {**H100, "allocated": 20.0, "reserved": 30.5}, "/run/oom/snap.pickle")
     assert msg.startswith("out of GPU memory on rank 0 (NVIDIA H100 80GB HBM3, 79.2 GiB, capped at 31 GiB by "
                           "training.gpu_memory_limit_gib) after 0 completed steps: peak 20.0 GiB allocated")
@@ -62,6 +65,7 @@ def test_oom_message_only_offers_what_is_left(monkeypatch):
         "above allocated: fragmentation); memory snapshot in /run/oom/snap.pickle"
     )
     assert "activation_checkpoint" not in msg and "fp8" not in msg
+    assert "loss_chunk_tokens" not in msg and "state_dtype" not in msg
     # With expandable segments on (titanlike's default) the allocator already does what it can.
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     memory = {**H100, "allocated": 20.0, "reserved": 30.5}
