@@ -109,7 +109,7 @@ def oom_message(cfg, world_size: int, rank: int, step: int | None, memory: dict 
                      f"(the same global batch in {accum} gradient-accumulation micro-batches)")
     else:
         knobs.append(f"--data.seq_len {d.seq_len // 2} (local batch is already 1)")
-    if not getattr(t, "loss_chunk_tokens", 0):
+    if not t.loss_chunk_tokens:
         knobs.append("--training.loss_chunk_tokens 4096 (the logits then never exist whole)")
     if cfg.optimizer.state_dtype == "fp32":
         knobs.append("--optimizer.state_dtype 8bit (AdamW's moments in about 2 bytes a parameter instead of 8)")

@@ -9,11 +9,12 @@ block choice in BLOCK_CHOICES (all bf16, only the feed-forward in float8, every 
 
 The output layer is no candidate: measure keeps it in high precision. Timed alone (compiled with the
 loss) it looked faster in float8 on `124m`, but while the trainer ran it outside the compiled blocks
-whole runs with it in float8 were far slower than bf16 (docs/benchmarks/2026-11-23-one-gpu-124m-float8-
-choices.md). Since one process compiles the final norm, the output layer and the loss as one graph
-(titanlike/loss.py) a float8 output layer no longer loses, but gains within noise (+0.9 %) for 8 GiB
-more memory on `124m` (docs/benchmarks/2026-11-23-one-gpu-124m-compiled-head-1b-32gb.md): not worth
-a default. To force it into float8: fp8.auto_filter = false with fp8.filter_fqns = [].
+whole runs with it in float8 were far slower than bf16
+(docs/benchmarks/2026-11-23-one-gpu-124m-float8-choices.md). Since one process compiles the final
+norm, the output layer and the loss as one graph (titanlike/loss.py) a float8 output layer no longer
+loses, but gains within noise (+0.9 %) for 8 GiB more memory on `124m`
+(docs/benchmarks/2026-11-23-one-gpu-124m-compiled-head-1b-32gb.md): not worth a default. To force
+it into float8: fp8.auto_filter = false with fp8.filter_fqns = [].
 
 `decide` (pure: timings in, choice out) picks the fastest; `Float8Plan.reason` then says,
 per Linear, why it stays in high precision. Rank 0 times, every rank gets its plan, so all ranks
