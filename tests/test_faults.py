@@ -114,7 +114,9 @@ def test_oom_in_a_step_is_one_line_and_exit_2(tmp_path, corpus):
         "error: out of GPU memory on rank 0 after 2 completed steps: peak memory unknown (not a CUDA device); "
         "training.local_batch_size 4 × data.seq_len 64; to use less: --activation_checkpoint.mode selective or "
         "full (now none), --training.local_batch_size 2 --training.global_batch_size 4 (the same global batch in "
-        "2 gradient-accumulation micro-batches); --profiling.memory_snapshot shows what held it"
+        "2 gradient-accumulation micro-batches), --training.loss_chunk_tokens 4096 (the logits then never exist "
+        "whole), --optimizer.state_dtype 8bit (AdamW's moments in about 2 bytes a parameter instead of 8); "
+        "--profiling.memory_snapshot shows what held it"
     ]
     assert "Traceback" not in proc.stderr
     assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2]
