@@ -118,7 +118,7 @@ def test_candidates_build_compile_and_run_on_cpu(monkeypatch, tmp_path, scaling)
 
     monkeypatch.setattr(measure, "median_cuda_ms", one_run)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "CPU stand-in")
-    monkeypatch.setattr(measure, "CACHE", tmp_path / "plans.json")
+    monkeypatch.setenv("TITANLIKE_CACHE", str(tmp_path))
     margs = model_args("debug", n_layers=1, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=256, vocab_size=256)
     options = Float8Options(recipe="tensorwise", emulate=True, scaling=scaling, amax_every=2, auto_filter="measure")
     block_ms = measure.time_candidates(margs, 2, 32, options, torch.device("cpu"))

@@ -31,17 +31,17 @@ import logging
 import os
 import statistics
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from titanlike.cache import cache_dir
 from titanlike.float8.options import Float8Options, inductor_options
 
 logger = logging.getLogger("titanlike")
 
-CACHE = Path(os.environ.get("TITANLIKE_CACHE", Path.home() / ".cache" / "titanlike")) / "float8_plans.json"
+PLANS = "float8_plans.json"  # in the per-machine cache (titanlike/cache.py)
 
 # The block choices, from the most precise to the least: name -> the parts of a block (substrings
 # of a Linear's name inside the block) that run in float8.
@@ -190,7 +190,8 @@ def _cache_key(device: torch.device, options: Float8Options, margs, batch: int, 
 
 def time_candidates(margs, batch: int, seq: int, options: Float8Options, device: torch.device) -> dict[str, float]:
     """ms per block choice; cached on disk."""
-    cache = json.loads(CACHE.read_text()) if CACHE.exists() else {}
+    plans = cache_dir() / PLANS
+    cache = json.loads(plans.read_text()) if plans.exists() else {}
     block_ms = {}
     for choice in BLOCK_CHOICES:
         key = _cache_key(device, options, margs, batch, seq, f"block {choice}")
@@ -198,10 +199,10 @@ def time_candidates(margs, batch: int, seq: int, options: Float8Options, device:
             cache[key] = time_block_ms(margs, batch, seq, options, choice, device)
         block_ms[choice] = cache[key]
     torch._dynamo.reset()  # the run compiles its own blocks afresh
-    CACHE.parent.mkdir(parents=True, exist_ok=True)
-    tmp = CACHE.with_suffix(f".tmp{os.getpid()}")
+    plans.parent.mkdir(parents=True, exist_ok=True)
+    tmp = plans.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(cache, indent=1))
-    os.replace(tmp, CACHE)
+    os.replace(tmp, plans)
     return block_ms
 
 
