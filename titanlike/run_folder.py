@@ -60,6 +60,11 @@ def _holder(path: str) -> str:
         return "a process whose details are unreadable"
 
 
+def _in_use(path: str) -> RunFolderError:
+    return RunFolderError(f"job.dump_folder {path} is in use by another run ({_holder(path)}): wait for it, "
+                          f"stop it, or use another --job.dump_folder")
+
+
 def check_not_in_use(path: str) -> None:
     """For the launcher's preflight: fail before torchrun when another run holds the folder."""
     lock_file = os.path.join(path, LOCK)
@@ -72,8 +77,7 @@ def check_not_in_use(path: str) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise RunFolderError(f"job.dump_folder {path} is in use by another run ({_holder(path)}): wait for it, "
-                             f"stop it, or use another --job.dump_folder") from None
+        raise _in_use(path) from None
     finally:
         os.close(fd)
 
@@ -93,8 +97,7 @@ class RunFolder:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise RunFolderError(f"job.dump_folder {self.path} is in use by another run ({_holder(self.path)}): "
-                                 f"wait for it, stop it, or use another --job.dump_folder") from None
+            raise _in_use(self.path) from None
         previous = _holder(self.path) if os.path.getsize(lock_file) else None
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
