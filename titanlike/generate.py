@@ -37,6 +37,24 @@ class KVCache:
         self.length = 0
 
 
+def _blocks_over_cache(model: Transformer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                       positions: torch.Tensor, visible_len: int, mask: torch.Tensor | None) -> torch.Tensor:
+    """The blocks of Transformer.forward for new hidden states h (batch, new, dim) at `positions`:
+    each layer writes its keys and values there, then attends to the first `visible_len` cached
+    positions under `mask` (new × visible_len, True = may attend; None = all)."""
+    for i, layer in enumerate(model.blocks()):
+        attn = layer.attention
+        q, k, v = attn.project(layer.attention_norm(h), cos, sin)
+        cache.k[i].index_copy_(2, positions, k.transpose(1, 2))
+        cache.v[i].index_copy_(2, positions, v.transpose(1, 2))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), cache.k[i][:, :, :visible_len],
+                                             cache.v[i][:, :, :visible_len], attn_mask=mask,
+                                             enable_gqa=attn.n_kv_heads != attn.n_heads)
+        h = h + attn.wo(out.transpose(1, 2).reshape(h.shape[0], h.shape[1], -1))
+        h = h + layer.feed_forward(layer.ffn_norm(h))
+    return h
+
+
 @torch.no_grad()
 def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Logits of `tokens` (batch, new) at positions cache.length onwards, extending the cache.
@@ -44,24 +62,13 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> 
     The same modules as Transformer.forward, attending to the cached keys and values as well.
     """
     start, new = cache.length, tokens.shape[1]
-    cos, sin = model.rope_cos[start : start + new], model.rope_sin[start : start + new]
-    h = model.tok_embeddings(tokens)
     end = start + new
-    for i, layer in enumerate(model.blocks()):
-        attn = layer.attention
-        q, k, v = attn.project(layer.attention_norm(h), cos, sin)
-        cache.k[i][:, :, start:end] = k.transpose(1, 2)
-        cache.v[i][:, :, start:end] = v.transpose(1, 2)
-        keys, values = cache.k[i][:, :, :end], cache.v[i][:, :, :end]
-        # New position j may see cached positions and new ones up to itself: causal within the new
-        # block, everything before it. With one new token (decoding) that is no mask at all.
-        mask = None
-        if new > 1:
-            mask = torch.ones(new, end, dtype=torch.bool, device=h.device).tril(diagonal=start)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                             enable_gqa=attn.n_kv_heads != attn.n_heads)
-        h = h + attn.wo(out.transpose(1, 2).reshape(h.shape[0], new, -1))
-        h = h + layer.feed_forward(layer.ffn_norm(h))
+    cos, sin = model.rope_cos[start:end], model.rope_sin[start:end]
+    # New position j may see cached positions and new ones up to itself: causal within the new
+    # block, everything before it. With one new token (decoding) that is no mask at all.
+    mask = torch.ones(new, end, dtype=torch.bool, device=tokens.device).tril(diagonal=start) if new > 1 else None
+    positions = torch.arange(start, end, device=tokens.device)
+    h = _blocks_over_cache(model, model.tok_embeddings(tokens), cos, sin, cache, positions, end, mask)
     cache.length = end
     return model.output(model.norm(h))
 
@@ -85,17 +92,9 @@ def decode_step(model: Transformer, token: torch.Tensor, pos: torch.Tensor, cach
     attention reads the whole cache with the positions after `pos` masked, so one CUDA graph of this
     function serves the whole generation (CudaGraphDecoder)."""
     cos, sin = model.rope_cos.index_select(0, pos), model.rope_sin.index_select(0, pos)
-    h = model.tok_embeddings(token)
-    visible = (torch.arange(cache.k[0].shape[2], device=pos.device) <= pos).view(1, -1)  # (new, cached)
-    for i, layer in enumerate(model.blocks()):
-        attn = layer.attention
-        q, k, v = attn.project(layer.attention_norm(h), cos, sin)
-        cache.k[i].index_copy_(2, pos, k.transpose(1, 2))
-        cache.v[i].index_copy_(2, pos, v.transpose(1, 2))
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), cache.k[i], cache.v[i], attn_mask=visible,
-                                             enable_gqa=attn.n_kv_heads != attn.n_heads)
-        h = h + attn.wo(out.transpose(1, 2).reshape(h.shape[0], 1, -1))
-        h = h + layer.feed_forward(layer.ffn_norm(h))
+    max_len = cache.k[0].shape[2]
+    visible = (torch.arange(max_len, device=pos.device) <= pos).view(1, -1)  # (new, cached)
+    h = _blocks_over_cache(model, model.tok_embeddings(token), cos, sin, cache, pos, max_len, visible)
     return model.output(model.norm(h))[:, -1]
 
 
