@@ -7,11 +7,10 @@
 
 Schedulers preempt with SIGTERM or SIGUSR1 and requeue the same command, which resumes: exit 0.
 Ctrl-C exits 130 as any interrupted command does (128 + SIGINT), yet keeps what was trained. The
-checkpoint is saved even without checkpoint.enable; the same command resumes from it (with
---checkpoint.enable added where it was off, which the last line says).
+checkpoint is saved even without checkpoint.enable; the same command resumes from it.
 
 The handlers only record the request; the training loop acts on it between steps, after every rank
-has agreed on it (Checkpointer.stop_requested), so all ranks stop after the same step. A second
+has agreed on it (Checkpointer.stop_requested_and_publish), so all ranks stop after the same step. A second
 Ctrl-C restores the default action of SIGINT, which ends the process even while it waits inside a
 long native call (a collective, a save). Under torchrun the workers run in process groups of their
 own and get their signals from torchrun; titanlike.launch passes a second Ctrl-C on to them.
@@ -54,12 +53,11 @@ class StopSignals:
                         .encode())
 
 
-def stopped_line(request: int, step: int, checkpoint: str, resumes: bool) -> str:
-    """The one line a stopped run ends with; `resumes`: a rerun of the same command loads the save (it does,
-    with or without checkpoint.enable: checkpoint.py resumes from a stop's save either way)."""
+def stopped_line(request: int, step: int, checkpoint: str) -> str:
+    """The one line a stopped run ends with. The same command resumes from the save, with or without
+    checkpoint.enable (checkpoint.py resumes from a stop's save either way)."""
     what = "preempted" if request == PREEMPTED else "interrupted"
-    how = "run the same command" if resumes else "run the same command with --checkpoint.enable"
-    return f"{what}: stopped after step {step}; checkpoint at {checkpoint}; {how} to resume"
+    return f"{what}: stopped after step {step}; checkpoint at {checkpoint}; run the same command to resume"
 
 
 def ignore_interrupts_in_loader_worker(worker_id: int) -> None:

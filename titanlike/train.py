@@ -362,8 +362,7 @@ class Trainer:
                     open(marker, "w").close()  # tells run_train.sh on this node: a clean stop, exit 0
                 if self.is_main:
                     where = self.checkpointer.step_dir(step)
-                    # A stop's save resumes either way.
-                    logger.info(stopping.stopped_line(stop, step, where, resumes=True))
+                    logger.info(stopping.stopped_line(stop, step, where))
                 return stopping.EXIT_CODE[stop]
             self.profiler.step(step)
             self.progress.show()
