@@ -259,7 +259,8 @@ class Trainer:
         return verdict.loss
 
     def _checkpoints_to_roll_back_to(self) -> list[int]:
-        self.checkpointer.finish_and_publish()  # a background save (of a checked step) lands first
+        # A background save (of a checked step) lands first; its pinned host buffers stay for the next.
+        self.checkpointer.wait_and_publish()
         return self.checkpointer.complete_steps()
 
     def rollback(self, verdict: Verdict) -> None:
