@@ -1,14 +1,16 @@
 """The loss over whole logits and chunk by chunk (training.loss_chunk_tokens): the same loss and
-gradients, and the chunked one never keeps the whole (tokens × vocab) logits for backward."""
+gradients, the chunked one never keeps the whole (tokens × vocab) logits for backward, and on one
+process (the fused kind) it does no more matmul work than whole logits."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import losses, metrics, run_train
 from titanlike.float8 import Float8Options, layers
-from titanlike.loss import build_loss
+from titanlike.loss import LinearCrossEntropy, build_loss, chunked_output_loss, cross_entropy_sum_and_grad, fuses
 from titanlike.model import Transformer, model_args
 
 BATCH, SEQ = 3, 40  # 120 tokens: chunks of 7 leave a last chunk of 1
@@ -106,6 +108,68 @@ def test_chunked_loss_keeps_no_logits_for_backward(chunk_tokens):
     else:
         assert max(logits_saved) == BATCH * SEQ * vocab
     loss.backward()
+
+
+def matmul_flops(fn) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def test_fused_chunked_loss_computes_each_chunks_logits_once():
+    """One process with a plain output layer: the chunked loss (fused) does exactly the matmul FLOPs
+    of whole logits; the recomputed kind (FSDP, float8 output layer) does one more output-layer
+    matmul per token, 2 × dim × vocab FLOPs, to rebuild the logits in backward."""
+    model, inputs, targets = model_and_batch()
+    assert fuses(model.output)
+    whole = matmul_flops(lambda: loss_and_grads(model, inputs, targets, 0))
+    fused = matmul_flops(lambda: loss_and_grads(model, inputs, targets, 16))
+    assert fused == whole
+
+    def recomputed():
+        model.zero_grad(set_to_none=True)
+        loss = model(inputs, head=lambda norm, output, h: chunked_output_loss(output, norm(h), targets, 16))
+        loss.backward()
+
+    tokens, dim, vocab = BATCH * SEQ, model.args.dim, model.args.vocab_size
+    assert matmul_flops(recomputed) == whole + 2 * tokens * dim * vocab
+
+
+def test_fused_chunked_loss_under_bf16_autocast():
+    """Under autocast (one GPU's mixed precision) the fused loss computes in bf16 as nn.Linear would,
+    and hands back an fp32 weight gradient: the same numbers as the recomputed chunks within bf16
+    rounding; and validation (no_grad) gives the same loss."""
+    model, inputs, targets = model_and_batch()
+
+    def run(loss_fn):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_fn()
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    want_loss, want_grads = run(lambda: model(
+        inputs, head=lambda norm, output, h: chunked_output_loss(output, norm(h), targets, 16)))
+    loss, grads = run(lambda: build_loss(16, compile=False)(model, inputs, targets))
+    assert grads["output.weight"].dtype == torch.float32
+    torch.testing.assert_close(loss, want_loss, rtol=1e-2, atol=1e-3)
+    for name in grads:
+        rel = (grads[name] - want_grads[name]).norm() / want_grads[name].norm()
+        assert rel < 2e-2, (name, rel.item())
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        again = build_loss(16, compile=False)(model, inputs, targets)
+    torch.testing.assert_close(again, loss, rtol=1e-2, atol=1e-3)
+
+
+def test_fused_chunked_loss_backward_runs_once():
+    """Its backward scales the saved weight gradient in place, so a second backward through the same
+    graph (retain_graph) is refused rather than answered with a doubly scaled gradient."""
+    h = torch.randn(10, 8, requires_grad=True)
+    weight = torch.randn(32, 8, requires_grad=True)
+    loss = LinearCrossEntropy.apply(h, weight, torch.randint(0, 32, (10,)), 4, cross_entropy_sum_and_grad)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="runs once"):
+        loss.backward()
 
 
 @pytest.mark.parametrize("tie", [False, True])

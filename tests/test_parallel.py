@@ -123,6 +123,45 @@ def test_activation_checkpointing_recomputes_what_it_should():
     assert calls == [2, 1, 2, 1] and every2[silu] == 2 and none[mm] < every2[mm] < full[mm]
 
 
+def budgeted_block_run(budget: float) -> tuple[int, dict]:
+    """(bytes the compiled blocks keep for backward, the gradients) under mode = budget."""
+    torch._dynamo.reset()  # compile each budget's graphs afresh
+    model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=50))
+    model.init_weights(0, 32)
+    parallel.apply_activation_checkpointing(model, "budget", "op", budget)
+    parallel.apply_compile(model)
+    tokens = torch.randint(0, 50, (2, 32), generator=torch.Generator().manual_seed(0))
+    h = model.tok_embeddings(tokens).detach().requires_grad_()
+    kept = []
+
+    def pack(t):
+        kept.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = h
+        for block in model.layers:
+            out = block(out, model.rope_cos[:32], model.rope_sin[:32])
+    out.float().pow(2).mean().backward()
+    return sum(kept), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.slow
+def test_memory_budget_keeps_less_for_the_same_gradients(monkeypatch):
+    """mode = budget: compile's partitioner keeps fewer bytes for backward at a smaller budget and
+    recomputes the rest, to the same gradients."""
+    import torch._functorch.config as functorch_config
+
+    monkeypatch.setattr(functorch_config, "activation_memory_budget", 1.0)  # restored after the test
+    kept_all, want = budgeted_block_run(1.0)
+    kept_some, grads = budgeted_block_run(0.2)
+    assert functorch_config.activation_memory_budget == 0.2
+    assert kept_some < 0.9 * kept_all, (kept_some, kept_all)
+    assert grads.keys() == want.keys() and len(grads) == 2 * 7  # every block weight
+    for name in grads:
+        torch.testing.assert_close(grads[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
 @pytest.mark.slow
 def test_compile_tracks_eager(tmp_path, corpus, single, monkeypatch):
     monkeypatch.setenv("TORCH_LOGS", "dynamo")  # dynamo reports what it traced: proof that compile ran

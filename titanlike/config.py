@@ -296,13 +296,20 @@ class Compile:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: Literal["none", "full", "selective"] = "none"
-    """Recompute activations in backward: none, full (every block), selective (see option)."""
+    mode: Literal["none", "full", "selective", "budget"] = "none"
+    """Recompute activations in backward: none, full (every block), selective (see option), or
+    budget (compiled blocks keep memory_budget of their activations; needs compile.enable)."""
     selective_ac_option: str = "op"
     """With mode = selective: "op" saves matmul outputs and float8 amax reductions and recomputes
     the rest; an integer k checkpoints every k-th block fully."""
+    memory_budget: float = 0.5
+    """With mode = budget: the share (0, 1] of its activations each compiled graph keeps for
+    backward; compile's partitioner recomputes the rest, cheapest to recompute first (elementwise
+    ops before matmuls). 1 keeps what compile keeps anyway, as mode = none."""
 
     def validate(self) -> None:
+        need(0 < self.memory_budget <= 1,
+             f"activation_checkpoint.memory_budget = {self.memory_budget} must be in (0, 1]")
         option = self.selective_ac_option
         if self.mode == "selective":  # the option means nothing in the other modes
             need(
@@ -428,6 +435,10 @@ def validate_across_sections(cfg: JobConfig) -> None:
         max_seq_len = model_args(m.flavor, **shape_overrides(m)).max_seq_len
         need(cfg.data.seq_len <= max_seq_len,
              f"data.seq_len = {cfg.data.seq_len} exceeds model.max_seq_len = {max_seq_len}")
+    need(
+        cfg.activation_checkpoint.mode != "budget" or cfg.compile.enable,
+        "activation_checkpoint.mode = budget is carried out by torch.compile's partitioner: set --compile.enable",
+    )
     need(
         cfg.training.nonfinite != "rollback" or cfg.checkpoint.enable,
         "training.nonfinite = rollback reloads the last checkpoint: it needs --checkpoint.enable",

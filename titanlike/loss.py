@@ -1,15 +1,21 @@
 """The training loss: mean next-token cross-entropy of a model on (inputs, targets).
 
 Two ways to the same number. Whole: the model returns all logits, (tokens × vocab), and the loss
-reads them. Chunked (training.loss_chunk_tokens): the model hands its final hidden states to
-`chunked_output_loss`, which runs the output layer and the cross-entropy on chunks of that many
-tokens, keeping no chunk's logits for backward: backward recomputes them, a chunk at a time. With a
-128K vocabulary the logits of a 4096-token micro-batch are 1 GiB in bf16, 2 more in fp32 for the
-softmax, and their gradient as much again; chunked, only one chunk's exist at any moment, for one
-more output-layer matmul per chunk in backward.
+reads them. Chunked (training.loss_chunk_tokens): the model hands its final hidden states to the
+loss, which runs the output layer and the cross-entropy on chunks of that many tokens, so the whole
+logits never exist. With a 128K vocabulary the logits of a 4096-token micro-batch are 1 GiB in bf16,
+2 more in fp32 for the softmax, and their gradient as much again; chunked, only one chunk's exist
+at any moment.
 
-The output layer is always *called* (`output(h_chunk)`), never its weight read: FSDP gathers the
-weight in the module's forward hooks, and a float8 output layer does its casts there.
+The chunked loss comes in two kinds:
+- Fused (`LinearCrossEntropy`, one process with a plain bf16/fp32 output layer): each chunk's
+  gradients, for the hidden states and the output weight, are computed in forward while its logits
+  exist, and kept for backward (tokens × dim and vocab × dim: small next to the logits). The output
+  layer's three matmuls run once each, as over whole logits.
+- Recomputed (`chunked_output_loss`, under FSDP or with a float8 output layer): each chunk runs
+  under activation checkpointing and backward recomputes its logits, one more output-layer matmul
+  per chunk. It *calls* the output layer (`output(h_chunk)`), never reads its weight: FSDP gathers
+  the weight in the module's forward hooks, and a float8 output layer does its casts there.
 
 Compiled on one process (no FSDP), the whole-logits loss compiles the final norm, the output layer
 and the cross-entropy as one graph (`head_loss`), so the norm, the casts of the output layer's input
@@ -65,6 +71,76 @@ def chunked_output_loss(output: nn.Module, h: torch.Tensor, targets: torch.Tenso
     return total / targets.numel()
 
 
+def cross_entropy_sum_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's summed fp32 cross-entropy and its gradient with respect to the logits,
+    softmax(logits) − onehot(targets), in the logits' dtype. Compiled, this is one pass over the
+    logits for the row maxima and sums and one that writes the gradient."""
+    x = logits.float()
+    shifted = x - x.amax(dim=-1, keepdim=True)
+    exp = shifted.exp()
+    sum_exp = exp.sum(dim=-1, keepdim=True)
+    loss = (sum_exp.log() - shifted.gather(-1, targets[:, None])).sum()
+    is_target = torch.arange(x.shape[-1], device=x.device) == targets[:, None]
+    grad = exp / sum_exp - is_target.float()
+    return loss, grad.to(logits.dtype)
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of `h @ weight.T` against `targets`, `chunk_tokens` rows at a time, with
+    the gradients computed in forward: per chunk one matmul for the logits, then the loss and the
+    logits' gradient (`ce_grad`, compiled or not), then one matmul each for the chunk's share of the
+    hidden states' and the weight's gradients; the logits are freed before the next chunk. Backward
+    only scales what forward kept by the incoming gradient.
+
+    Under autocast the matmuls run in the autocast dtype, as `nn.Linear` would; the weight's
+    gradient sums the chunks in fp32 (recomputed chunks accumulate it in the compute dtype)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk_tokens, ce_grad):
+        device = h.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+        with torch.autocast(device, enabled=False):
+            x, w = h.to(dtype), weight.to(dtype)
+            want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+            grad_h = torch.empty_like(x) if want_h else None
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+            total = torch.zeros((), dtype=torch.float32, device=h.device)
+            for start in range(0, x.shape[0], chunk_tokens):
+                x_chunk, t_chunk = x[start:start + chunk_tokens], targets[start:start + chunk_tokens]
+                loss, grad_logits = ce_grad(x_chunk @ w.t(), t_chunk)
+                total += loss
+                if grad_h is not None:
+                    torch.mm(grad_logits, w, out=grad_h[start:start + chunk_tokens])
+                if grad_w is not None:
+                    grad_w += grad_logits.t() @ x_chunk
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.dtypes = (h.dtype, weight.dtype)
+        ctx.spent = False
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        # The weight's gradient is scaled in place (a second fp32 copy of it would cost 1 GiB on 1b),
+        # so a second backward through the same graph would be wrong: refuse it.
+        if ctx.spent:
+            raise RuntimeError("LinearCrossEntropy's backward runs once per forward")
+        ctx.spent = True
+        grad_h, grad_w = ctx.saved_tensors
+        h_dtype, w_dtype = ctx.dtypes
+        if grad_h is not None:
+            grad_h = (grad_h * grad_total).to(h_dtype)
+        if grad_w is not None:
+            grad_w = grad_w.mul_(grad_total).to(w_dtype)
+        return grad_h, grad_w, None, None, None
+
+
+def fuses(output: nn.Module) -> bool:
+    """Whether the chunked loss may read `output`'s weight and compute its gradients in forward: a
+    plain Linear without bias on one process. Not a float8 layer (its casts happen in its forward)
+    nor one FSDP manages (its hooks gather the weight): those are called, chunk by chunk."""
+    return type(output) is nn.Linear and output.bias is None
+
+
 def build_loss(chunk_tokens: int, compile: bool, compile_head: bool = False) -> LossFn:
     """loss(model, inputs, targets): over whole logits (chunk_tokens = 0) or chunked. With `compile`,
     the cross-entropy is compiled (the upcast and softmax then fuse into one kernel); with
@@ -85,12 +161,18 @@ def build_loss(chunk_tokens: int, compile: bool, compile_head: bool = False) -> 
 
         return whole_logits_loss
 
-    # Chunks all have chunk_tokens rows but the last: two compiled graphs at most.
+    # Chunks all have chunk_tokens rows but the last: two compiled graphs at most, each.
     ce_sum = torch.compile(cross_entropy_sum) if compile else cross_entropy_sum
+    ce_grad = torch.compile(cross_entropy_sum_and_grad) if compile else cross_entropy_sum_and_grad
 
     def chunked_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         def head(norm: nn.Module, output: nn.Module, h: torch.Tensor) -> torch.Tensor:
-            return chunked_output_loss(output, norm(h), targets, chunk_tokens, ce_sum)
+            h = norm(h)
+            if torch.is_grad_enabled() and fuses(output):
+                total = LinearCrossEntropy.apply(h.flatten(0, 1), output.weight, targets.flatten(0, 1),
+                                                 chunk_tokens, ce_grad)
+                return total / targets.numel()
+            return chunked_output_loss(output, h, targets, chunk_tokens, ce_sum)
 
         return model(inputs, head=head)
 

@@ -158,8 +158,16 @@ def _checkpointed(body, *args, context_fn=None):
     return checkpoint(body, *args, use_reentrant=False, context_fn=context_fn)
 
 
-def apply_activation_checkpointing(model: Transformer, mode: str, option: str) -> None:
+def apply_activation_checkpointing(model: Transformer, mode: str, option: str, budget: float = 1.0) -> None:
     if mode == "none":
+        return
+    if mode == "budget":
+        # No checkpoint wrapper: compile's min-cut partitioner decides what each graph saves, held
+        # to `budget` of the bytes it would save unbudgeted. A process-wide setting, so it applies
+        # to every graph compiled here (the blocks and the loss), read when each is compiled.
+        import torch._functorch.config as functorch_config
+
+        functorch_config.activation_memory_budget = budget
         return
     if mode == "selective" and option == "op":
         from torch.utils.checkpoint import create_selective_checkpoint_contexts

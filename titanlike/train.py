@@ -120,8 +120,8 @@ class Trainer:
         with torch.device("meta"):
             model = Transformer(self.margs)
         self.fp8.convert(model, t.local_batch_size * cfg.data.seq_len, self.device, cfg.data.seq_len)
-        parallel.apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
-                                                cfg.activation_checkpoint.selective_ac_option)
+        ac = cfg.activation_checkpoint
+        parallel.apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option, ac.memory_budget)
         if cfg.compile.enable:
             parallel.apply_compile(model, self.fp8.compile_options())
         # bf16 compute on GPU: FSDP casts the gathered parameters; one GPU uses autocast instead.
