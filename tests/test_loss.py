@@ -137,8 +137,8 @@ def test_fused_chunked_loss_computes_each_chunks_logits_once():
 
 def test_fused_chunked_loss_under_bf16_autocast():
     """Under autocast (one GPU's mixed precision) the fused loss computes in bf16 as nn.Linear would,
-    and hands back an fp32 weight gradient: the same numbers as the recomputed chunks within bf16
-    rounding; and validation (no_grad) gives the same loss."""
+    and hands back a gradient in the weight's own dtype (fp32): the same numbers as the recomputed
+    chunks within bf16 rounding; and validation (no_grad) gives the same loss."""
     model, inputs, targets = model_and_batch()
 
     def run(loss_fn):
