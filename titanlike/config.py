@@ -131,9 +131,11 @@ class Training:
     """Cap this process's CUDA memory at this many GiB, e.g. 31 to prove a job fits an RTX 5090 while
     running on a larger GPU (0 = no cap)."""
     loss_chunk_tokens: int = 0
-    """Compute the output layer and the loss this many tokens at a time, recomputing each chunk's
-    logits in backward, so that the whole (tokens × vocab) logits never exist (0 = off: whole
-    logits). Same loss and gradients; saves memory with large vocabularies (titanlike/loss.py)."""
+    """Compute the output layer and the loss this many tokens at a time, so that the whole
+    (tokens × vocab) logits never exist (0 = off: whole logits). On one process each chunk's
+    gradients are computed in forward (no extra matmul); under FSDP or with a float8 output layer
+    each chunk's logits are recomputed in backward. Same loss and gradients; saves memory with
+    large vocabularies (titanlike/loss.py)."""
     mixed_precision: Literal["bf16", "fp32"] = "bf16"
     """Compute dtype on GPU (params stay fp32, gradients reduce in fp32). CPU always runs fp32."""
     nonfinite: Literal["abort", "skip", "rollback"] = "abort"
