@@ -94,7 +94,7 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     Under autocast the matmuls run in the autocast dtype, as `nn.Linear` would, and the weight's
     gradient sums the chunks in that dtype too, as autograd does for recomputed chunks (an fp32 sum
-    would hold 1 GiB more on `1b` and cost a copy of each chunk's product)."""
+    would hold 0.5 GiB more on `1b` and cost a copy of each chunk's product)."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, chunk_tokens, ce_grad):
