@@ -24,6 +24,24 @@ def test_fastest_prefers_the_more_precise_choice_within_noise():
     assert fastest({"bf16": 10.0, "feed-forward": 10.0, "all": 9.7}, order) == "all"
 
 
+def test_within_noise_precision_never_costs_more_memory_than_the_fastest():
+    """The 32 GB `1b` case: the feed-forward alone timed within noise of every Linear in float8 but
+    keeps the attention's bf16 activations; a run tuned to its memory must get the fastest's."""
+    order = list(BLOCK_CHOICES)
+    times = {"bf16": 12.0, "feed-forward": 10.1, "all": 10.0}
+    assert fastest(times, order) == "feed-forward"  # without bytes, precision within noise
+    assert fastest(times, order, {"bf16": 900, "feed-forward": 800, "all": 700}) == "all"
+    # Precision that costs no memory still wins within noise ...
+    assert fastest(times, order, {"bf16": 900, "feed-forward": 700, "all": 700}) == "feed-forward"
+    assert fastest({"bf16": 10.1, "feed-forward": 10.0, "all": 10.0}, order,
+                   {"bf16": 700, "feed-forward": 700, "all": 700}) == "bf16"
+    # ... and memory never overrides speed beyond noise.
+    assert fastest({"bf16": 10.0, "feed-forward": 11.0, "all": 12.0}, order,
+                   {"bf16": 900, "feed-forward": 800, "all": 700}) == "bf16"
+    plan = decide(times, {"bf16": 900, "feed-forward": 800, "all": 700})
+    assert plan.block == "all" and plan.block_bytes["feed-forward"] == 800
+
+
 def test_decide_picks_the_fastest_block_choice():
     assert decide({"bf16": 10.0, "feed-forward": 9.0, "all": 9.6}).block == "feed-forward"
     assert decide({"bf16": 10.0, "feed-forward": 11.0, "all": 12.0}).block == "bf16"
@@ -83,7 +101,8 @@ def test_measure_decides_from_the_timings_it_is_given(monkeypatch, caplog):
 
     def fake_times(margs, batch, seq, options, device):
         seen.update(batch=batch, seq=seq)
-        return {"bf16": 10.0, "feed-forward": 8.0, "all": 9.0}
+        return ({"bf16": 10.0, "feed-forward": 8.0, "all": 9.0},
+                {"bf16": 3 * 2**20, "feed-forward": 2 * 2**20, "all": 2**20})
 
     monkeypatch.setattr(measure, "time_candidates", fake_times)
     with torch.device("meta"):
@@ -94,7 +113,7 @@ def test_measure_decides_from_the_timings_it_is_given(monkeypatch, caplog):
     assert seen == {"batch": 4, "seq": 64}
     assert p.block == "feed-forward"
     lines = [r.getMessage() for r in caplog.records if "fp8.auto_filter = measure" in r.getMessage()]
-    assert len(lines) == 3 and "float8 on 'feed-forward': 8.00 ms <- chosen" in lines[1]
+    assert len(lines) == 3 and "float8 on 'feed-forward': 8.00 ms, 2 MiB kept for backward <- chosen" in lines[1]
 
 
 @pytest.mark.parametrize("scaling", ["dynamic", "delayed"])
@@ -117,11 +136,57 @@ def test_candidates_build_compile_and_run_on_cpu(monkeypatch, tmp_path, scaling)
         return float(len(runs))
 
     monkeypatch.setattr(measure, "median_cuda_ms", one_run)
+    # Stands in for the CUDA allocator's count: it grows by 1000 bytes per read, so each candidate's
+    # forward "keeps" 1000 bytes (what is real is checked on a GPU: test_kept_bytes_on_the_gpu).
+    reads = []
+
+    def allocated(device):
+        reads.append(device)
+        return 1000 * len(reads)
+
+    monkeypatch.setattr(measure, "allocated_bytes", allocated)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "CPU stand-in")
     monkeypatch.setenv("TITANLIKE_CACHE", str(tmp_path))
     margs = model_args("debug", n_layers=1, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=256, vocab_size=256)
     options = Float8Options(recipe="tensorwise", emulate=True, scaling=scaling, amax_every=2, auto_filter="measure")
-    block_ms = measure.time_candidates(margs, 2, 32, options, torch.device("cpu"))
+    block_ms, block_bytes = measure.time_candidates(margs, 2, 32, options, torch.device("cpu"))
     assert list(block_ms) == list(BLOCK_CHOICES) and sorted(block_ms.values()) == [1.0, 2.0, 3.0]
-    assert measure.time_candidates(margs, 2, 32, options, torch.device("cpu")) == block_ms
-    assert len(runs) == 3  # the second call timed nothing
+    assert block_bytes == {choice: 1000 for choice in BLOCK_CHOICES}
+    assert measure.time_candidates(margs, 2, 32, options, torch.device("cpu")) == (block_ms, block_bytes)
+    assert len(runs) == 3 and len(reads) == 6  # the second call timed and weighed nothing
+
+
+def test_a_plan_cached_without_bytes_is_timed_again(monkeypatch, tmp_path):
+    """Timings cached before bytes were measured: the candidates are timed afresh, not decided by
+    speed alone."""
+    import json
+
+    monkeypatch.setenv("TITANLIKE_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "CPU stand-in")
+    margs = model_args("debug", n_layers=1)
+    options = Float8Options(recipe="tensorwise", emulate=True, auto_filter="measure")
+    device = torch.device("cpu")
+    old = {measure._cache_key(device, options, margs, 2, 32, f"block {c}"): 5.0 for c in BLOCK_CHOICES}
+    (tmp_path / measure.PLANS).write_text(json.dumps(old))
+    timed = []
+
+    def fake_block(margs, batch, seq, options, choice, device):
+        timed.append(choice)
+        return 4.0, 123
+
+    monkeypatch.setattr(measure, "time_block", fake_block)
+    assert measure.time_candidates(margs, 2, 32, options, device) == (
+        {c: 4.0 for c in BLOCK_CHOICES}, {c: 123 for c in BLOCK_CHOICES})
+    assert timed == list(BLOCK_CHOICES)
+
+
+@pytest.mark.gpu
+def test_kept_bytes_on_the_gpu(monkeypatch, tmp_path):
+    """On a GPU with real float8: a block whose Linears run in tensorwise float8 keeps fewer bytes for
+    backward than the bf16 block (its matmul inputs are saved as float8), and the feed-forward alone
+    lies in between."""
+    monkeypatch.setenv("TITANLIKE_CACHE", str(tmp_path))
+    margs = model_args("debug", dim=1024, n_heads=8, n_kv_heads=4, ffn_dim=4096)
+    options = Float8Options(recipe="tensorwise", auto_filter="measure")
+    _, kept = measure.time_candidates(margs, 4, 1024, options, torch.device("cuda", 0))
+    assert kept["all"] < kept["feed-forward"] < kept["bf16"], kept

@@ -16,7 +16,14 @@ loses, but gains within noise (+0.9 %) for 8 GiB more memory on `124m`
 (docs/benchmarks/2026-11-23-one-gpu-124m-compiled-head-1b-32gb.md): not worth a default. To force
 it into float8: fp8.auto_filter = false with fp8.filter_fqns = [].
 
-`decide` (pure: timings in, choice out) picks the fastest; `Float8Plan.reason` then says,
+Each candidate is also weighed by the activation memory its forward keeps for backward. Within
+noise of the fastest the more precise choice wins, but only if it keeps no more than the fastest:
+two choices that run at the same speed are not the same choice for a run tuned to its memory. On
+`1b` capped at 31 GiB (8-bit moments, micro-batch 3) the feed-forward-only choice timed within
+noise of every Linear in float8, was taken for its precision, and its bf16 attention activations
+put the run out of memory (docs/benchmarks/2026-11-23-one-gpu-fused-chunked-loss-1b-32gb.md).
+
+`decide` (pure: timings and bytes in, choice out) picks; `Float8Plan.reason` then says,
 per Linear, why it stays in high precision. Rank 0 times, every rank gets its plan, so all ranks
 convert the same layers. Timings are cached per GPU, torch and torchao version, recipe, scaling,
 model shape and micro-batch in ~/.cache/titanlike/float8_plans.json (compiling every candidate
@@ -57,11 +64,12 @@ NOISE = 0.02
 
 @dataclass(frozen=True)
 class Float8Plan:
-    """What measure decided: the block choice (a key of BLOCK_CHOICES) and the timings in ms it was
-    decided from."""
+    """What measure decided: the block choice (a key of BLOCK_CHOICES), and the timings in ms and the
+    bytes kept for backward per block it was decided from."""
 
     block: str
     block_ms: dict[str, float] = field(default_factory=dict)
+    block_bytes: dict[str, int] = field(default_factory=dict)
 
     def reason(self, fqn: str) -> str | None:
         """Why the Linear `fqn` stays in high precision under this plan, or None to convert it."""
@@ -73,16 +81,19 @@ class Float8Plan:
         return f"measured block choice is {self.block!r} ({times} per block; fp8.auto_filter = measure)"
 
 
-def fastest(times: dict[str, float], order: list[str]) -> str:
+def fastest(times: dict[str, float], order: list[str], kept: dict[str, int] | None = None) -> str:
     """The fastest of `times`, except that a choice earlier in `order` (more precise) wins when it
-    is within NOISE of the fastest."""
-    best = min(times.values())
-    return next(name for name in order if name in times and times[name] <= best * (1 + NOISE))
+    is within NOISE of the fastest and, where `kept` gives each choice's bytes kept for backward,
+    keeps no more than the fastest."""
+    quickest = min(times, key=lambda name: times[name])
+    return next(name for name in order if name in times and times[name] <= times[quickest] * (1 + NOISE)
+                and (not kept or kept[name] <= kept[quickest]))
 
 
-def decide(block_ms: dict[str, float]) -> Float8Plan:
-    """The plan from the timings: the fastest block choice (the more precise one within noise)."""
-    return Float8Plan(fastest(block_ms, list(BLOCK_CHOICES)), dict(block_ms))
+def decide(block_ms: dict[str, float], block_bytes: dict[str, int] | None = None) -> Float8Plan:
+    """The plan from the timings and memory: the fastest block choice (within noise, the more precise
+    one that keeps no more memory)."""
+    return Float8Plan(fastest(block_ms, list(BLOCK_CHOICES), block_bytes), dict(block_ms), dict(block_bytes or {}))
 
 
 # ---- timing on the GPU ---------------------------------------------------------------------------
@@ -121,21 +132,16 @@ def _float8(module: nn.Module, options: Float8Options, parts: tuple[str, ...]) -
     return module
 
 
-def _time_step(module: nn.Module, options: Float8Options, make_step) -> float:
-    """Median ms of `make_step(module)()` after one step that, with delayed scaling, fills the
-    history; steps then measure amaxes as often as the run will (fp8.amax_every)."""
-    step = make_step(module)
-    step()
-    if options.delayed:
-        from titanlike.float8 import delayed
-
-        delayed.update_scales(module)
-        delayed.set_recording(module, 2, options.amax_every)
-    return median_cuda_ms(step)
+def allocated_bytes(device: torch.device) -> int:
+    """Bytes the caching allocator holds in tensors on `device` now."""
+    return torch.cuda.memory_allocated(device)
 
 
-def time_block_ms(margs, batch: int, seq: int, options: Float8Options, choice: str, device: torch.device) -> float:
-    """Forward + backward of one compiled transformer block on (batch, seq) bf16 activations."""
+def time_block(margs, batch: int, seq: int, options: Float8Options, choice: str,
+               device: torch.device) -> tuple[float, int]:
+    """Forward + backward of one compiled transformer block on (batch, seq) bf16 activations: the
+    median ms, and the bytes its forward keeps allocated for backward (the block's output included,
+    the same for every choice)."""
     from titanlike.model import TransformerBlock, rope_tables
 
     torch._dynamo.reset()  # a fresh compile per candidate, never the recompile limit's eager fallback
@@ -150,14 +156,27 @@ def time_block_ms(margs, batch: int, seq: int, options: Float8Options, choice: s
     x = torch.randn(batch, seq, margs.dim, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
 
-    def make_step(module):
-        def step():
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                out = module(x, cos, sin)
-            out.backward(grad)
-        return step
+    def forward() -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return block(x, cos, sin)
 
-    return _time_step(block, options, make_step)
+    def step() -> None:
+        forward().backward(grad)
+
+    # One step first: it compiles and, with delayed scaling, fills the history; steps then measure
+    # amaxes as often as the run will (fp8.amax_every).
+    step()
+    if options.delayed:
+        from titanlike.float8 import delayed
+
+        delayed.update_scales(block)
+        delayed.set_recording(block, 2, options.amax_every)
+    ms = median_cuda_ms(step)
+    before = allocated_bytes(device)
+    out = forward()
+    kept = allocated_bytes(device) - before
+    out.backward(grad)
+    return ms, kept
 
 
 def time_linear_ms(tokens: int, in_features: int, out_features: int, recipe: str, device: torch.device,
@@ -188,22 +207,24 @@ def _cache_key(device: torch.device, options: Float8Options, margs, batch: int, 
             f"{options.recipe} {scaling}|{margs}|{batch}x{seq}|{candidate}")
 
 
-def time_candidates(margs, batch: int, seq: int, options: Float8Options, device: torch.device) -> dict[str, float]:
-    """ms per block choice; cached on disk."""
+def time_candidates(margs, batch: int, seq: int, options: Float8Options,
+                    device: torch.device) -> tuple[dict[str, float], dict[str, int]]:
+    """ms and bytes kept for backward per block choice; cached on disk."""
     plans = cache_dir() / PLANS
     cache = json.loads(plans.read_text()) if plans.exists() else {}
-    block_ms = {}
+    block_ms, block_bytes = {}, {}
     for choice in BLOCK_CHOICES:
         key = _cache_key(device, options, margs, batch, seq, f"block {choice}")
-        if key not in cache:
-            cache[key] = time_block_ms(margs, batch, seq, options, choice, device)
-        block_ms[choice] = cache[key]
+        # A plan cached before the bytes were measured is timed again.
+        if key not in cache or key + " kept bytes" not in cache:
+            cache[key], cache[key + " kept bytes"] = time_block(margs, batch, seq, options, choice, device)
+        block_ms[choice], block_bytes[choice] = cache[key], cache[key + " kept bytes"]
     torch._dynamo.reset()  # the run compiles its own blocks afresh
     plans.parent.mkdir(parents=True, exist_ok=True)
     tmp = plans.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(cache, indent=1))
     os.replace(tmp, plans)
-    return block_ms
+    return block_ms, block_bytes
 
 
 def measure(model: nn.Module, options: Float8Options, tokens: int, device: torch.device,
@@ -221,9 +242,10 @@ def measure(model: nn.Module, options: Float8Options, tokens: int, device: torch
         result = [time_candidates(model.args, tokens // seq, seq, options, device)]
     if dist.is_initialized():
         dist.broadcast_object_list(result, src=0)
-    block_ms = result[0]
-    plan = decide(block_ms)
+    block_ms, block_bytes = result[0]
+    plan = decide(block_ms, block_bytes)
     for choice, ms in block_ms.items():
-        logger.info(f"  fp8.auto_filter = measure: one block, float8 on {choice!r}: {ms:.2f} ms"
+        logger.info(f"  fp8.auto_filter = measure: one block, float8 on {choice!r}: {ms:.2f} ms, "
+                    f"{block_bytes[choice] / 2**20:,.0f} MiB kept for backward"
                     f"{' <- chosen' if choice == plan.block else ''}")
     return plan
