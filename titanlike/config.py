@@ -243,9 +243,10 @@ class Fp8:
     auto_filter: Literal["true", "false", "measure"] = "true"
     """Which Linears convert: true = those large enough to pay (by a size rule); measure = at start-up
     on this GPU, time one whole compiled block forward + backward at the run's micro-batch with no,
-    the feed-forward's or every Linear in float8 and convert what was fastest (cached; the size rule
-    without a GPU; the output layer stays high precision); false = all (dimensions not multiples of
-    16 always stay high precision)."""
+    the feed-forward's or every Linear in float8 and convert what was fastest (within 2 %, the more
+    precise choice if it keeps no more memory for backward; cached; the size rule without a GPU; the
+    output layer stays high precision); false = all (dimensions not multiples of 16 always stay high
+    precision)."""
     scaling: Literal["dynamic", "delayed"] = "dynamic"
     """How tensorwise scales each Linear's input, weight and output gradient: dynamic = from the
     tensor's own amax (a read of the whole tensor before the cast); delayed = from the amaxes of the
