@@ -243,8 +243,6 @@ INVALID = [
      "checkpoint.initial_load_path = '/nonexistent/ckpt': no such"),
     (["--training.nonfinite", "rollback"],
      "training.nonfinite = rollback reloads the last checkpoint: it needs --checkpoint.enable"),
-    (["--optimizer.state_dtype", "8bit", "--checkpoint.enable", "--checkpoint.async_mode", "async_with_pinned_mem"],
-     "optimizer.state_dtype = 8bit cannot be saved in the background: set --checkpoint.async_mode disabled"),
     (["--fp8.health_log_freq", "-1"], "fp8.health_log_freq = -1 must be >= 0 (0 = off)"),
     (["--metrics.log_freq", "0"], "metrics.log_freq = 0 must be >= 1"),
     (["--validation.freq", "0"], "validation.freq and validation.steps must be >= 1 (got 0, 4)"),

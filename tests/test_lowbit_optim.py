@@ -207,9 +207,12 @@ def test_resume_that_changes_state_dtype_is_refused(straight, tmp_path, corpus):
 @pytest.mark.slow
 def test_8bit_two_rank_fsdp_resume_is_bitwise_exact(tmp_path, corpus):
     """FSDP shards the moments: torchao wraps each rank's 8-bit shard in a DTensor, which DCP saves.
-    With float8 all-gather (emulated) the weights it updates are float8-cast wrappers in DTensors."""
+    With float8 all-gather (emulated) the weights it updates are float8-cast wrappers in DTensors.
+    The step-3 checkpoint is saved in the background: host_copy stages the DTensors around 8-bit
+    shards."""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    run_train(full, *SCHEDULE, *EIGHT_BIT, *FP8, nproc=2, corpus=corpus)
+    proc = run_train(full, *SCHEDULE, *EIGHT_BIT, *FP8, "--checkpoint.async_mode", "async", nproc=2, corpus=corpus)
+    assert "checkpoint step 3: background save started" in proc.stderr
     resume_from(full, 3, resumed)
     proc = run_train(resumed, *SCHEDULE, *EIGHT_BIT, *FP8, nproc=2, corpus=corpus)
     assert "dp_shard 2" in proc.stderr and "(data position and RNG restored)" in proc.stderr
@@ -227,14 +230,53 @@ def test_8bit_two_rank_fsdp_resume_is_bitwise_exact(tmp_path, corpus):
 
 
 def test_state_dtype_is_a_config_choice():
-    from titanlike.config import ConfigError, load_config
+    from titanlike.config import load_config
 
     assert load_config([]).optimizer.state_dtype == "fp32"  # the default stays fused fp32 AdamW
     assert load_config(["--optimizer.state_dtype", "8bit"]).optimizer.state_dtype == "8bit"
     assert (ROOT / "docs" / "configuration.md").read_text().count("optimizer.state_dtype") == 1
-    # DCP's background staging cannot copy torchao's state class: refused with the fix, before any work.
-    with pytest.raises(ConfigError) as e:
-        load_config(["--optimizer.state_dtype", "8bit", "--checkpoint.enable", "--checkpoint.async_mode", "async"])
-    assert str(e.value) == ("optimizer.state_dtype = 8bit cannot be saved in the background: "
-                            "set --checkpoint.async_mode disabled (now async)")
-    load_config(["--optimizer.state_dtype", "8bit", "--checkpoint.async_mode", "async"])  # no saves: fine
+    for mode in ("async", "async_with_pinned_mem"):  # saved in the background (host_copy stages them)
+        cfg = load_config(["--optimizer.state_dtype", "8bit", "--checkpoint.enable", "--checkpoint.async_mode", mode])
+        assert cfg.checkpoint.async_mode == mode
+
+
+def test_host_copy_of_8bit_state_is_a_snapshot():
+    """What a background save writes: a host copy of each 8-bit moment (codes, scales, lookup table),
+    of its class, equal to the moment when copied and untouched by the steps after it."""
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    from titanlike.checkpoint_staging import host_copy
+
+    _, opt, model = train_losses("8bit", steps=2)
+    state = opt.state[model.tok_embeddings.weight]
+    assert isinstance(state["exp_avg"], OptimState8bit)  # quantized, not a plain fallback
+    staged = host_copy({"state": {"emb": dict(state)}, "names": ["a"], "step": 3})
+    copy = staged["state"]["emb"]["exp_avg"]
+    assert type(copy) is OptimState8bit and copy.signed == state["exp_avg"].signed
+    before = {name: getattr(state["exp_avg"], name).clone() for name in ("codes", "scale", "qmap")}
+    for name in ("codes", "scale", "qmap"):
+        assert torch.equal(getattr(copy, name), before[name])
+        live = getattr(state["exp_avg"], name)
+        assert getattr(copy, name).untyped_storage().data_ptr() != live.untyped_storage().data_ptr()
+    assert staged["names"] == ["a"] and staged["step"] == 3
+    # Another optimizer step changes the live moments, not the copy.
+    state["exp_avg"].codes.add_(1)
+    state["exp_avg"].scale.mul_(2)
+    assert torch.equal(copy.codes, before["codes"]) and torch.equal(copy.scale, before["scale"])
+    assert torch.equal(copy.dequantize(), OptimState8bit(before["codes"], before["scale"], before["qmap"],
+                                                          copy.signed).dequantize())
+
+
+def test_8bit_background_save_writes_what_the_foreground_save_writes(straight, tmp_path, corpus):
+    """checkpoint.async_mode with 8-bit moments: step 3 is saved in the background (step 6, the last,
+    in the foreground as always); its files hold what the foreground save of the same run held, and a
+    resume from it is bit for bit the straight run."""
+    background = tmp_path / "background"
+    proc = run_train(background, *SCHEDULE, *EIGHT_BIT, "--checkpoint.async_mode", "async", corpus=corpus)
+    assert "checkpoint step 3: background save started" in proc.stderr
+    assert losses(background) == losses(straight)
+    assert_same_checkpoint(straight / "checkpoint" / "step-3", background / "checkpoint" / "step-3", tmp_path)
+    resumed = tmp_path / "resumed"
+    resume_from(background, 3, resumed)
+    run_train(resumed, *SCHEDULE, *EIGHT_BIT, "--checkpoint.async_mode", "async", corpus=corpus)
+    assert losses(resumed) == {s: losses(straight)[s] for s in (4, 5, 6)}

@@ -65,6 +65,7 @@ from titanlike.checkpoint_manifest import (  # noqa: F401 (check_trusted_dcp: re
     verify_files,
     write_manifest,
 )
+from titanlike.checkpoint_staging import HostCopyStager
 from titanlike.errors import UserError
 from titanlike.optim import resume_schedule
 from titanlike.run_folder import write_probe
@@ -291,7 +292,7 @@ class Checkpointer:
         self.world = dist.get_world_size() if self.sharded else 1
         self.pending: tuple[int, Future] | None = None  # (step, future) of an async save in flight
         self.staging = None  # future of the host copy of an async_with_pinned_mem save
-        self.stager: Any = None  # keeps the pinned host buffers from one save to the next (a DefaultStager)
+        self.stager: Any = None  # keeps pinned host buffers from one save to the next (DefaultStager or HostCopyStager)
         self.resumed_from: int | None = None  # the step this run resumed from, if it did
         self.resumed_preemption_save: int | None = None  # ... when that was a preemption save (no enable)
         # Checkpoint collectives run on CPU (gloo) groups, so they never queue behind (or block) the
@@ -382,7 +383,14 @@ class Checkpointer:
     def _async_save(self, state: dict, tmp: str):
         """Start a background save; returns the future of the upload (the files written)."""
         kwargs: dict = {"checkpoint_id": tmp, "process_group": self.save_group, "no_dist": not self.sharded}
-        if self.cfg.async_mode == "async_with_pinned_mem":
+        if self.run.optimizer_state_dtype == "8bit":
+            # DCP's stagers cannot copy torchao's 8-bit state; this one copies it to host memory
+            # before training goes on (into pinned buffers kept between saves with
+            # async_with_pinned_mem), and the disk write runs in the background.
+            if self.stager is None:
+                self.stager = HostCopyStager(pinned=self.cuda and self.cfg.async_mode == "async_with_pinned_mem")
+            kwargs["async_stager"] = self.stager
+        elif self.cfg.async_mode == "async_with_pinned_mem":
             # The GPU→host copy runs on a side stream into pinned buffers that are kept between
             # saves, in a background thread, overlapping the next forward and backward. Only the
             # next optimizer step must wait for it (before_update), as it overwrites the weights.

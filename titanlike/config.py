@@ -178,8 +178,8 @@ class Optimizer:
     torchao's AdamW8bit, blockwise-quantized moments at about 2 bytes per parameter (1.5B parameters:
     12 GB → 3 GB), for activations to use instead; the update is computed in fp32 from dequantized
     moments, so training follows fp32 closely but not bit for bit, and each parameter is updated by its
-    own compiled kernel (the first step compiles them). Checkpoints save in the foreground
-    (checkpoint.async_mode disabled); a resume must keep the value."""
+    own compiled kernel (the first step compiles them). A background save copies the 8-bit state
+    to host memory before training goes on (not into pinned buffers); a resume must keep the value."""
 
     def validate(self) -> None:
         need(self.lr > 0, f"optimizer.lr = {self.lr} must be > 0")
@@ -445,13 +445,6 @@ def validate_across_sections(cfg: JobConfig) -> None:
     need(
         cfg.training.nonfinite != "rollback" or cfg.checkpoint.enable,
         "training.nonfinite = rollback reloads the last checkpoint: it needs --checkpoint.enable",
-    )
-    # DCP's background staging copies each tensor into a new host buffer, which torchao's 8-bit
-    # state class cannot make; a save in the foreground writes its codes and scales as they are.
-    need(
-        cfg.optimizer.state_dtype != "8bit" or cfg.checkpoint.async_mode == "disabled" or not cfg.checkpoint.enable,
-        f"optimizer.state_dtype = 8bit cannot be saved in the background: set --checkpoint.async_mode disabled "
-        f"(now {cfg.checkpoint.async_mode})",
     )
 
 
