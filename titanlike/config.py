@@ -178,8 +178,9 @@ class Optimizer:
     torchao's AdamW8bit, blockwise-quantized moments at about 2 bytes per parameter (1.5B parameters:
     12 GB → 3 GB), for activations to use instead; the update is computed in fp32 from dequantized
     moments, so training follows fp32 closely but not bit for bit, and each parameter is updated by its
-    own compiled kernel (the first step compiles them). A background save copies the 8-bit state
-    to host memory before training goes on (not into pinned buffers); a resume must keep the value."""
+    own compiled kernel (the first step compiles them). A background save copies the 8-bit state to
+    host memory (pinned buffers with async_with_pinned_mem) before training goes on, and only the write
+    overlaps training; a resume must keep the value."""
 
     def validate(self) -> None:
         need(self.lr > 0, f"optimizer.lr = {self.lr} must be > 0")
