@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 D=/tmp/w/d; mkdir -p $D
 common=(--training.steps 12 --data.seq_len 256 --metrics.log_freq 1
         --checkpoint.enable --checkpoint.interval 4 --checkpoint.async_mode async_with_pinned_mem --validation.enable false
-        --optimizer.state_dtype 8bit --training.deterministic --training.global_batch_size 16)
+        --optimizer.state_dtype 8bit --training.deterministic --training.global_batch_size 32)
 NGPU=2 timeout 200 ./run_train.sh --job.dump_folder $D/ref "${common[@]}" > $D/ref.log 2>&1 || tail -20 $D/ref.log
 grep -h "dp_shard\|stalled" $D/ref.log | head -5
 mkdir -p $D/res/checkpoint && cp -r $D/ref/checkpoint/step-8 $D/res/checkpoint/
