@@ -26,8 +26,9 @@ from torch.distributed.tensor import DTensor
 def host_copy(value: Any, buffers: dict[str, torch.Tensor] | None = None, key: str = "") -> Any:
     """`value` with every tensor in it copied to host memory (dicts and lists walked); other values
     as they are. With `buffers`, tensors on a GPU are copied into pinned host buffers kept there by
-    their place in `value` (`key`) and reused by the next call: pinned memory is several times
-    faster to copy into, and allocating it is slow. The caller synchronizes before using the copy."""
+    their place in `value` (`key`) and reused by the next call, because allocating them is what is slow:
+    on one H100 the first `1b` 8-bit save stalled 5.1 s, the next 0.21 s (docs/benchmarks/
+    2026-11-23-one-gpu-measure-memory-124m-levers.md). The caller synchronizes before using the copy."""
     if isinstance(value, dict):
         return {k: host_copy(v, buffers, f"{key}/{k}") for k, v in value.items()}
     if isinstance(value, list):
