@@ -53,7 +53,7 @@ PLANS = "float8_plans.json"  # in the per-machine cache (titanlike/cache.py)
 # The block choices, from the most precise to the least: name -> the parts of a block (substrings
 # of a Linear's name inside the block) that run in float8. A choice in between, the feed-forward
 # and the qkv projection, ran 3.7-3.9 % slower than the feed-forward alone on `124m` and as slow as
-# 'all' (docs/benchmarks/2026-11-24-124m-inductor-switches.md): not worth a compile at every start.
+# 'all' (docs/benchmarks/2026-11-24-124m-inductor-switches.md): not worth its compile at start-up.
 BLOCK_CHOICES: dict[str, tuple[str, ...]] = {
     "bf16": (),
     "feed-forward": ("feed_forward.",),
