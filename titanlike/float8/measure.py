@@ -215,12 +215,16 @@ def time_candidates(margs, batch: int, seq: int, options: Float8Options,
     plans = cache_dir() / PLANS
     cache = json.loads(plans.read_text()) if plans.exists() else {}
     block_ms, block_bytes = {}, {}
+    timed = False
     for choice in BLOCK_CHOICES:
         key = _cache_key(device, options, margs, batch, seq, f"block {choice}")
         # A plan cached before the bytes were measured is timed again.
         if key not in cache or key + " kept bytes" not in cache:
             cache[key], cache[key + " kept bytes"] = time_block(margs, batch, seq, options, choice, device)
+            timed = True
         block_ms[choice], block_bytes[choice] = cache[key], cache[key + " kept bytes"]
+    if not timed:  # every choice came from the cache: nothing was compiled, nothing to write
+        return block_ms, block_bytes
     torch._dynamo.reset()  # the run compiles its own blocks afresh
     plans.parent.mkdir(parents=True, exist_ok=True)
     tmp = plans.with_suffix(f".tmp{os.getpid()}")
