@@ -60,10 +60,11 @@ def _env() -> dict:
 
 
 def run_train(dump: Path, *overrides: str, nproc: int = 1, corpus: tuple[str, str] | None = None,
-              check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Train the debug model: `torchrun --nproc_per_node=nproc run_train.sh <overrides>` literally."""
+              check: bool = True, timeout: int = 600, device: str = "cpu") -> subprocess.CompletedProcess:
+    """Train the debug model: `torchrun --nproc_per_node=nproc run_train.sh <overrides>` literally, on
+    `device` (the CPU tier: cpu with gloo; the GPU tier, `-m gpu`: cuda with NCCL)."""
     args = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--job.dump_folder", str(dump),
-            "--training.device", "cpu"]
+            "--training.device", device]
     if corpus:
         args += ["--data.path", corpus[0], "--data.val_path", corpus[1]]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -84,10 +85,10 @@ def run_python(*args: str, check: bool = False, timeout: int = 300,
     return proc
 
 
-def run_probe(script: str, out: Path) -> dict:
-    """`torchrun --nproc_per_node=2 tests/probes/<script> OUT.json` on CPU; the JSON rank 0 wrote there."""
+def run_probe(script: str, out: Path, device: str = "cpu") -> dict:
+    """`torchrun --nproc_per_node=2 tests/probes/<script> OUT.json DEVICE`; the JSON rank 0 wrote there."""
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(ROOT / "tests" / "probes" / script), str(out)],
+                           str(ROOT / "tests" / "probes" / script), str(out), device],
                           env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return json.loads(Path(out).read_text())

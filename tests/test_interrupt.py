@@ -18,10 +18,10 @@ from conftest import ROOT, _env, metrics
 NOTICE = "Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again stops at once)"
 
 
-def start(dump: Path, corpus, *overrides: str, ngpu: int = 1) -> tuple[subprocess.Popen, Path]:
+def start(dump: Path, corpus, *overrides: str, ngpu: int = 1, device: str = "cpu") -> tuple[subprocess.Popen, Path]:
     """`./run_train.sh` in a process group of its own (a terminal's foreground job); output to a file."""
     log = dump.parent / f"{dump.name}.log"
-    cmd = [str(ROOT / "run_train.sh"), "--job.dump_folder", str(dump), "--training.device", "cpu",
+    cmd = [str(ROOT / "run_train.sh"), "--job.dump_folder", str(dump), "--training.device", device,
            "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--validation.enable", "false",
            "--data.path", corpus[0], "--data.num_workers", "1", *overrides]
     with open(log, "w") as out:

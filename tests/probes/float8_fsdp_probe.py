@@ -1,6 +1,7 @@
 """Worker for tests/test_float8.py: what does FSDP really all-gather with float8 all-gather on?
 
-Run as `torchrun --nproc_per_node=2 tests/probes/float8_fsdp_probe.py OUT.json` (CPU, gloo). Builds a
+Run as `torchrun --nproc_per_node=2 tests/probes/float8_fsdp_probe.py OUT.json [cpu|cuda]` (CPU with gloo
+and float8 emulated, the default; or one GPU per rank with NCCL and real float8 kernels). Builds a
 small Llama twice, with torchao tensorwise float8 + float8 all-gather and without, each through
 titanlike's own Float8Training.convert and parallel.apply_fsdp, and records during a forward pass:
 every all-gather collective (dtype, bytes sent by this rank), and every float8 weight's
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 
 import torch
@@ -25,6 +27,11 @@ from titanlike.model import ModelArgs, Transformer
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=64)
 SEQ = 16
+DEVICE_TYPE = sys.argv[2] if len(sys.argv) > 2 else "cpu"
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if DEVICE_TYPE == "cuda" else torch.device("cpu")
 
 
 class Recorder:
@@ -83,11 +90,12 @@ class Recorder:
 def build(fp8: bool, mesh):
     with torch.device("meta"):
         model = Transformer(ARGS)
-    cfg = Fp8(recipe="tensorwise" if fp8 else "none", emulate=True, auto_filter=False, filter_fqns=["output"])
+    cfg = Fp8(recipe="tensorwise" if fp8 else "none", emulate=DEVICE_TYPE == "cpu", auto_filter=False,
+              filter_fqns=["output"])
     fp8 = Float8Training.from_config(cfg, dp_shard=mesh.size())  # all-gather and precompute left to their defaults
-    fp8.convert(model, tokens=2 * SEQ, device=torch.device("cpu"))
+    fp8.convert(model, tokens=2 * SEQ, device=device())
     parallel.apply_fsdp(model, mesh, None, "default")
-    model.to_empty(device="cpu")
+    model.to_empty(device=device())
     model.init_weights(seed=0, seq_len=SEQ)
     return model, fp8
 
@@ -105,7 +113,7 @@ def case(fp8: bool, mesh, rec: Recorder) -> dict:
     params = {name: (p.shape.numel(), p.to_local().numel(), type(p.to_local()).__name__)
               for name, p in model.named_parameters()}
     torch.manual_seed(1)
-    tokens = torch.randint(0, ARGS.vocab_size, (2, SEQ))
+    tokens = torch.randint(0, ARGS.vocab_size, (2, SEQ)).to(device())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     rec.collectives, rec.pre_all_gather, rec.active = [], [], True
@@ -143,9 +151,11 @@ def case(fp8: bool, mesh, rec: Recorder) -> dict:
 def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
-    # The fused cast of the all-gather runs on CUDA only; here on CPU too, to compare it with torchao's.
+    if DEVICE_TYPE == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if DEVICE_TYPE == "cuda" else "gloo")
+    mesh = init_device_mesh(DEVICE_TYPE, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+    # The fused cast of the all-gather runs on CUDA only; on CPU too, to compare it with torchao's.
     all_gather.FUSED_CAST_DEVICES.add("cpu")
     all_gather.fuse_all_gather_cast()
     rec = Recorder()

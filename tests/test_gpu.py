@@ -1,0 +1,219 @@
+"""The GPU tier (`python -m pytest -m gpu`): what users run only on a GPU, checked on a real one.
+
+The same helpers as the CPU tests (conftest.run_train, the interrupt tests' launcher), pointed at
+`cuda`: compiled blocks with real float8 kernels in every recipe, float8 against bf16 on `124m`,
+background saves into pinned memory and an exact resume, Ctrl-C, a rollback, the memory cap, the
+CUDA-graph decoder, the Hugging Face export, and (with two GPUs) FSDP's float8 all-gather over NCCL.
+docs/gpu-tests.md says how to run it and what it needs; its measured runs are in docs/benchmarks/.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import metrics, run_probe, run_train
+from test_float8 import assert_all_gather_moves_float8
+from test_interrupt import check_interrupted, ctrl_c, start, wait_for
+
+pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+
+SHORT = ("--metrics.log_freq", "5", "--validation.enable", "false", "--data.seq_len", "256",
+         "--training.local_batch_size", "8")
+# Every block Linear of the debug model (4 blocks × wqkv, wo, w1, w2, w3); the output layer stays
+# in high precision (fp8.filter_fqns).
+BLOCK_LINEARS = 20
+RECIPES = {
+    "tensorwise": ("--fp8.recipe", "tensorwise", "--fp8.auto_filter", "false"),
+    "rowwise": ("--fp8.recipe", "rowwise", "--fp8.auto_filter", "false"),
+    "rowwise_with_gw_hp": ("--fp8.recipe", "rowwise_with_gw_hp", "--fp8.auto_filter", "false"),
+    "delayed": ("--fp8.recipe", "tensorwise", "--fp8.scaling", "delayed", "--fp8.auto_filter", "false"),
+    "measure": ("--fp8.recipe", "tensorwise", "--fp8.auto_filter", "measure"),
+}
+# What each of measure's block choices converts in the debug model (float8/measure.py BLOCK_CHOICES).
+MEASURED = {"bf16": 0, "feed-forward": 12, "all": BLOCK_LINEARS}
+
+
+def gpu_run(dump: Path, *overrides: str, corpus=None, check: bool = True):
+    proc = run_train(dump, *overrides, device="cuda", corpus=corpus, check=check)
+    return proc, proc.stdout + proc.stderr
+
+
+def train_losses(dump: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in metrics(dump)}
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_float8_recipe_trains_compiled(tmp_path, corpus, name, record_property):
+    """Each recipe, compiled, with the real float8 kernels: 20 steps of finite, falling loss, and the
+    log names what converted."""
+    _, log = gpu_run(tmp_path, "--training.steps", "20", *SHORT, "--compile.enable", *RECIPES[name], corpus=corpus)
+    records = metrics(tmp_path)
+    losses = [r["loss"] for r in records]
+    assert all(math.isfinite(v) for v in losses), losses
+    assert losses[-1] < losses[0] - 1.0, losses
+    found = re.search(r"float8 (\w+)[^:]*: (\d+) Linears converted, (\d+) kept in high precision", log)
+    assert found, log[-3000:]
+    converted = int(found.group(2))
+    if name == "measure":
+        chosen = re.findall(r"float8 on '([\w-]+)': [\d.]+ ms, [\d,]+ MiB kept for backward <- chosen", log)
+        assert len(chosen) == 1, log[-3000:]
+        assert converted == MEASURED[chosen[0]]
+        record_property("measure_chose", chosen[0])
+    else:
+        assert converted == BLOCK_LINEARS
+        assert "kept high precision: output: name matches fp8.filter_fqns entry 'output'" in log
+    share = records[-1]["float8_matmul_share"]
+    assert (share > 0) == (converted > 0)
+    record_property("losses", losses)
+
+
+# The 124m shape on the built-in corpus (byte tokens), 100 steps, with the same seed and data; every
+# block Linear in tensorwise float8 against all in bf16. TOLERANCE bounds the gap between the mean
+# losses of the last three logged steps (80, 90, 100). Logged runs: on `1b` over steps 110-200 the
+# float8 recipes' mean losses stayed within 0.046 of bf16's (docs/benchmarks/2026-11-22-delayed-scaling.md);
+# on this test's own shape the first tier run measured the gap given in
+# docs/benchmarks/2026-11-24-gpu-test-tier.md. A broken scale or cast moves it by tenths or makes it NaN.
+TOLERANCE = 0.05
+
+
+def test_float8_loss_tracks_bf16_on_124m(tmp_path, corpus, record_property):
+    common = ("--model.flavor", "124m", "--training.steps", "100", "--data.seq_len", "512",
+              "--training.local_batch_size", "16", "--metrics.log_freq", "10", "--validation.enable", "false",
+              "--optimizer.lr", "1e-3", "--lr_scheduler.warmup_steps", "10")
+    gpu_run(tmp_path / "bf16", *common, corpus=corpus)
+    gpu_run(tmp_path / "fp8", *common, "--fp8.recipe", "tensorwise", "--fp8.auto_filter", "false", corpus=corpus)
+    bf16, fp8 = train_losses(tmp_path / "bf16"), train_losses(tmp_path / "fp8")
+    assert bf16.keys() == fp8.keys() and max(bf16) == 100
+    last = (80, 90, 100)
+    gap = abs(statistics.mean(fp8[s] for s in last) - statistics.mean(bf16[s] for s in last))
+    record_property("bf16_losses", bf16)
+    record_property("float8_losses", fp8)
+    record_property("gap", gap)
+    assert all(math.isfinite(v) for v in fp8.values())
+    assert fp8 != bf16  # float8 really changed the arithmetic
+    assert gap < TOLERANCE, (gap, bf16, fp8)
+    assert bf16[100] < bf16[1] - 3 and fp8[100] < fp8[1] - 3  # both learned
+
+
+CHECKPOINTED = ("--training.steps", "12", "--metrics.log_freq", "1", "--validation.enable", "false",
+                "--data.seq_len", "128", "--training.local_batch_size", "8", "--training.deterministic",
+                "--checkpoint.enable", "--checkpoint.interval", "4")
+
+
+@pytest.fixture(scope="module")
+def pinned_run(tmp_path_factory, corpus):
+    """12 steps on the GPU, saving every 4 in the background through pinned host buffers."""
+    dump = tmp_path_factory.mktemp("pinned")
+    _, log = gpu_run(dump, *CHECKPOINTED, "--checkpoint.async_mode", "async_with_pinned_mem", corpus=corpus)
+    return dump, log
+
+
+def test_pinned_background_save_resumes_exactly(pinned_run, tmp_path, corpus):
+    """Step 8 was saved in the background (pinned memory); a run resumed from it trains steps 9-12 to
+    the uninterrupted run's losses, bit for bit (deterministic kernels)."""
+    dump, log = pinned_run
+    assert "checkpoint step 8: background save started" in log
+    want = train_losses(dump)
+    shutil.copytree(dump / "checkpoint" / "step-8", tmp_path / "checkpoint" / "step-8")
+    _, resumed_log = gpu_run(tmp_path, *CHECKPOINTED, "--checkpoint.async_mode", "async_with_pinned_mem",
+                             corpus=corpus)
+    assert "resumed from" in resumed_log and "data position and RNG restored" in resumed_log
+    got = train_losses(tmp_path)
+    assert sorted(got) == [9, 10, 11, 12]
+    assert got == {s: want[s] for s in got}
+
+
+def test_ctrl_c_saves_and_resumes_on_the_gpu(tmp_path, corpus):
+    dump = tmp_path / "run"
+    proc, log = start(dump, corpus, "--training.steps", "2000", device="cuda")
+    wait_for("train step      3/2000", proc, log)
+    ctrl_c(proc)
+    step = check_interrupted(dump, proc, log)
+    proc, log = start(dump, corpus, "--training.steps", str(step + 3), "--checkpoint.enable", device="cuda")
+    assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
+    assert f"resumed from {dump / 'checkpoint' / f'step-{step}'} at step {step}" in log.read_text()
+
+
+def test_rollback_on_the_gpu(tmp_path, corpus, monkeypatch):
+    monkeypatch.setenv("TITANLIKE_NAN_BATCHES", "7")
+    _, log = gpu_run(tmp_path, "--training.steps", "10", "--metrics.log_freq", "1", "--validation.enable", "false",
+                     "--data.seq_len", "128", "--training.local_batch_size", "4", "--training.nonfinite", "rollback",
+                     "--checkpoint.enable", "--checkpoint.interval", "4", corpus=corpus)
+    assert f"loss became nan at step 7: rolled back to {tmp_path / 'checkpoint'}/step-4" in log
+    records = metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8, 9, 10]
+    assert all(math.isfinite(r["loss"]) for r in records)
+    assert metrics(tmp_path, "rollback") == [
+        {"kind": "rollback", "step": 7, "to_step": 4, "not_replayed": 3, "in_a_row": 1}]
+
+
+def test_memory_cap_fits_and_refuses_in_one_line(tmp_path, corpus):
+    _, log = gpu_run(tmp_path / "fits", "--training.steps", "5", *SHORT, "--training.gpu_memory_limit_gib", "4",
+                     corpus=corpus)
+    assert all(r["mem_reserved_gib"] <= 4 for r in metrics(tmp_path / "fits")[1:])
+    proc, log = gpu_run(tmp_path / "too-big", "--model.flavor", "124m", "--training.steps", "3",
+                        "--data.seq_len", "2048", "--training.local_batch_size", "64", "--validation.enable", "false",
+                        "--training.gpu_memory_limit_gib", "3", corpus=corpus, check=False)
+    assert proc.returncode == 2, log[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in log, log[-3000:]
+    assert errors[0].startswith("error: out of GPU memory on rank 0 (")
+    assert "capped at 3 GiB by training.gpu_memory_limit_gib" in errors[0]
+
+
+def test_greedy_with_the_cuda_graph_equals_greedy_without(pinned_run):
+    from titanlike.generate import generate, load
+
+    dump, _ = pinned_run
+    model, tok = load(str(dump / "checkpoint" / "step-12"), "", torch.device("cuda"))
+    prompt = [tok.bos_id if tok.bos_id is not None else tok.eos_id] + [int(i) for i in tok.encode_batch(["def "])[0]]
+    graphed = generate(model, prompt, 64, temperature=0.0, static=True)
+    eager = generate(model, prompt, 64, temperature=0.0, static=False)
+    assert graphed == eager
+    assert len(graphed) == 64 or graphed[-1] == tok.eos_id
+
+
+def test_export_of_a_gpu_step_gives_transformers_our_logits(pinned_run, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from titanlike.export import export, load_checkpoint_model
+    from titanlike.model import Transformer
+
+    dump, _ = pinned_run
+    step = str(dump / "checkpoint" / "step-12")
+    export(step, str(tmp_path / "hf"), "fp32")
+    margs, state = load_checkpoint_model(step)
+    ours = Transformer(margs)
+    ours.load_state_dict(state, strict=False)
+    if margs.tie_embeddings:
+        ours.output.weight = ours.tok_embeddings.weight
+    ours = ours.cuda().eval()
+    ours.init_rope(128)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).cuda().eval()
+    tokens = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, ours(tokens), rtol=0, atol=1e-3)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: FSDP's float8 all-gather over NCCL")
+def test_two_gpus_all_gather_float8_and_match_one_gpu(tmp_path, corpus):
+    """Two GPUs: what FSDP puts on the wire is float8 (the probe of the CPU test, over NCCL), and the
+    sharded run's losses track one GPU's with the same global batch through gradient accumulation
+    (float8 scales come from per-rank amaxes, so not bit for bit)."""
+    assert_all_gather_moves_float8(run_probe("float8_fsdp_probe.py", tmp_path / "probe.json", device="cuda"))
+    common = ("--training.steps", "20", "--metrics.log_freq", "1", "--validation.enable", "false",
+              "--data.seq_len", "256", "--training.local_batch_size", "4", "--training.global_batch_size", "8",
+              "--fp8.recipe", "tensorwise", "--fp8.auto_filter", "false")
+    run_train(tmp_path / "one", *common, device="cuda", corpus=corpus)
+    proc = run_train(tmp_path / "two", *common, nproc=2, device="cuda", corpus=corpus)
+    assert "float8 all-gather on" in proc.stdout + proc.stderr
+    one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
+    assert one.keys() == two.keys()
+    for s in one:
+        assert abs(one[s] - two[s]) < 0.03 * one[s], (s, one[s], two[s])
