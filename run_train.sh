@@ -49,7 +49,8 @@ set -m
   "$here/run_train.sh" --job.config_file "$CONFIG_FILE" "$@" &
 pid=$!
 set +m
-for sig in TERM USR1 INT HUP QUIT; do trap "kill -s $sig \$pid 2>/dev/null" "$sig"; done
+# (Quoted without a backslash: this file is Python too, where a backslash before a dollar sign warns.)
+for sig in TERM USR1 INT HUP QUIT; do trap 'kill -s '"$sig"' "$pid" 2>/dev/null' "$sig"; done
 rc=0
 # wait returns early (status > 128) when a trapped signal arrives: keep waiting for torchrun.
 while kill -0 "$pid" 2>/dev/null; do rc=0; wait "$pid" || rc=$?; done

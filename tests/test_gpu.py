@@ -21,6 +21,7 @@ import torch
 from conftest import metrics, run_probe, run_train
 from test_float8 import assert_all_gather_moves_float8
 from test_interrupt import check_interrupted, ctrl_c, start, wait_for
+from test_train import launch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -158,9 +159,12 @@ def test_memory_cap_fits_and_refuses_in_one_line(tmp_path, corpus):
     _, log = gpu_run(tmp_path / "fits", "--training.steps", "5", *SHORT, "--training.gpu_memory_limit_gib", "4",
                      corpus=corpus)
     assert all(r["mem_reserved_gib"] <= 4 for r in metrics(tmp_path / "fits")[1:])
-    proc, log = gpu_run(tmp_path / "too-big", "--model.flavor", "124m", "--training.steps", "3",
-                        "--data.seq_len", "2048", "--training.local_batch_size", "64", "--validation.enable", "false",
-                        "--training.gpu_memory_limit_gib", "3", corpus=corpus, check=False)
+    # Through the launcher, as a user starts it (one GPU: no torchrun, the exit code is the trainer's).
+    proc = launch("--job.dump_folder", str(tmp_path / "too-big"), "--training.device", "cuda", "--data.path", corpus[0],
+                  "--model.flavor", "124m", "--training.steps", "3", "--data.seq_len", "2048",
+                  "--training.local_batch_size", "64", "--validation.enable", "false",
+                  "--training.gpu_memory_limit_gib", "3")
+    log = proc.stdout + proc.stderr
     assert proc.returncode == 2, log[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in log, log[-3000:]

@@ -65,3 +65,13 @@ def test_help_under_torchrun_is_printed_once():
     proc = python_mode("--help", nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("usage: run_train.sh") == 1
+
+
+def test_the_launcher_is_python_without_warnings():
+    """torchrun runs run_train.sh with Python: its bash half must not make Python warn (an escape such as
+    a backslash before a dollar sign is a SyntaxWarning from Python 3.12 on, printed by every worker)."""
+    with open(ROOT / "run_train.sh") as f:
+        source = f.read()
+    proc = subprocess.run([sys.executable, "-W", "error", "-c", "import sys; compile(sys.stdin.read(), 'run_train.sh', "
+                           "'exec')"], input=source, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
