@@ -292,7 +292,7 @@ class Checkpointer:
         self.world = dist.get_world_size() if self.sharded else 1
         self.pending: tuple[int, Future] | None = None  # (step, future) of an async save in flight
         self.staging = None  # future of the host copy of an async_with_pinned_mem save
-        self.stager: Any = None  # keeps pinned host buffers from one save to the next (DefaultStager or HostCopyStager)
+        self.stager: HostCopyStager | None = None  # keeps pinned host buffers from one save to the next
         self.resumed_from: int | None = None  # the step this run resumed from, if it did
         self.resumed_preemption_save: int | None = None  # ... when that was a preemption save (no enable)
         # Checkpoint collectives run on CPU (gloo) groups, so they never queue behind (or block) the
@@ -383,28 +383,15 @@ class Checkpointer:
     def _async_save(self, state: dict, tmp: str):
         """Start a background save; returns the future of the upload (the files written)."""
         kwargs: dict = {"checkpoint_id": tmp, "process_group": self.save_group, "no_dist": not self.sharded}
-        if self.run.optimizer_state_dtype == "8bit":
-            # DCP's stagers cannot copy torchao's 8-bit state; this one copies it to host memory
-            # before training goes on (into pinned buffers kept between saves with
-            # async_with_pinned_mem), and the disk write runs in the background.
+        pinned = self.cuda and self.cfg.async_mode == "async_with_pinned_mem"
+        if pinned or self.run.optimizer_state_dtype == "8bit":
+            # titanlike's stager (checkpoint_staging.py): pinned buffers kept between saves, copied on a
+            # side stream while training goes on; and torchao's 8-bit state, which DCP cannot copy.
             if self.stager is None:
-                self.stager = HostCopyStager(pinned=self.cuda and self.cfg.async_mode == "async_with_pinned_mem")
-            kwargs["async_stager"] = self.stager
-        elif self.cfg.async_mode == "async_with_pinned_mem":
-            # The GPU→host copy runs on a side stream into pinned buffers that are kept between
-            # saves, in a background thread, overlapping the next forward and backward. Only the
-            # next optimizer step must wait for it (before_update), as it overwrites the weights.
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            if self.stager is None:
-                self.stager = DefaultStager(StagingOptions(use_pinned_memory=self.cuda, use_shared_memory=False,
-                                                           use_async_staging=self.cuda,
-                                                           use_non_blocking_copy=self.cuda))
-            if self.cuda:
-                torch.cuda.synchronize()  # the step that produced these weights has finished
+                self.stager = HostCopyStager(pinned=pinned)
             kwargs["async_stager"] = self.stager
         result = dcp.async_save(state, **kwargs)
-        # With async staging, torch returns both the staging and the upload futures.
+        # A stager that stages in the background makes torch return both the staging and the upload futures.
         self.staging = getattr(result, "staging_completion", None)
         return getattr(result, "upload_completion", result)
 
@@ -516,8 +503,10 @@ class Checkpointer:
             return f"{cause}: {size_limit}" if os_error.errno == errno.EFBIG and size_limit else cause
         if size_limit:
             return f"a file could not be written in full: {size_limit}"
-        text = next((str(x) for x in errors if str(x).strip()), type(e).__name__)
-        return text.strip().splitlines()[0][:200]
+        # The error a rank met, not DCP's wrapper around it; its type named (a KeyError's text alone is a key).
+        inner = next((x for x in errors if not isinstance(x, CheckpointException) and str(x).strip()), e)
+        text = (str(inner).strip().splitlines() or [""])[0][:200]
+        return f"{type(inner).__name__}: {text}" if text else type(inner).__name__
 
     def _barrier(self) -> None:
         if self.sharded:
