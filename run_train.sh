@@ -22,10 +22,11 @@ else
   rdzv=(--standalone --nnodes=1)
 fi
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
-# Check the config (and data headers) for this world size before torchrun starts any worker:
-# one clear line and exit code 2 on a mistake; --job.print_config prints and stops here.
+# Check the config (and data headers, and that no run holds the folders) for this world size before
+# torchrun starts any worker, without importing torch: one clear line and exit code 2 on a mistake;
+# --help and --job.print_config print and stop here (exit 3).
 rc=0
-TITANLIKE_PREFLIGHT_WORLD=$((NGPU * NNODES)) "$PYTHON" -m titanlike.train --job.config_file "$CONFIG_FILE" "$@" || rc=$?
+TITANLIKE_PREFLIGHT_WORLD=$((NGPU * NNODES)) "$PYTHON" -m titanlike.preflight --job.config_file "$CONFIG_FILE" "$@" || rc=$?
 [ "$rc" -eq 3 ] && exit 0
 [ "$rc" -ne 0 ] && exit "$rc"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$([ "$NGPU" -gt 1 ] && echo 1 || nproc)}"
@@ -37,7 +38,7 @@ fi
 # Schedulers preempt with SIGTERM or SIGUSR1: torchrun forwards both to the workers, which finish
 # the step and save; give them time for that save before torchrun escalates to SIGKILL.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"
-# torchrun (titanlike.launch: torchrun ending in one line, not a traceback) exits 128 + signal
+# torchrun (titanlike.run.launch: torchrun ending in one line, not a traceback) exits 128 + signal
 # after forwarding a signal, even when every worker saved and stopped cleanly; the workers leave
 # a marker so that this launcher can report the truth: exit 0.
 export TITANLIKE_PREEMPTED_MARKER="$(mktemp -u "${TMPDIR:-/tmp}/titanlike-preempted.XXXXXX")"
@@ -45,7 +46,7 @@ export TITANLIKE_PREEMPTED_MARKER="$(mktemp -u "${TMPDIR:-/tmp}/titanlike-preemp
 # group (a terminal's Ctrl-C, a scheduler signalling the job) reaches it once: passed on from here.
 # Ctrl-C (SIGINT): the workers finish the step, save and exit 130; a second one stops them at once.
 set -m
-"$PYTHON" -m titanlike.launch "${rdzv[@]}" --nproc_per_node="$NGPU" --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
+"$PYTHON" -m titanlike.run.launch "${rdzv[@]}" --nproc_per_node="$NGPU" --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
   "$here/run_train.sh" --job.config_file "$CONFIG_FILE" "$@" &
 pid=$!
 set +m

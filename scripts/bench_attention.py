@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from titanlike.float8.measure import median_cuda_ms  # noqa: E402
-from titanlike.model import PRESETS  # noqa: E402
+from titanlike.model.shape import PRESETS  # noqa: E402
 
 BACKENDS = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}

@@ -17,8 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from titanlike.generate import generate  # noqa: E402
-from titanlike.model import Transformer, model_args  # noqa: E402
+from titanlike.hf.generate import generate  # noqa: E402
+from titanlike.model.decoder import Transformer
+from titanlike.model.shape import model_args  # noqa: E402
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from titanlike.float8.measure import time_linear_ms  # noqa: E402
-from titanlike.model import PRESETS  # noqa: E402
+from titanlike.model.shape import PRESETS  # noqa: E402
 
 RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 

@@ -1,14 +1,23 @@
-"""Shared test helpers: run the real launcher on the debug model with a list of CLI overrides.
+"""Shared test helpers: train the debug model with a list of CLI overrides.
 
-Integration tests are lists of overrides, in the TorchTitan style. Every run is a subprocess
-(exactly what a user starts), on CPU, with the gloo backend when it has several ranks.
+Integration tests are lists of overrides, in the TorchTitan style. `train_here` runs the trainer in
+this process (one rank: no new interpreter, no torchrun, a few seconds saved each time);
+`run_train` runs exactly what a user starts, `torchrun run_train.sh`, as a subprocess, for several
+ranks (gloo on CPU) and wherever the process boundary itself is under test (signals, exit codes).
+
+Tiers: `python -m pytest` runs the default tier (every module, a few minutes on 2 cores);
+`-m slow` the multi-process and compile tests; `-m gpu` the GPU tier (docs/gpu-tests.md).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -22,16 +31,20 @@ ROOT = Path(__file__).resolve().parent.parent
 # temporary folder, so that tests neither read nor write the user's ~/.cache/titanlike.
 CACHE = tempfile.mkdtemp(prefix="titanlike-test-cache-")
 os.environ["TITANLIKE_CACHE"] = CACHE
+# The checkpoint signing key of this test session (checkpoint/manifest.py): not the user's own.
+CONFIG_HOME = tempfile.mkdtemp(prefix="titanlike-test-config-")
+os.environ["XDG_CONFIG_HOME"] = CONFIG_HOME
 
 
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(CACHE, ignore_errors=True)
+    shutil.rmtree(CONFIG_HOME, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def corpus() -> tuple[str, str]:
     """The embedded corpus, built once per test session: (train shard, validation shard)."""
-    from titanlike.data import build_default_corpus
+    from titanlike.data.corpus import build_default_corpus
 
     return build_default_corpus(CACHE)
 
@@ -63,15 +76,58 @@ def run_train(dump: Path, *overrides: str, nproc: int = 1, corpus: tuple[str, st
               check: bool = True, timeout: int = 600, device: str = "cpu") -> subprocess.CompletedProcess:
     """Train the debug model: `torchrun --nproc_per_node=nproc run_train.sh <overrides>` literally, on
     `device` (the CPU tier: cpu with gloo; the GPU tier, `-m gpu`: cuda with NCCL)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(ROOT / "run_train.sh"), *train_args(dump, *overrides, corpus=corpus, device=device)]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def train_args(dump: Path, *overrides: str, corpus: tuple[str, str] | None = None, device: str = "cpu") -> list[str]:
+    """The command line of a debug-model run into `dump` (what run_train and train_here pass)."""
     args = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--job.dump_folder", str(dump),
             "--training.device", device]
     if corpus:
         args += ["--data.path", corpus[0], "--data.val_path", corpus[1]]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "run_train.sh"), *args, *overrides]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return [*args, *overrides]
+
+
+def train_here(dump: Path, *overrides: str, corpus: tuple[str, str] | None = None, check: bool = True,
+               device: str = "cpu") -> subprocess.CompletedProcess:
+    """One rank, in this process: `titanlike.train.main` with the arguments run_train passes, its output
+    captured, and the process-wide state a run changes put back afterwards (signal handlers, logging,
+    deterministic kernels, environment). One thread, as run_train's workers (OMP_NUM_THREADS=1), so
+    that its losses are bit for bit those of a subprocess run."""
+    import torch
+
+    from titanlike import train
+
+    argv = train_args(dump, *overrides, corpus=corpus, device=device)
+    out, err = io.StringIO(), io.StringIO()
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+    handlers = {sig: signal.getsignal(sig) for sig in signals}
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    environ, root_handlers, root_level = dict(os.environ), list(logging.root.handlers), logging.root.level
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = train.main(argv)
+            except SystemExit as e:
+                rc = e.code if isinstance(e.code, int) else 1
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+        os.environ.clear()
+        os.environ.update(environ)
+        logging.root.handlers[:] = root_handlers
+        logging.root.setLevel(root_level)
+    proc = subprocess.CompletedProcess(argv, rc, out.getvalue(), err.getvalue())
+    if check and rc != 0:
+        raise AssertionError(f"training failed ({rc}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
 
 

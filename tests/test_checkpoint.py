@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import ROOT, _env, metrics, run_python, run_train
-from titanlike.checkpoint_manifest import seal
+from titanlike.checkpoint.manifest import seal
 
 STEPS = 12
 SCHEDULE = ("--training.steps", str(STEPS), "--data.seq_len", "64", "--training.local_batch_size", "4",
@@ -54,7 +54,9 @@ def ckpt(dump: Path) -> Path:
 
 
 def folders(dump: Path) -> list[str]:
-    return sorted(os.listdir(ckpt(dump)), key=lambda n: (int(n.split("-")[1].split(".")[0]), n))
+    """The step folders (the folder's lock file, .titanlike.lock, left out)."""
+    names = [n for n in os.listdir(ckpt(dump)) if not n.startswith(".")]
+    return sorted(names, key=lambda n: (int(n.split("-")[1].split(".")[0]), n))
 
 
 def copy_step(src_dump: Path, step: int, dst_dump: Path) -> None:
@@ -147,7 +149,7 @@ def test_keep_latest_k_keeps_exactly_k(ref):
     for name in folders(dump):
         assert (ckpt(dump) / name / ".metadata").is_file()
         assert (ckpt(dump) / name / "model_args.json").is_file()
-    assert proc.stderr.count("checkpoint saved:") == 6
+    assert proc.stderr.count(": saved to ") == 6  # one line a save
 
 
 @pytest.mark.slow
@@ -271,7 +273,7 @@ def test_resume_on_one_rank_from_two_rank_checkpoint(ref, tmp_path, corpus):
     dump, _ = ref
     copy_step(dump, 8, tmp_path)
     proc = run_train(tmp_path, *SCHEDULE, "--checkpoint.interval", "100", nproc=1, corpus=corpus)
-    assert "saved on 2 data-parallel ranks, now 1: data position from the step" in proc.stderr
+    assert "data position restored; RNG afresh: saved on 2 data-parallel ranks, now 1" in proc.stderr
     full, resumed = step_losses(dump), step_losses(tmp_path)
     assert sorted(resumed) == list(range(9, STEPS + 1))
     # Same samples, same weights; only the order of floating-point reductions differs. Another
@@ -369,11 +371,12 @@ def test_float8_and_fp32_checkpoints_load_into_each_other(ref, ref_fp8, tmp_path
 
 
 def export(step_dir: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return run_python("-m", "titanlike.export", str(step_dir), str(out), *extra)
+    return run_python("-m", "titanlike.hf.export", str(step_dir), str(out), *extra)
 
 
 def plain_model(step_dir: Path):
-    from titanlike.model import ModelArgs, Transformer
+    from titanlike.model.decoder import Transformer
+    from titanlike.model.shape import ModelArgs
 
     margs = ModelArgs(**json.loads((step_dir / "model_args.json").read_text()))
     with torch.device("meta"):
@@ -386,7 +389,7 @@ def plain_model(step_dir: Path):
 def load_in_process(model, path: Path, trust: bool = False) -> None:
     """The trainer's own loader for `--checkpoint.initial_load_path` (no process group, one rank);
     trust = --checkpoint.trust_pickled_dcp, for the synthetic checkpoints written here by plain DCP."""
-    from titanlike.checkpoint import load_initial_weights
+    from titanlike.checkpoint.weights import load_initial_weights
 
     load_initial_weights(model, model.args, str(path), trust_pickled_dcp=trust)
 
@@ -447,7 +450,7 @@ def test_export_of_float8_checkpoint(ref_fp8, tmp_path):
 def test_two_rank_run_starts_from_export(exported, tmp_path, corpus):
     """`--checkpoint.initial_load_path <hf folder>` on two sharded ranks: the first step's loss is
     the loss of the exported weights on the first global batch, computed here in one process."""
-    from titanlike.data import GlobalBatchSampler, open_dataset
+    from titanlike.data.loader import GlobalBatchSampler, open_dataset
     from titanlike.train import cross_entropy
 
     step_dir, hf = exported
@@ -470,14 +473,15 @@ def synthetic_checkpoint(step_dir: Path, **overrides):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from titanlike.model import Transformer, model_args
+    from titanlike.model.decoder import Transformer
+    from titanlike.model.shape import model_args
 
     margs = dataclasses.replace(model_args("debug"), **overrides)
     model = Transformer(margs)
     model.init_weights(seed=7, seq_len=64)
     dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(step_dir), no_dist=True)
-    seal(str(step_dir))  # the manifest a titanlike save writes: trusted as this account's
     (step_dir / "model_args.json").write_text(json.dumps(dataclasses.asdict(margs)))
+    seal(str(step_dir))  # the manifest a titanlike save writes: trusted as this account's
     return model
 
 
@@ -521,7 +525,7 @@ def test_export_errors(tmp_path, ref, capsys):
     missing = export(tmp_path / "nope", tmp_path / "out")  # the real command line: exit code 2
     assert missing.returncode == 2 and error_lines(missing.stderr) == [f"error: {tmp_path}/nope: no such folder"]
 
-    from titanlike.export import main
+    from titanlike.hf.export import main
 
     def one_line_error(*argv: str) -> str:
         capsys.readouterr()
@@ -568,7 +572,8 @@ def test_load_step_missing_and_shape_mismatch_are_one_line(ref, tmp_path, corpus
 def debug_model(**overrides):
     import dataclasses
 
-    from titanlike.model import Transformer, model_args
+    from titanlike.model.decoder import Transformer
+    from titanlike.model.shape import model_args
 
     model = Transformer(dataclasses.replace(model_args("debug"), **overrides))
     model.init_weights(seed=5, seq_len=64)
@@ -580,10 +585,10 @@ def load_error(model, path: Path, config_agrees: bool = False, trust: bool = Fal
     to describe `model`, to reach the checks of the tensors themselves (config.json is checked first);
     trust = --checkpoint.trust_pickled_dcp, for DCP folders written here by plain DCP."""
     from titanlike.errors import UserError
-    from titanlike.interchange import hf_config
+    from titanlike.hf.config import hf_config
 
     if config_agrees:
-        (path / "config.json").write_text(json.dumps(hf_config(model.args, torch.float32)))
+        (path / "config.json").write_text(json.dumps(hf_config(model.args, "float32")))
     with pytest.raises(UserError) as e:
         load_in_process(model, path, trust)
     return str(e.value)
@@ -593,7 +598,7 @@ def test_stacked_qkv_is_three_hugging_face_projections(tmp_path):
     """Export splits wqkv's rows into q_proj, k_proj, v_proj; import stacks them back, or says what is wrong."""
     from safetensors.torch import load_file, save_file
 
-    from titanlike.interchange import write_hf_folder
+    from titanlike.hf.interchange import write_hf_folder
 
     source = debug_model()
     a, hf = source.args, tmp_path / "hf"
@@ -626,7 +631,7 @@ def test_stacked_qkv_is_three_hugging_face_projections(tmp_path):
 
 def test_import_of_another_model_names_the_first_difference(tmp_path):
     """`--checkpoint.initial_load_path` with weights of another shape: one line, never a silent partial load."""
-    from titanlike.interchange import write_hf_folder
+    from titanlike.hf.interchange import write_hf_folder
 
     hf = tmp_path / "hf"
     source = debug_model()

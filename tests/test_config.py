@@ -13,13 +13,18 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, _env
-from titanlike import config
-from titanlike.config import ConfigError, JobConfig, field_docs, load_config, sections, to_toml
-from titanlike.data import DataError, write_shard
-from titanlike.parallel import resolve_dims
-from titanlike.train import preflight
+from titanlike.config import ConfigError, JobConfig, field_docs, load_config, schema, sections, to_toml
+from titanlike.data.shards import DataError, write_shard
+from titanlike.preflight import check, resolved
+from titanlike.world import resolve_dims
 
 DEBUG_TOML = str(ROOT / "train_configs" / "debug_model.toml")
+
+
+def preflight(cfg: JobConfig, world: int) -> tuple[int, int, int, int]:
+    """The preflight's checks at this world size: (dp_replicate, dp_shard, global batch, micro-batches)."""
+    dims = check(cfg, world)
+    return dims.dp_replicate, dims.dp_shard, dims.global_batch, dims.accum_steps
 
 
 def error_of(argv: list[str]) -> str:
@@ -261,16 +266,16 @@ def test_validation_rejects(argv, expected):
 
 
 def _need_call_lines() -> list[range]:
-    """Line ranges of every need(...) call in config.py: each section's validate() and the rules across
-    sections alike, so a rule added anywhere in the schema is found."""
-    tree = ast.parse(Path(config.__file__).read_text())
+    """Line ranges of every need(...) call in the schema (titanlike/config/schema.py): each section's
+    validate() and the rules across sections alike, so a rule added anywhere in the schema is found."""
+    tree = ast.parse(Path(schema.__file__).read_text())
     return [range(n.lineno, n.end_lineno + 1)
             for n in ast.walk(tree)
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "need"]
 
 
 def test_every_validation_is_exercised():
-    """Each need(...) in config.py is tripped by at least one case of INVALID (and no other line raises)."""
+    """Each need(...) in the schema is tripped by at least one case of INVALID (and no other line raises)."""
     calls = _need_call_lines()
     assert len(calls) >= 25  # the test below would pass vacuously if the AST walk found nothing
     hit = set()
@@ -278,16 +283,16 @@ def test_every_validation_is_exercised():
         with pytest.raises(ConfigError) as e:
             load_config(argv)
         tb = traceback.extract_tb(e.value.__traceback__)
-        if not any(f.filename == config.__file__ and f.name == "validate" for f in tb):
-            continue  # a parse-time error (config_loader.py), not a validation (none expected, checked below)
-        # The innermost frame in config.py outside need() itself is the rule that failed.
-        frames = [f for f in tb if f.filename == config.__file__ and f.name != "need"]
+        if not any(f.filename == schema.__file__ for f in tb):
+            continue  # a parse-time error (loader.py), not a validation (none expected, checked below)
+        # The innermost frame in schema.py outside need() itself is the rule that failed.
+        frames = [f for f in tb if f.filename == schema.__file__ and f.name != "need"]
         line = frames[-1].lineno
         owner = [i for i, r in enumerate(calls) if line in r]
-        assert owner, f"{argv} raised from config.py line {line} ({frames[-1].name}), outside any need(...)"
+        assert owner, f"{argv} raised from schema.py line {line} ({frames[-1].name}), outside any need(...)"
         hit.add(owner[0])
     missed = [calls[i].start for i in range(len(calls)) if i not in hit]
-    assert not missed, f"need(...) calls at lines {missed} of config.py have no failing case in INVALID"
+    assert not missed, f"need(...) calls at lines {missed} of schema.py have no failing case in INVALID"
 
 
 def test_every_section_validates_itself():
@@ -307,7 +312,7 @@ def test_valid_edge_values_pass():
                  "--fp8.precompute_float8_dynamic_scale_for_fsdp"])
 
 
-# ---- world-size checks: parallel.resolve_dims and train.preflight ----------------------------------
+# ---- world-size checks: world.resolve_dims and the preflight -------------------------------------------
 
 
 @pytest.mark.parametrize("world,shard,replicate,expected", [
@@ -474,7 +479,11 @@ def test_launcher_print_config(tmp_path):
     printed = tomllib.loads(proc.stdout)
     expected = load_config(["--job.config_file", DEBUG_TOML, "--job.print_config", "--training.steps", "5",
                             "--fp8.filter_fqns", "output,wq"])
-    assert printed == _without_none(dataclasses.asdict(expected))
+    # The [model] section as the run uses it: the preset's values where the config leaves them unset.
+    assert printed == _without_none(dataclasses.asdict(resolved(expected)))
+    assert printed["model"] == {"flavor": "debug", "vocab_size": 320, "tie_embeddings": False, "dim": 256,
+                                "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 768, "rope_theta": 10000.0,
+                                "norm_eps": 1e-05, "qk_norm": False, "max_seq_len": 131072}
     assert printed["training"]["steps"] == 5 and printed["data"]["seq_len"] == 256  # CLI and debug TOML
     assert "train step" not in proc.stdout + proc.stderr  # printed, not trained
 
@@ -505,8 +514,8 @@ def test_every_shipped_config_runs_in_bf16_with_one_flag(toml):
 
 
 def test_gpt2_112m_config_is_the_issue_shape():
-    from titanlike.model import count_params
-    from titanlike.model_shape import resolve_model_args
+    from titanlike.config.resolve import resolve_model_args
+    from titanlike.model.shape import count_params
 
     margs = resolve_model_args(load_config(["--job.config_file", str(ROOT / "train_configs" / "gpt2_112m.toml")]))
     assert (margs.n_layers, margs.n_heads, margs.dim, margs.vocab_size) == (12, 12, 768, 49152)

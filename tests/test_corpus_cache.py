@@ -11,8 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from titanlike import cache, data
-from titanlike.data import DataError, Shard, build_default_corpus, resolve_paths
+from titanlike import cache
+from titanlike.data import corpus as data
+from titanlike.data.corpus import build_default_corpus
+from titanlike.data.loader import resolve_paths
+from titanlike.data.shards import DataError, Shard, write_shard
 
 
 def test_cache_folder_is_home_or_the_env_var(tmp_path, monkeypatch):
@@ -36,8 +39,8 @@ def fake_builder(calls: list):
     def build(train: Path, val: Path) -> None:
         calls.append(train.name)
         time.sleep(0.3)  # long enough for every other thread to be waiting on the lock meanwhile
-        data.write_shard(train, np.arange(100, dtype=np.uint16))
-        data.write_shard(val, np.arange(10, dtype=np.uint16))
+        write_shard(train, np.arange(100, dtype=np.uint16))
+        write_shard(val, np.arange(10, dtype=np.uint16))
     return build
 
 

@@ -9,26 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from titanlike.data import (
-    HEADER,
-    MAGIC,
-    ByteTokenizer,
-    DataError,
-    GlobalBatchSampler,
-    Shard,
-    TokenWindows,
-    build_train_loader,
-    find_shards,
-    open_dataset,
-    validation_batches,
-    write_shard,
-)
+from titanlike.data.loader import GlobalBatchSampler, TokenWindows, build_train_loader, open_dataset, validation_batches
+from titanlike.data.shards import HEADER, MAGIC, DataError, Shard, find_shards, write_shard
+from titanlike.data.tokenizer import ByteTokenizer
 
 
 def test_byte_tokenizer_round_trip():
     tok = ByteTokenizer()
     text = "héllo, wörld ✓\n"
-    ids = tok.encode(text)
+    (ids,) = tok.encode_batch([text])
     assert ids.max() < 256 and len(ids) == len(text.encode("utf-8"))
     assert tok.decode(list(ids) + [tok.eos_id, tok.bos_id]) == text
 
@@ -255,7 +244,7 @@ def test_loader_seek_mid_epoch(tmp_path, num_workers):
 
 
 def test_validation_set_is_the_same_for_any_world_size(tmp_path):
-    from titanlike.data import TokenWindows, validation_batches
+    from titanlike.data.loader import TokenWindows, validation_batches
 
     path = tmp_path / "v.bin"
     write_shard(path, np.arange(5000) % 300)
@@ -278,7 +267,7 @@ def test_validation_set_is_the_same_for_any_world_size(tmp_path):
 def test_a_shard_truncated_during_training_is_one_line_naming_it(tmp_path, num_workers):
     """A shard cut short after it was opened (in place, as a failed copy does): a memory map would
     die with SIGBUS; the loader says which file and what happened."""
-    from titanlike.data import ShardFault
+    from titanlike.data.shards import ShardFault
 
     path = tmp_path / "d.bin"
     write_shard(path, np.arange(20 * 8 + 1) % 300)
@@ -297,7 +286,7 @@ def test_a_shard_truncated_during_training_is_one_line_naming_it(tmp_path, num_w
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_header_that_understates_the_largest_id_is_caught_in_the_loader(tmp_path, num_workers):
-    from titanlike.data import HEADER, MAGIC, ShardFault
+    from titanlike.data.shards import HEADER, MAGIC, ShardFault
 
     path = tmp_path / "d.bin"
     tokens = (np.arange(20 * 8 + 1) % 300).astype(np.uint16)
@@ -311,5 +300,5 @@ def test_a_header_that_understates_the_largest_id_is_caught_in_the_loader(tmp_pa
         for _ in range(10):  # 5 steps make an epoch: every window is read
             next(loader)
     assert str(e.value) == (f"{path} holds token id 5000 (at token 77), but the model's vocabulary has 320 ids "
-                            f"(its header claims the largest id is 299); re-tokenize it, or set "
-                            f"--model.vocab_size 5001 or more")
+                            f"(its header claims the largest id is 299); set --model.vocab_size 5001 or more, "
+                            f"or re-tokenize")

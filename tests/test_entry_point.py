@@ -10,6 +10,7 @@ from pathlib import Path
 
 from conftest import _env
 from titanlike.config import load_config, to_toml
+from titanlike.preflight import resolved
 
 
 def console_script() -> str:
@@ -32,8 +33,8 @@ def test_console_script_prints_the_config(tmp_path):
     assert proc.returncode == 0, proc.stderr
     printed = tomllib.loads(proc.stdout)
     assert printed["training"]["steps"] == 7 and printed["profiling"]["folder"] == "prof"
-    assert proc.stdout == to_toml(load_config(["--job.print_config", "--training.steps", "7", "--profiling.folder",
-                                               "prof"]))
+    assert proc.stdout == to_toml(resolved(load_config(["--job.print_config", "--training.steps", "7",
+                                                        "--profiling.folder", "prof"])))
     assert not (tmp_path / "outputs").exists()  # printed, not trained
 
 

@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from conftest import run_python, run_train
-from titanlike.checkpoint_manifest import seal
+from titanlike.checkpoint.manifest import seal
 from titanlike.config import load_config
+from titanlike.config.resolve import resolve_model_args
 from titanlike.errors import UserError
-from titanlike.model import Transformer, model_args
-from titanlike.model_shape import resolve_model_args
+from titanlike.model.decoder import Transformer
+from titanlike.model.shape import model_args
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -39,18 +40,18 @@ def synthetic_checkpoint(step_dir: Path, **overrides) -> Transformer:
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
     dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(step_dir), no_dist=True)
-    seal(str(step_dir))  # the manifest a titanlike save writes: trusted as this account's
     (step_dir / "model_args.json").write_text(json.dumps(dataclasses.asdict(margs)))
+    seal(str(step_dir))  # the manifest a titanlike save writes: trusted as this account's
     return model
 
 
 def export(step_dir: Path, out: Path, *extra: str):
-    return run_python("-m", "titanlike.export", str(step_dir), str(out), "--dtype", "fp32", *extra)
+    return run_python("-m", "titanlike.hf.export", str(step_dir), str(out), "--dtype", "fp32", *extra)
 
 
 def load_ours(folder: Path, like: Transformer) -> Transformer:
     """The export read back through --checkpoint.initial_load_path's loader."""
-    from titanlike.checkpoint import load_initial_weights
+    from titanlike.checkpoint.weights import load_initial_weights
 
     model = Transformer(like.args)
     model.init_weights(seed=99, seq_len=64)
@@ -115,7 +116,7 @@ def test_transformers_gives_the_same_logits_and_text(tmp_path, qk_norm):
     ("head_dim", {"head_dim": 64}, "head_dim 64 is not hidden_size / num_attention_heads = 32"),
     ("rope_scaling", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0},
                       "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0}},
-     "rope type 'llama3' is not supported"),
+     "rotary scaling rope_parameters (rope_type 'llama3') is not implemented by titanlike's decoder"),
 ])
 def test_import_refuses_a_config_that_disagrees(tmp_path, field, change, message):
     original = synthetic_checkpoint(tmp_path / "step-1")
@@ -132,9 +133,9 @@ def test_export_ships_the_runs_tokenizer_and_refuses_a_too_large_one(tmp_path):
     step_dir = tmp_path / "run" / "checkpoint" / "step-1"
     step_dir.mkdir(parents=True)
     synthetic_checkpoint(step_dir)
-    from titanlike.tokenizer import record_tokenizer
+    from titanlike.data.tokenizer import record_tokenizer
 
-    record_tokenizer("", str(tmp_path / "run"))  # what the trainer leaves for the built-in corpus
+    record_tokenizer("", None, str(tmp_path / "run"))  # what the trainer leaves for the built-in corpus
     proc = export(step_dir, tmp_path / "hf")
     assert proc.returncode == 0 and "assumed" not in proc.stderr, proc.stderr
     big = tmp_path / "big.json"
@@ -153,7 +154,7 @@ def test_prepare_train_export_transformers_generate(tmp_path):
     """The README's "Train on your own data", end to end with a trained BPE tokenizer and a QK-norm shape."""
     transformers = pytest.importorskip("transformers", reason=NO_TRANSFORMERS)
     tokenizers = pytest.importorskip("tokenizers")
-    from titanlike.data import stdlib_files
+    from titanlike.data.corpus import stdlib_files
 
     texts = [f.read_text(encoding="utf-8", errors="replace") for f in stdlib_files()[:80]]
     corpus = tmp_path / "corpus.jsonl"
@@ -166,7 +167,7 @@ def test_prepare_train_export_transformers_generate(tmp_path):
                                                                   initial_alphabet=alphabet))
     bpe.save(str(tmp_path / "tokenizer.json"))
     data = tmp_path / "data"
-    proc = run_python("-m", "titanlike.prepare", str(data), str(corpus), "--tokenizer",
+    proc = run_python("-m", "titanlike.data.prepare", str(data), str(corpus), "--tokenizer",
                       str(tmp_path / "tokenizer.json"), "--workers", "2", "--val-fraction", "0.05")
     assert proc.returncode == 0, proc.stderr
     run = tmp_path / "run"
@@ -185,16 +186,16 @@ def test_prepare_train_export_transformers_generate(tmp_path):
     ids = tok(sample, add_special_tokens=False)["input_ids"]
     assert ids == bpe.encode(sample, add_special_tokens=False).ids and tok.decode(ids) == sample
     assert tok.eos_token == "<|endoftext|>" and model.config.eos_token_id == tok.eos_token_id
-    from titanlike.export import load_checkpoint_model
+    from titanlike.checkpoint.weights import read_model_weights
 
-    margs, state = load_checkpoint_model(str(step))
+    margs, state = read_model_weights(str(step))
     ours = Transformer(margs)
     ours.load_state_dict(state, strict=False)
     ours.init_rope(64)
     with torch.no_grad():
         torch.testing.assert_close(model(torch.tensor([ids])).logits, ours(torch.tensor([ids])), rtol=0, atol=1e-4)
     # titanlike-generate samples from the step folder and from the export with the same greedy text.
-    outs = [run_python("-m", "titanlike.generate", str(src), "--prompt", "def ", "--max-new-tokens", "8",
+    outs = [run_python("-m", "titanlike.hf.generate", str(src), "--prompt", "def ", "--max-new-tokens", "8",
                        "--temperature", "0") for src in (step, hf)]
     assert all(o.returncode == 0 for o in outs), [o.stderr for o in outs]
     assert outs[0].stdout == outs[1].stdout and outs[0].stdout.startswith("def ")

@@ -14,11 +14,11 @@ import torch
 
 from conftest import ROOT, metrics, run_python, run_train
 from test_checkpoint import SCHEDULE, STEPS, ckpt, folders, output, signal_job, start, step_losses, train_args, wait_for
-from titanlike import faults
 from titanlike.config import JobConfig
 from titanlike.errors import UserError
 from titanlike.float8 import Float8Options
 from titanlike.float8.layers import check_device
+from titanlike.run import faults
 
 # ---- out of memory ----------------------------------------------------------------------------------
 
@@ -90,7 +90,7 @@ def test_oom_in_a_step_is_one_line_and_exit_2(tmp_path, corpus):
     hooked.write_text(textwrap.dedent("""
         import sys
         import torch
-        from titanlike import model
+        from titanlike.model import decoder as model
 
         real, calls = model.Transformer.forward, []
 

@@ -14,11 +14,12 @@ import torch
 from torch import nn
 
 from conftest import losses, metrics, run_probe, run_train
-from titanlike.config import Fp8
+from titanlike.config.schema import Fp8
 from titanlike.errors import UserError
-from titanlike.float8 import Float8Options, Float8Training, all_gather, layers
+from titanlike.float8 import Float8Converter, Float8Options, all_gather, layers
 from titanlike.float8.layers import skip_reason
-from titanlike.model import PRESETS, Transformer, flops_per_token
+from titanlike.model.decoder import Transformer
+from titanlike.model.shape import PRESETS, flops_per_token
 
 
 def plan(recipe="tensorwise", *, emulate=True, filter_fqns=("output",), auto_filter=True, all_gather=False,
@@ -114,7 +115,7 @@ def test_log_plan_says_what_and_why(caplog):
         model = Transformer(PRESETS["debug"])
     report = layers.convert(model, p)
     with caplog.at_level(logging.INFO, logger="titanlike"):
-        layers.log_report(p, report, 0.0)
+        layers.log_report(p, report)
     text = caplog.text
     assert "float8 tensorwise (emulated): 0 Linears converted, 21 kept in high precision" in text
     assert "0% of matmul FLOPs in float8" in text and "float8 all-gather off" in text
@@ -263,7 +264,7 @@ def test_rowwise_blocks_compile_with_their_inductor_options(monkeypatch, recipe)
     import torch._inductor.compile_fx as compile_fx
 
     from titanlike import parallel
-    from titanlike.model import ModelArgs
+    from titanlike.model.shape import ModelArgs
 
     seen = []
 
@@ -277,8 +278,8 @@ def test_rowwise_blocks_compile_with_their_inductor_options(monkeypatch, recipe)
         model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97))
     model.to_empty(device="cpu")
     model.init_weights(0, 16)
-    fp8 = Float8Training(plan(recipe, auto_filter=False))
-    fp8.convert(model, 32, torch.device("cpu"))
+    fp8 = Float8Converter(plan(recipe, auto_filter=False))
+    fp8.convert(model, device=torch.device("cpu"))
     options = fp8.compile_options()
     parallel.apply_compile(model, options)
     model(torch.randint(0, 97, (2, 16))).float().sum().backward()
@@ -297,7 +298,7 @@ def test_fused_all_gather_cast_gives_torchaos_bytes(monkeypatch):
     from torchao.float8.float8_linear import LinearMMConfig
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    Float8Training(plan(all_gather=True, precompute=True)).compile_options()  # what the trainer calls with compile on
+    Float8Converter(plan(all_gather=True, precompute=True)).compile_options()  # what the trainer calls with compile on
     assert hasattr(WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather, "__wrapped__")
     monkeypatch.setattr(all_gather, "FUSED_CAST_DEVICES", {"cpu"})
     torch.manual_seed(0)
@@ -362,7 +363,7 @@ def assert_all_gather_moves_float8(result: dict) -> None:
     assert sent_plain - sent_fp8 == converted_fp32_bytes * 3 // 4  # 4 bytes → 1 byte per weight element
     assert plain["first"]["pre_all_gather"] == []
 
-    # 3. After the optimizer step, after_optimizer_step precomputed every weight's scale
+    # 3. After the optimizer step, the converter's hook precomputed every weight's scale
     #    (float8 max / amax of the full weight), and the next all-gather used it.
     assert set(fp8["precomputed"]) == converted
     for name, rec in fp8["precomputed"].items():

@@ -166,30 +166,40 @@ def test_only_plain_float8_linears_convert():
     assert "delayed scaling, amax history of 4" in repr(model)
 
 
-def test_the_component_checkpoints_one_stateful_item_under_the_old_key():
-    """Float8Training, as the trainer and the checkpointer use it: its state_dict() is delayed
-    scaling's history under the key checkpoints have always had (so old ones load), and its
-    load_state_dict() restores a run's scales; without delayed scaling it holds nothing."""
-    from titanlike.float8 import Float8Options, Float8Training
+def test_the_converter_checkpoints_one_stateful_item_under_the_old_key():
+    """Float8Converter, as the trainer and the checkpoint manager use it: its hook after each optimizer
+    step updates delayed scaling's history; its state_dict() is that history under the key checkpoints
+    have always had (so old ones load), and its load_state_dict() restores a run's scales; without
+    delayed scaling it holds nothing."""
+    from titanlike.float8 import Float8Converter, Float8Options
 
-    def component(seed: int) -> tuple[Float8Training, nn.Module]:
+    class Sink:
+        def scalars(self, step, values):
+            pass
+
+        def note(self, values):
+            pass
+
+    def converter(seed: int) -> tuple[Float8Converter, nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.ReLU(), nn.Linear(64, 16, bias=False))
-        fp8 = Float8Training(Float8Options(recipe="tensorwise", emulate=True, scaling="delayed", amax_history=4))
-        assert fp8.convert(model, tokens=8, device=torch.device("cpu")).converted == ["0", "2"]
-        fp8.after_materialize()
-        return fp8, model
+        fp8 = Float8Converter(Float8Options(recipe="tensorwise", emulate=True, scaling="delayed", amax_history=4))
+        assert fp8.convert(model, device=torch.device("cpu")).converted == ["0", "2"]
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        fp8.attach(optimizer, steps_done=lambda: done[0], metrics=Sink(), log_freq=1)
+        return fp8, model, optimizer
 
-    fp8, model = component(0)
+    done = [0]
+    fp8, model, optimizer = converter(0)
     for step in (1, 2, 3):
-        fp8.before_step(step)
         model(torch.randn(8, 32)).float().pow(2).mean().backward()
-        fp8.after_optimizer_step()
+        optimizer.step()  # the converter's hook: this step's amaxes into the history
+        done[0] = step
     state = {k: v.clone() for k, v in fp8.state_dict().items()}
     assert list(state) == ["float8_amax_history"] and state["float8_amax_history"].shape == (2, 3, 4)
     assert state["float8_amax_history"][..., :3].gt(0).all()  # three steps measured
 
-    restored, other = component(5)
+    restored, other, _ = converter(5)
     restored.load_state_dict(state)
     for a, b in zip(float8_delayed.layers(model), float8_delayed.layers(other)):
         assert b.calibrated
@@ -198,7 +208,7 @@ def test_the_component_checkpoints_one_stateful_item_under_the_old_key():
     restored.load_state_dict({})  # a checkpoint saved with dynamic scaling: the history starts afresh
     assert not any(m.calibrated for m in float8_delayed.layers(other))
 
-    dynamic = Float8Training(Float8Options(recipe="tensorwise", emulate=True))
-    dynamic.convert(nn.Sequential(nn.Linear(32, 32, bias=False)), tokens=8, device=torch.device("cpu"))
+    dynamic = Float8Converter(Float8Options(recipe="tensorwise", emulate=True))
+    dynamic.convert(nn.Sequential(nn.Linear(32, 32, bias=False)), device=torch.device("cpu"))
     assert dynamic.state_dict() == {}
     dynamic.load_state_dict({})

@@ -99,7 +99,8 @@ def test_two_sharded_ranks_log_the_health_of_the_full_weights(tmp_path, corpus):
 
     # The weights after step 4, unsharded, in one process, measured the same way.
     from test_nonfinite import read_checkpoint
-    from titanlike.model import Transformer, model_args
+    from titanlike.model.decoder import Transformer
+    from titanlike.model.shape import model_args
 
     model = Transformer(model_args("debug"))
     layers.convert(model, Float8Options(recipe="tensorwise", emulate=True, filter_fqns=("output",)))

@@ -9,9 +9,10 @@ import logging
 import pytest
 import torch
 
-from titanlike.float8 import Float8Options, Float8Training, layers, measure
+from titanlike.float8 import Float8Converter, Float8Options, layers, measure
 from titanlike.float8.measure import BLOCK_CHOICES, Float8Plan, decide, fastest
-from titanlike.model import PRESETS, Transformer, model_args
+from titanlike.model.decoder import Transformer
+from titanlike.model.shape import PRESETS, model_args
 
 
 def test_fastest_prefers_the_more_precise_choice_within_noise():
@@ -86,9 +87,9 @@ def test_measure_off_the_gpu_falls_back_to_the_size_rule(caplog):
     with torch.device("meta"):
         model = Transformer(PRESETS["debug"])
     options = Float8Options(recipe="tensorwise", emulate=False, filter_fqns=("output",), auto_filter="measure")
-    fp8 = Float8Training(options)
+    fp8 = Float8Converter(options)
     with caplog.at_level(logging.INFO, logger="titanlike"):
-        report = fp8.convert(model, 2 * 64, torch.device("cpu"), 64)
+        report = fp8.convert(model, device=torch.device("cpu"), batch=2, seq_len=64, block_sample=model.sample_block)
     assert "fp8.auto_filter = measure needs a GPU running real float8: choosing layers by size instead" in caplog.text
     assert report.plan is None and report.converted == []
     assert all("too small for float8 to pay" in why for name, why in report.skipped.items() if name != "output")
@@ -99,7 +100,7 @@ def test_measure_decides_from_the_timings_it_is_given(monkeypatch, caplog):
     follow the fastest block choice."""
     seen = {}
 
-    def fake_times(margs, batch, seq, options, device):
+    def fake_times(shape, batch, seq, options, device, block_sample):
         seen.update(batch=batch, seq=seq)
         return ({"bf16": 10.0, "feed-forward": 8.0, "all": 9.0},
                 {"bf16": 3 * 2**20, "feed-forward": 2 * 2**20, "all": 2**20})
@@ -109,11 +110,17 @@ def test_measure_decides_from_the_timings_it_is_given(monkeypatch, caplog):
         model = Transformer(PRESETS["debug"])
     options = Float8Options(recipe="tensorwise", filter_fqns=(), auto_filter="measure")
     with caplog.at_level(logging.INFO, logger="titanlike"):
-        p = measure.measure(model, options, 4 * 64, torch.device("cuda", 0), 64)
+        p = measure.measure(model, options, 4, 64, torch.device("cuda", 0), model.sample_block)
     assert seen == {"batch": 4, "seq": 64}
     assert p.block == "feed-forward"
     lines = [r.getMessage() for r in caplog.records if "fp8.auto_filter = measure" in r.getMessage()]
     assert len(lines) == 3 and "float8 on 'feed-forward': 8.00 ms, 2 MiB kept for backward <- chosen" in lines[1]
+
+
+def sample_blocks(margs):
+    """What the trainer hands measure: the model's own block sampler (a meta model: nothing allocated)."""
+    with torch.device("meta"):
+        return Transformer(margs).sample_block
 
 
 @pytest.mark.parametrize("scaling", ["dynamic", "delayed"])
@@ -149,10 +156,11 @@ def test_candidates_build_compile_and_run_on_cpu(monkeypatch, tmp_path, scaling)
     monkeypatch.setenv("TITANLIKE_CACHE", str(tmp_path))
     margs = model_args("debug", n_layers=1, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=256, vocab_size=256)
     options = Float8Options(recipe="tensorwise", emulate=True, scaling=scaling, amax_every=2, auto_filter="measure")
-    block_ms, block_bytes = measure.time_candidates(margs, 2, 32, options, torch.device("cpu"))
+    sample = sample_blocks(margs)
+    block_ms, block_bytes = measure.time_candidates(margs, 2, 32, options, torch.device("cpu"), sample)
     assert list(block_ms) == list(BLOCK_CHOICES) and sorted(block_ms.values()) == [1.0, 2.0, 3.0]
     assert block_bytes == {choice: 1000 for choice in BLOCK_CHOICES}
-    assert measure.time_candidates(margs, 2, 32, options, torch.device("cpu")) == (block_ms, block_bytes)
+    assert measure.time_candidates(margs, 2, 32, options, torch.device("cpu"), sample) == (block_ms, block_bytes)
     assert len(runs) == 3 and len(reads) == 6  # the second call timed and weighed nothing
 
 
@@ -170,12 +178,12 @@ def test_a_plan_cached_without_bytes_is_timed_again(monkeypatch, tmp_path):
     (tmp_path / measure.PLANS).write_text(json.dumps(old))
     timed = []
 
-    def fake_block(margs, batch, seq, options, choice, device):
+    def fake_block(block_sample, batch, seq, options, choice, device):
         timed.append(choice)
         return 4.0, 123
 
     monkeypatch.setattr(measure, "time_block", fake_block)
-    assert measure.time_candidates(margs, 2, 32, options, device) == (
+    assert measure.time_candidates(margs, 2, 32, options, device, sample_blocks(margs)) == (
         {c: 4.0 for c in BLOCK_CHOICES}, {c: 123 for c in BLOCK_CHOICES})
     assert timed == list(BLOCK_CHOICES)
 
@@ -188,5 +196,5 @@ def test_kept_bytes_on_the_gpu(monkeypatch, tmp_path):
     monkeypatch.setenv("TITANLIKE_CACHE", str(tmp_path))
     margs = model_args("debug", dim=1024, n_heads=8, n_kv_heads=4, ffn_dim=4096)
     options = Float8Options(recipe="tensorwise", auto_filter="measure")
-    _, kept = measure.time_candidates(margs, 4, 1024, options, torch.device("cuda", 0))
+    _, kept = measure.time_candidates(margs, 4, 1024, options, torch.device("cuda", 0), sample_blocks(margs))
     assert kept["all"] < kept["feed-forward"] < kept["bf16"], kept

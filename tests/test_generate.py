@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from conftest import run_python
-from titanlike.checkpoint_manifest import seal
-from titanlike.generate import KVCache, forward_cached, generate
-from titanlike.model import ModelArgs, Transformer
+from titanlike.checkpoint.manifest import seal
+from titanlike.hf.generate import KVCache, forward_cached, generate
+from titanlike.model.decoder import Transformer
+from titanlike.model.shape import ModelArgs
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -83,15 +84,15 @@ def test_command_on_a_step_folder(tmp_path):
     m = model(args)
     step = tmp_path / "step-1"
     dcp.save({"model": get_model_state_dict(m)}, checkpoint_id=str(step), no_dist=True)
-    seal(str(step))  # the manifest a titanlike save writes: trusted as this account's
     (step / "model_args.json").write_text(json.dumps(dataclasses.asdict(args)))
-    proc = run_python("-m", "titanlike.generate", str(step), "--prompt", "abc", "--max-new-tokens", "10",
+    seal(str(step))  # the manifest a titanlike save writes: trusted as this account's
+    proc = run_python("-m", "titanlike.hf.generate", str(step), "--prompt", "abc", "--max-new-tokens", "10",
                       "--temperature", "0", "--device", "cpu")
     assert proc.returncode == 0, proc.stderr
     prompt = [256] + list(b"abc")
     new = generate(m, prompt, 10, eos_id=257, vocab_limit=258)
     assert proc.stdout == "abc" + bytes(i for i in new if i < 256).decode("utf-8", errors="replace") + "\n"
     assert "new tokens in" in proc.stderr
-    bad = run_python("-m", "titanlike.generate", str(tmp_path / "nope"))
+    bad = run_python("-m", "titanlike.hf.generate", str(tmp_path / "nope"))
     lines = bad.stderr.strip().splitlines()
     assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ")

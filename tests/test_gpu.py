@@ -110,7 +110,8 @@ SAVED = [f"step-{s}" for s in (2, 4, 6, 8, 10, 12)]
 
 
 def saved_steps(dump: Path) -> list[str]:
-    return sorted((p.name for p in (dump / "checkpoint").iterdir()), key=lambda n: int(n.split("-")[1]))
+    names = [p.name for p in (dump / "checkpoint").iterdir() if not p.name.startswith(".")]  # not the lock
+    return sorted(names, key=lambda n: int(n.split("-")[1]))
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +128,7 @@ def test_pinned_background_save_resumes_exactly(pinned_run, tmp_path, corpus):
     the uninterrupted run's losses, bit for bit (deterministic kernels)."""
     dump, log = pinned_run
     assert saved_steps(dump) == SAVED
-    assert "checkpoint step 8: background save started" in log
+    assert "checkpoint step 8: saving in the background to" in log
     want = train_losses(dump)
     shutil.copytree(dump / "checkpoint" / "step-8", tmp_path / "checkpoint" / "step-8")
     _, resumed_log = gpu_run(tmp_path, *CHECKPOINTED, "--checkpoint.async_mode", "async_with_pinned_mem",
@@ -141,7 +142,7 @@ def test_pinned_background_save_resumes_exactly(pinned_run, tmp_path, corpus):
 def test_plain_background_saves_on_the_gpu(tmp_path, corpus):
     """checkpoint.async_mode = async (host memory, not pinned): every save lands, one after the other."""
     _, log = gpu_run(tmp_path, *CHECKPOINTED, "--checkpoint.async_mode", "async", corpus=corpus)
-    assert saved_steps(tmp_path) == SAVED and log.count("background save started") == 5
+    assert saved_steps(tmp_path) == SAVED and log.count("saving in the background to") == 5
 
 
 def test_ctrl_c_saves_and_resumes_on_the_gpu(tmp_path, corpus):
@@ -186,7 +187,7 @@ def test_memory_cap_fits_and_refuses_in_one_line(tmp_path, corpus):
 
 
 def test_greedy_with_the_cuda_graph_equals_greedy_without(pinned_run):
-    from titanlike.generate import generate, load
+    from titanlike.hf.generate import generate, load
 
     dump, _ = pinned_run
     model, tok = load(str(dump / "checkpoint" / "step-12"), "", torch.device("cuda"))
@@ -199,13 +200,14 @@ def test_greedy_with_the_cuda_graph_equals_greedy_without(pinned_run):
 
 def test_export_of_a_gpu_step_gives_transformers_our_logits(pinned_run, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from titanlike.export import export, load_checkpoint_model
-    from titanlike.model import Transformer
+    from titanlike.checkpoint.weights import read_model_weights
+    from titanlike.hf.export import export
+    from titanlike.model.decoder import Transformer
 
     dump, _ = pinned_run
     step = str(dump / "checkpoint" / "step-12")
     export(step, str(tmp_path / "hf"), "fp32")
-    margs, state = load_checkpoint_model(step)
+    margs, state = read_model_weights(step)
     ours = Transformer(margs)
     ours.load_state_dict(state, strict=False)
     if margs.tie_embeddings:

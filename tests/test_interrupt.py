@@ -108,7 +108,7 @@ def test_second_ctrl_c_stops_at_once(tmp_path, corpus):
     rc, out = ctrl_c_twice(dump, corpus)
     # Killed by the signal itself (a shell shows 130), before the step could finish or a save begin.
     assert rc == -signal.SIGINT, out[-4000:]
-    assert "interrupted: stopped after" not in out and "checkpoint saved" not in out
+    assert "interrupted: stopped after" not in out and ": saved to " not in out
     assert complete_checkpoints(dump) == []
 
 
@@ -132,5 +132,5 @@ def test_second_ctrl_c_through_the_launcher_stops_the_workers_at_once(tmp_path, 
     dump = tmp_path / "run"
     rc, out = ctrl_c_twice(dump, corpus, ngpu=2)
     assert rc == 130, out[-4000:]
-    assert "Traceback" not in out and "interrupted: stopped after" not in out and "checkpoint saved" not in out
+    assert "Traceback" not in out and "interrupted: stopped after" not in out and ": saved to " not in out
     assert complete_checkpoints(dump) == []

@@ -10,8 +10,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import losses, metrics, run_train
 from titanlike.float8 import Float8Options, layers
-from titanlike.loss import LinearCrossEntropy, build_loss, chunked_output_loss, cross_entropy_sum_and_grad, fuses
-from titanlike.model import Transformer, model_args
+from titanlike.model.decoder import Transformer
+from titanlike.model.loss import LinearCrossEntropy, build_loss, chunked_output_loss, cross_entropy_sum_and_grad, fuses
+from titanlike.model.shape import model_args
 
 BATCH, SEQ = 3, 40  # 120 tokens: chunks of 7 leave a last chunk of 1
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from conftest import ROOT, losses, metrics, run_python, run_train
-from titanlike.model import ModelArgs, Transformer
+from titanlike.model.decoder import Transformer
+from titanlike.model.shape import ModelArgs
 from titanlike.optim import build_optimizer, build_scheduler, clip_and_step, lr_factor, resume_schedule
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled",
@@ -212,7 +213,7 @@ def test_8bit_two_rank_fsdp_resume_is_bitwise_exact(tmp_path, corpus):
     shards."""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     proc = run_train(full, *SCHEDULE, *EIGHT_BIT, *FP8, "--checkpoint.async_mode", "async", nproc=2, corpus=corpus)
-    assert "checkpoint step 3: background save started" in proc.stderr
+    assert "checkpoint step 3: saving in the background to" in proc.stderr
     resume_from(full, 3, resumed)
     proc = run_train(resumed, *SCHEDULE, *EIGHT_BIT, *FP8, nproc=2, corpus=corpus)
     assert "dp_shard 2" in proc.stderr and "(data position and RNG restored)" in proc.stderr
@@ -245,7 +246,7 @@ def test_host_copy_of_8bit_state_is_a_snapshot():
     of its class, equal to the moment when copied and untouched by the steps after it."""
     from torchao.optim.subclass_8bit import OptimState8bit
 
-    from titanlike.checkpoint_staging import host_copy
+    from titanlike.checkpoint.staging import host_copy
 
     _, opt, model = train_losses("8bit", steps=2)
     state = opt.state[model.tok_embeddings.weight]
@@ -273,7 +274,7 @@ def test_8bit_background_save_writes_what_the_foreground_save_writes(straight, t
     resume from it is bit for bit the straight run."""
     background = tmp_path / "background"
     proc = run_train(background, *SCHEDULE, *EIGHT_BIT, "--checkpoint.async_mode", "async", corpus=corpus)
-    assert "checkpoint step 3: background save started" in proc.stderr
+    assert "checkpoint step 3: saving in the background to" in proc.stderr
     assert losses(background) == losses(straight)
     assert_same_checkpoint(straight / "checkpoint" / "step-3", background / "checkpoint" / "step-3", tmp_path)
     resumed = tmp_path / "resumed"

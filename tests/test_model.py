@@ -9,17 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titanlike.model import (
-    PRESETS,
-    Attention,
-    ModelArgs,
-    Transformer,
-    apply_rope,
-    count_params,
-    flops_per_token,
-    model_args,
-    rope_tables,
-)
+from titanlike.model.decoder import Attention, Transformer, apply_rope, rope_tables
+from titanlike.model.shape import PRESETS, ModelArgs, count_params, flops_per_token, model_args
 
 SMALL = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97, rope_theta=10000.0)
 

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 
 from conftest import losses, run_train
 from titanlike.config import ConfigError, load_config
-from titanlike.model import PRESETS, Attention, ModelArgs, Transformer, apply_rope, count_params, rope_tables
-from titanlike.model_shape import resolve_model_args, shape_difference
+from titanlike.config.resolve import resolve_model_args
+from titanlike.model.decoder import Attention, Transformer, apply_rope, rope_tables
+from titanlike.model.shape import PRESETS, ModelArgs, count_params, shape_difference
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from conftest import ROOT, metrics, run_python, run_train
-from titanlike import faults
-from titanlike.nonfinite import MAX_IN_A_ROW, NonFiniteLoss, NonFinitePolicy
 from titanlike.optim import clip_and_step, lr_factor
+from titanlike.run import faults
+from titanlike.run.nonfinite import MAX_IN_A_ROW, NonFiniteLoss, NonFinitePolicy
 
 SEQ, GLOBAL = 64, 8
 COMMON = ("--data.seq_len", str(SEQ), "--training.local_batch_size", "4", "--training.global_batch_size", str(GLOBAL),
@@ -42,7 +42,7 @@ def read_checkpoint(step_dir: Path, tmp: Path) -> dict:
     out = tmp / f"{step_dir.parent.parent.name}-{step_dir.name}.pt"
     dcp_to_torch_save(str(step_dir), str(out))
     state = torch.load(out, weights_only=True)
-    state["train_state"] = json.loads((step_dir / "trainer_state.json").read_text())["train_state"]
+    state["train_state"] = json.loads((step_dir / "trainer_state.json").read_text())["states"]["train_state"]
     return state
 
 
@@ -56,8 +56,9 @@ def tensors(sd: dict) -> dict[str, torch.Tensor]:
 
 def batch_loss(sd: dict, corpus, step: int) -> float:
     """Loss of the checkpoint's weights on the global batch that step `step` of an uninterrupted run reads."""
-    from titanlike.data import GlobalBatchSampler, open_dataset
-    from titanlike.model import Transformer, model_args
+    from titanlike.data.loader import GlobalBatchSampler, open_dataset
+    from titanlike.model.decoder import Transformer
+    from titanlike.model.shape import model_args
     from titanlike.train import cross_entropy
 
     model = Transformer(model_args("debug"))
@@ -262,7 +263,7 @@ def test_rollback_reloads_checkpoint_and_skips_the_batch(tmp_path, corpus, monke
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8, 9, 10]
     assert [r["batches_skipped"] for r in records] == [0] * 6 + [3] * 6
     assert all(r["loss"] is not None for r in records)
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step-10", "step-4", "step-8"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".titanlike.lock", "step-10", "step-4", "step-8"]
 
     # Step 5 after the rollback: step 4's weights on batch 8, the first batch after the poisoned one.
     step4 = read_checkpoint(ckpt / "step-4", tmp_path)
@@ -298,7 +299,7 @@ def test_rollback_gives_up_after_three_in_a_row_and_without_a_checkpoint(tmp_pat
         f"rollback): other data does not help; {advice}"
     ]
     assert [(r["step"], r["in_a_row"]) for r in metrics(tmp_path / "again", "rollback")] == [(7, 1), (5, 2), (5, 3)]
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step-4"]  # nothing diverged was saved
+    assert sorted(p.name for p in ckpt.iterdir()) == [".titanlike.lock", "step-4"]  # nothing diverged was saved
 
     monkeypatch.setenv("TITANLIKE_NAN_BATCHES", "2")
     proc = train_alone(tmp_path / "early", corpus, *rollback)

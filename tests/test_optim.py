@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from conftest import run_probe
-from titanlike.model import ModelArgs, Transformer
+from titanlike.model.decoder import Transformer
+from titanlike.model.shape import ModelArgs
 from titanlike.optim import build_optimizer, build_scheduler, clip_and_step, lr_factor
 
 

@@ -15,7 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import losses, metrics, run_train
 from titanlike import parallel
-from titanlike.model import ModelArgs, Transformer
+from titanlike.model.decoder import Transformer
+from titanlike.model.shape import ModelArgs
 
 STEPS = 6
 COMMON = ("--training.steps", str(STEPS), "--metrics.log_freq", "1", "--data.seq_len", "64",
@@ -189,7 +190,7 @@ def test_allocator_default_leaves_the_users_choice_alone():
 
 
 def test_default_reshard_keeps_small_models_gathered():
-    from titanlike.model import PRESETS, count_params
+    from titanlike.model.shape import PRESETS, count_params
 
     gb = 10**9
     one_b, eight_b = (2 * count_params(PRESETS[f])[0] for f in ("1b", "8b"))

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 from conftest import run_python
-from titanlike import text_sources
 from titanlike.config import ConfigError, load_config
-from titanlike.data import find_shards
+from titanlike.config.resolve import resolve_model_args
+from titanlike.data import sources as text_sources
+from titanlike.data.prepare import prepare
+from titanlike.data.shards import find_shards
+from titanlike.data.sources import ALL_SUFFIXES
+from titanlike.data.tokenizer import ByteTokenizer, HFTokenizer
 from titanlike.errors import UserError
-from titanlike.model_shape import resolve_model_args
-from titanlike.prepare import prepare
-from titanlike.text_sources import ALL_SUFFIXES
-from titanlike.tokenizer import ByteTokenizer, HFTokenizer
 
 DOCS = [f"Document {i}: " + "the quick brown fox jumps over the lazy dog, naïvely. " * (i % 5 + 1) + "✓"
         for i in range(60)]
@@ -151,7 +151,7 @@ def test_shards_are_cut_at_shard_tokens(tmp_path):
 
 
 def cmd(*args: str):
-    return run_python("-m", "titanlike.prepare", *args)
+    return run_python("-m", "titanlike.data.prepare", *args)
 
 
 def one_error(proc, *fragments: str) -> str:

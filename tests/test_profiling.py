@@ -11,7 +11,7 @@ import torch
 from torch.profiler import ProfilerAction
 
 from conftest import losses, run_train
-from titanlike.profiling import Profiler
+from titanlike.run.profiling import Profiler
 
 A = ProfilerAction
 

@@ -8,9 +8,9 @@ import logging
 import pytest
 import torch
 
-from titanlike import progress
-from titanlike.metrics import MetricsLogger, format_line
-from titanlike.progress import CLEAR, Progress, format_duration, render, wants_terminal_line
+from titanlike.run import progress
+from titanlike.run.metrics import MetricsLogger, format_line
+from titanlike.run.progress import CLEAR, Progress, format_duration, render, wants_terminal_line
 
 
 class Terminal(io.StringIO):

@@ -138,7 +138,7 @@ def test_collective_timeout_names_rank_and_host(tmp_path, corpus):
 def test_collective_failure_recognises_backend_errors_only():
     import torch.distributed as dist
 
-    from titanlike.faults import collective_failure
+    from titanlike.run.faults import collective_failure
 
     gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [10.0.0.7]:4802: "
                         "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in "

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CACHE, ROOT, _env, metrics
-from titanlike.model import PRESETS, flops_per_token
+from titanlike.model.shape import PRESETS, flops_per_token
 from titanlike.optim import lr_factor
 
 STEPS, LOCAL, SEQ, LR, WARMUP, DECAY = 30, 8, 64, 3e-3, 5, 0.3

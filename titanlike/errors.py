@@ -1,4 +1,10 @@
-"""The one exception type the user sees as a single line, not a traceback."""
+"""What the user sees when something is theirs to fix: one `error:` line, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
 
 
 class UserError(Exception):
@@ -10,3 +16,12 @@ class UserError(Exception):
 
     # True when every rank meets the same error (config, data files): only rank 0 reports it.
     same_on_all_ranks = False
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for the console scripts, whose mistakes end as one `error:` line and exit code 2
+    (argparse's own prints the usage too); `--help` shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)

@@ -13,59 +13,16 @@ import datetime
 import logging
 import os
 import time
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from titanlike.config import ConfigError
-from titanlike.model import Transformer
+from titanlike.model.decoder import Transformer
+from titanlike.world import ParallelDims
 
 logger = logging.getLogger("titanlike")
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    world_size: int
-    rank: int
-    local_rank: int
-    dp_replicate: int
-    dp_shard: int
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def sharded(self) -> bool:
-        return self.world_size > 1
-
-
-def resolve_dims(world_size: int, dp_shard: int, dp_replicate: int) -> tuple[int, int]:
-    """Check the data-parallel degrees against the world size; -1 takes what is left."""
-    if dp_replicate == -1:
-        if dp_shard == -1 or world_size % dp_shard:
-            raise ConfigError(
-                f"parallel.dp_replicate = -1 needs parallel.dp_shard to be a divisor of the {world_size} ranks "
-                f"(got {dp_shard})"
-            )
-        dp_replicate = world_size // dp_shard
-    if world_size % dp_replicate:
-        raise ConfigError(f"parallel.dp_replicate = {dp_replicate} does not divide the {world_size} ranks")
-    if dp_shard == -1:
-        dp_shard = world_size // dp_replicate
-    if dp_shard * dp_replicate != world_size:
-        raise ConfigError(
-            f"parallel.dp_replicate × parallel.dp_shard = {dp_replicate} × {dp_shard} must equal the "
-            f"{world_size} ranks (set parallel.dp_shard = -1 to use all of them)"
-        )
-    return dp_replicate, dp_shard
-
-
-def world_from_env() -> tuple[int, int, int]:
-    """(world size, rank, local rank) as torchrun sets them; a plain `python` run is 1, 0, 0."""
-    return int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
 
 
 # The CUDA caching allocator's settings, unless the user chose their own. Expandable segments let

@@ -1,10 +1,13 @@
 """The trainer: build everything from the config, then run training steps.
 
-Read top to bottom, this file is the story of a run: where it runs, what data it reads, how
-the model is built (meta → float8 → activation checkpointing → compile → FSDP → init), how
-one step goes (micro-batches, clipping, update, float8 scales), and what happens around steps
-(logging, validation, checkpoints, preemption). Anything the user can fix ends the run with one
-line on stderr and exit code 2.
+Read top to bottom, this file is the story of a run: where it runs, what data it reads, how the
+model is built (meta → float8 → activation checkpointing → compile → FSDP → init), what resumes it,
+how one step goes (micro-batches, clipping, update), and what happens around steps (logging,
+validation, checkpoints, a stop request). Each component owns its lifecycle and is called at a few
+points: the checkpoint manager (checkpoint/) decides when to save and waits for a background copy
+before each update through a hook on the optimizer; the float8 converter (float8/) keeps its scales
+after each update through a hook of its own. Anything the user can fix ends the run with one line
+on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -20,28 +23,29 @@ import time
 import torch
 import torch.distributed as dist
 
-from titanlike import faults, parallel, stopping
-from titanlike.checkpoint import Checkpointer, RunFacts, TrainState
-from titanlike.config import ConfigError, JobConfig, help_text, load_config, to_toml
-from titanlike.data import build_train_loader, open_dataset, resolve_paths, validation_batches
+from titanlike import parallel
+from titanlike.checkpoint.manager import CheckpointManager, RunRecord
+from titanlike.checkpoint.states import ModelState, OptimizerState, SchedulerState, TrainState
+from titanlike.config import JobConfig, help_text, load_config, to_toml
+from titanlike.config.resolve import resolve_model
+from titanlike.data.loader import build_train_loader, open_dataset, resolve_paths, validation_batches
+from titanlike.data.tokenizer import record_tokenizer
 from titanlike.errors import UserError
-from titanlike.float8 import Float8Training, health_summary
-from titanlike.loss import build_loss, cross_entropy  # noqa: F401  (cross_entropy: tests use it from here)
-from titanlike.metrics import MetricsLogger
-from titanlike.model import Transformer, count_params, flops_per_token
-from titanlike.model_shape import describe, resolve_model_args
-from titanlike.nonfinite import MAX_IN_A_ROW, NonFinitePolicy, Verdict
+from titanlike.float8 import Float8Converter
+from titanlike.model.decoder import Transformer
+from titanlike.model.loss import build_loss, cross_entropy  # noqa: F401  (cross_entropy: tests use it from here)
+from titanlike.model.shape import count_params, describe, flops_per_token
 from titanlike.optim import build_optimizer, build_scheduler, clip_and_step
-from titanlike.profiling import Profiler
-from titanlike.progress import Progress, wants_terminal_line
-from titanlike.run_folder import RunFolder, check_not_in_use
-from titanlike.tokenizer import record_tokenizer
+from titanlike.preflight import resolved
+from titanlike.run import faults, stopping
+from titanlike.run.folder import RunFolder
+from titanlike.run.metrics import MetricsLogger
+from titanlike.run.nonfinite import MAX_IN_A_ROW, NonFinitePolicy, Verdict
+from titanlike.run.profiling import Profiler
+from titanlike.run.progress import Progress, wants_terminal_line
+from titanlike.world import parallel_dims, world_from_env
 
 logger = logging.getLogger("titanlike")
-
-
-# Exit code of a preflight (run_train.sh, before torchrun) that printed the config or the help: stop, no error.
-PRINTED_CONFIG = 3
 
 
 def resumable_settings(cfg: JobConfig) -> dict:
@@ -49,29 +53,9 @@ def resumable_settings(cfg: JobConfig) -> dict:
     o, s = cfg.optimizer, cfg.lr_scheduler
     return {"optimizer.lr": o.lr, "optimizer.weight_decay": o.weight_decay, "optimizer.betas": list(o.betas),
             "optimizer.eps": o.eps, "lr_scheduler.warmup_steps": s.warmup_steps,
-            "lr_scheduler.decay_ratio": s.decay_ratio,
-            "lr_scheduler.decay_type": s.decay_type, "lr_scheduler.min_lr_factor": s.min_lr_factor,
-            "training.steps": cfg.training.steps}
-
-
-def preflight(cfg: JobConfig, world_size: int) -> tuple[int, int, int, int]:
-    """Checks that need the world size but no GPU: (dp_replicate, dp_shard, global batch, micro-batches).
-
-    run_train.sh runs this before starting torchrun, so a typo costs a second, not a queue slot.
-    """
-    t = cfg.training
-    dp_replicate, dp_shard = parallel.resolve_dims(world_size, cfg.parallel.dp_shard, cfg.parallel.dp_replicate)
-    dp = dp_replicate * dp_shard
-    global_batch = t.global_batch_size or t.local_batch_size * dp
-    if global_batch % (t.local_batch_size * dp):
-        raise ConfigError(
-            f"training.global_batch_size = {global_batch} must be a multiple of training.local_batch_size × "
-            f"data-parallel degree = {t.local_batch_size} × {dp} = {t.local_batch_size * dp}"
-        )
-    margs = resolve_model_args(cfg)  # reads dataset.json / an hf config.json: a bad shape stops here
-    if cfg.data.path:  # headers only: cheap, and catches wrong files before any GPU is touched
-        open_dataset(cfg.data.path, cfg.data.seq_len, margs.vocab_size, "data.path")
-    return dp_replicate, dp_shard, global_batch, global_batch // (t.local_batch_size * dp)
+            "lr_scheduler.decay_ratio": s.decay_ratio, "lr_scheduler.decay_type": s.decay_type,
+            "lr_scheduler.min_lr_factor": s.min_lr_factor, "training.steps": cfg.training.steps,
+            "fp8.recipe": cfg.fp8.recipe}
 
 
 class Trainer:
@@ -79,17 +63,15 @@ class Trainer:
         self.cfg = cfg
         t = cfg.training
 
-        # ---- 1. Where we run: ranks, device, mesh -------------------------------------------
-        world, rank, local_rank = parallel.world_from_env()
-        dp_replicate, dp_shard, self.global_batch, self.accum_steps = preflight(cfg, world)
-        self.dims = parallel.ParallelDims(world, rank, local_rank, dp_replicate, dp_shard)
+        # ---- 1. Where we run: ranks, device, mesh -------------------------------------------------
+        world, rank, local_rank = world_from_env()
+        self.dims = parallel_dims(cfg, world, rank, local_rank)
+        self.global_batch, self.accum_steps = self.dims.global_batch, self.dims.accum_steps
         self.is_main = rank == 0
         self.device = parallel.pick_device(t.device, local_rank)
         if t.gpu_memory_limit_gib and self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, t.gpu_memory_limit_gib * 2**30 / total), self.device)
-        self.fp8 = Float8Training.from_config(cfg.fp8, dp_shard)
-        self.fp8.check_device(self.device)  # before the process group: fail fast, alone
         if t.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)
@@ -99,31 +81,36 @@ class Trainer:
         # The dump folder is this run's alone (a lock; checked writable before any work).
         self.run_folder = RunFolder(cfg.job.dump_folder, self.is_main)
 
-        # ---- 2. Data: every rank reads its own slice of each global batch ----------------------
+        # ---- 2. Data: every rank reads its own slice of each global batch -----------------------------
         # The shape: the preset (or an hf config.json), the [model] overrides, the data's tokenizer.
-        self.margs = resolve_model_args(cfg)
+        shape = resolve_model(cfg)
+        self.margs = shape.args
         if self.is_main:
-            record_tokenizer(cfg.data.path, cfg.job.dump_folder)  # what the export ships with the weights
+            record_tokenizer(cfg.data.path, shape.dataset, cfg.job.dump_folder)  # what the export ships
+            for note in shape.notes:
+                logger.info(note)
         train_path, val_path = resolve_paths(cfg.data.path, cfg.data.val_path)
-        self.train_data = open_dataset(train_path, cfg.data.seq_len, self.margs.vocab_size, "data.path")
-        self.val_data = (
-            open_dataset(val_path, cfg.data.seq_len, self.margs.vocab_size, "data.val_path")
-            if val_path and cfg.validation.enable else None
-        )
+        tokenizer = (shape.dataset.vocab_size, shape.dataset.path) if shape.dataset else None
+        self.train_data = open_dataset(train_path, cfg.data.seq_len, self.margs.vocab_size, "data.path", tokenizer)
+        self.val_data = (open_dataset(val_path, cfg.data.seq_len, self.margs.vocab_size, "data.val_path", tokenizer)
+                         if val_path and cfg.validation.enable else None)
         self.dp_rank = rank  # the mesh is (replicate, shard) in rank order, so DP rank = rank
-        self.loader = build_train_loader(
-            self.train_data, t.local_batch_size, self.global_batch, self.dp_rank, self.dims.dp,
-            cfg.job.seed, cfg.data.num_workers, pin_memory=self.device.type == "cuda",
-        )
+        self.loader = build_train_loader(self.train_data, t.local_batch_size, self.global_batch, self.dp_rank,
+                                         self.dims.dp, cfg.job.seed, cfg.data.num_workers,
+                                         pin_memory=self.device.type == "cuda")
 
-        # ---- 3. Model: meta → float8 → AC → compile → FSDP → materialise → init ------------------
+        # ---- 3. Model: meta → float8 → AC → compile → FSDP → materialise → init ----------------------
         with torch.device("meta"):
             model = Transformer(self.margs)
-        self.fp8.convert(model, t.local_batch_size * cfg.data.seq_len, self.device, cfg.data.seq_len)
+        self.flops_per_token = flops_per_token(self.margs, cfg.data.seq_len)
+        self.float8 = Float8Converter.from_config(cfg.fp8, self.dims.dp_shard)
+        float8_report = self.float8.convert(model, device=self.device, batch=t.local_batch_size,
+                                            seq_len=cfg.data.seq_len, flops_per_token=self.flops_per_token,
+                                            block_sample=model.sample_block)
         ac = cfg.activation_checkpoint
         parallel.apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option, ac.memory_budget)
         if cfg.compile.enable:
-            parallel.apply_compile(model, self.fp8.compile_options())
+            parallel.apply_compile(model, self.float8.compile_options())
         # bf16 compute on GPU: FSDP casts the gathered parameters; one GPU uses autocast instead.
         gpu_bf16 = self.device.type == "cuda" and t.mixed_precision == "bf16"
         if self.dims.sharded:
@@ -135,25 +122,18 @@ class Trainer:
                 logger.info(f"FSDP keeps the gathered weights from forward to backward "
                             f"({gathered / 1e9:.1f} GB in bf16, small next to the GPU's memory); "
                             f"--parallel.reshard_after_forward always frees them")
-        self.autocast = (
-            torch.autocast("cuda", dtype=torch.bfloat16) if gpu_bf16 and not self.dims.sharded
-            else contextlib.nullcontext()
-        )
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if gpu_bf16 and not self.dims.sharded
+                         else contextlib.nullcontext())
         model.to_empty(device=self.device)
         model.init_weights(cfg.job.seed, cfg.data.seq_len)
-        self.fp8.after_materialize()
         self.model = model
         # loss_fn(model, inputs, targets): over whole logits, or chunk by chunk (training.loss_chunk_tokens);
-        # on one process, compiled, the final norm + output layer + loss are one graph (loss.py).
+        # on one process, compiled, the final norm + output layer + loss are one graph (model/loss.py).
         self.loss_fn = build_loss(t.loss_chunk_tokens, cfg.compile.enable, compile_head=not self.dims.sharded)
-        # Training's loss: the same, unless a test asks for NaNs on some batches (faults.py).
+        # Training's loss: the same, unless a test asks for NaNs on some batches (run/faults.py).
         self.train_loss_fn = faults.with_nan_batches(self.loss_fn, self.batch_number, self.dp_rank)
-        self.flops_per_token = flops_per_token(self.margs, cfg.data.seq_len)
-        float8_share = self.fp8.matmul_share(self.flops_per_token)
-        if self.is_main:
-            self.fp8.log(float8_share)
 
-        # ---- 4. Optimizer and LR schedule ---------------------------------------------------------
+        # ---- 4. Optimizer and LR schedule ------------------------------------------------------------
         o, s = cfg.optimizer, cfg.lr_scheduler
         self.optimizer = build_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, self.device.type,
                                          o.state_dtype)
@@ -161,40 +141,41 @@ class Trainer:
                                          s.min_lr_factor)
         self.state = TrainState()
 
-        # ---- 5. Checkpoints: resume from the newest intact one, if any -----------------------------
-        self.checkpointer = Checkpointer(
-            cfg.checkpoint, cfg.job.dump_folder, model=model, optimizer=self.optimizer, scheduler=self.scheduler,
-            loader=self.loader, train_state=self.state, float8_state=self.fp8,
-            run=RunFacts(self.margs, self.global_batch, self.dims.dp, o.state_dtype, resumable_settings(cfg)),
-            is_main=self.is_main, backend_timeout_s=cfg.parallel.backend_timeout_s, cuda=self.device.type == "cuda",
-        )
-        self.checkpointer.check_writable()  # before step 1, not at the first save
-        self.checkpointer.resume_or_start(cfg.checkpoint.initial_load_path, cfg.checkpoint.trust_pickled_dcp)
-        self.fp8.after_load()  # float8 scales follow the (possibly just loaded) weights
+        # ---- 5. Checkpoints: resume from the newest intact one, if any -------------------------------
+        # The states load in this order: weights first, then what follows from them (float8's scales).
+        states = {"model": ModelState(model), "optimizer": OptimizerState(model, self.optimizer),
+                  "lr_scheduler": SchedulerState(self.scheduler), "dataloader": self.loader,
+                  "train_state": self.state, "float8": self.float8}
+        run = RunRecord(self.margs, self.global_batch, self.dims.dp, cfg.job.seed, o.state_dtype,
+                        resumable_settings(cfg))
+        self.checkpoint = CheckpointManager(
+            cfg.checkpoint, cfg.job.dump_folder, states=states, run=run, is_main=self.is_main,
+            cuda=self.device.type == "cuda", backend_timeout_s=cfg.parallel.backend_timeout_s,
+            optimizer=self.optimizer, before_save=self.losses_are_finite)
+        resumed = self.checkpoint.load_or_start(cfg.checkpoint.initial_load_path, cfg.checkpoint.trust_pickled_dcp)
 
-        # ---- 6. Records, metrics and profiling: one run's history per folder -----------------------
-        purge_step = self.run_folder.start_records(self.checkpointer.resumed_from)
-        if self.is_main:
-            with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as f:
-                f.write(to_toml(cfg))
+        # ---- 6. Records, metrics and profiling: one run's history per folder --------------------------
+        purge_step = self.run_folder.start_records(resumed)
+        self.run_folder.write("config.toml", to_toml(resolved(cfg)))
         self.metrics = MetricsLogger(
             cfg.job.dump_folder, is_writer=self.is_main, tensorboard=cfg.metrics.enable_tensorboard,
-            device=self.device, flops_per_token=self.flops_per_token, float8_matmul_share=float8_share,
-            purge_step=purge_step,
-        )
+            device=self.device, flops_per_token=self.flops_per_token, float8_matmul_share=float8_report.matmul_share,
+            purge_step=purge_step)
+        # Float8 follows the weights (initialised or loaded) and updates its scales after each update.
+        self.float8.attach(self.optimizer, steps_done=lambda: self.state.step, metrics=self.metrics,
+                           log_freq=cfg.metrics.log_freq)
         self.profiler = Profiler(cfg.profiling, cfg.job.dump_folder, rank, self.device, start_step=self.state.step)
         if self.is_main:
             n_params = sum(p.numel() for p in self.model.parameters())
             logger.info(
-                f"model {cfg.model.flavor}: {n_params / 1e6:,.1f}M parameters ({describe(self.margs)}) | "
+                f"model {shape.name}: {n_params / 1e6:,.1f}M parameters ({describe(self.margs)}) | "
                 f"{world} rank(s) on {self.device.type} "
-                f"(dp_replicate {dp_replicate} × dp_shard {dp_shard}) | global batch {self.global_batch} = "
-                f"{t.local_batch_size} × {self.dims.dp} ranks × {self.accum_steps} micro-batches | "
-                f"seq {cfg.data.seq_len}"
-            )
+                f"(dp_replicate {self.dims.dp_replicate} × dp_shard {self.dims.dp_shard}) | global batch "
+                f"{self.global_batch} = {t.local_batch_size} × {self.dims.dp} ranks × {self.accum_steps} micro-batches "
+                f"| seq {cfg.data.seq_len}")
         self._window_losses: list[torch.Tensor] = []
-        self.nonfinite = NonFinitePolicy(cfg.training.nonfinite, self._checkpoints_to_roll_back_to,
-                                         self.checkpointer.step_dir, is_main=self.is_main)
+        self.nonfinite = NonFinitePolicy(t.nonfinite, self.checkpoint.complete_steps, self.checkpoint.step_dir,
+                                         is_main=self.is_main)
         self.progress: Progress | None = None  # made when the loop starts (train())
 
     # ---- one training step ----------------------------------------------------------------------
@@ -213,7 +194,6 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         step_loss = torch.zeros((), device=self.device)
         data_wait = 0.0
-        self.fp8.before_step(self.state.step + 1)
         for _ in range(self.accum_steps):
             batch, wait = self.next_batch()
             data_wait += wait
@@ -226,12 +206,12 @@ class Trainer:
             step_loss += loss.detach() / self.accum_steps
         # The LR this update uses, for the log: a number now (8-bit AdamW's is a tensor the schedule refills).
         self.lr = float(self.optimizer.param_groups[0]["lr"])
-        self.checkpointer.before_update()  # a background save may still be copying the weights
-        # training.nonfinite = skip decides on the device whether to update: no host sync on GPU.
+        # The update. Hooks on the optimizer run around it: before, a background save's copy of the
+        # weights completes (checkpoint); after, float8 updates its scales. training.nonfinite = skip
+        # decides on the device whether to update: no host sync on GPU.
         grad_norm, skipped = clip_and_step(self.optimizer, list(self.model.parameters()), self.cfg.training.max_norm,
                                            skip_nonfinite=self.cfg.training.nonfinite == "skip")
         self.scheduler.step()
-        self.fp8.after_optimizer_step()
         self.state.step += 1
         self.state.tokens_seen += self.global_batch * self.cfg.data.seq_len
         local_tokens = self.accum_steps * self.cfg.training.local_batch_size * self.cfg.data.seq_len  # this rank's
@@ -248,8 +228,8 @@ class Trainer:
 
     def check_losses(self) -> float | None:
         """Reduce the (loss, grad norm, skipped) rows since the last check over ranks and act on the
-        verdict of training.nonfinite (nonfinite.py): go on, count skipped updates, roll back, or stop.
-        Return the last loss, or None after a rollback. One host sync per check, none per step."""
+        verdict of training.nonfinite (run/nonfinite.py): go on, count skipped updates, roll back, or
+        stop. Return the last loss, or None after a rollback. One host sync per check, none per step."""
         rows = self.global_mean(torch.stack(self._window_losses)).tolist()
         self._window_losses = []
         verdict = self.nonfinite.judge(rows, self.state.step - len(rows) + 1, self.state.skipped_steps)
@@ -258,10 +238,10 @@ class Trainer:
             self.rollback(verdict)
         return verdict.loss
 
-    def _checkpoints_to_roll_back_to(self) -> list[int]:
-        # A background save (of a checked step) lands first; its pinned host buffers stay for the next.
-        self.checkpointer.wait_and_publish()
-        return self.checkpointer.complete_steps()
+    def losses_are_finite(self) -> bool:
+        """Asked by the checkpoint manager before it saves: the steps since the last check are checked
+        now, so the weights of a diverged run are never saved (False: it rolled back instead)."""
+        return not self._window_losses or self.check_losses() is not None
 
     def rollback(self, verdict: Verdict) -> None:
         """Reload the checkpoint the verdict names (model, optimizer, LR schedule, step count) but keep
@@ -270,16 +250,14 @@ class Trainer:
         assert verdict.rollback_to is not None and verdict.cause is not None, "a rollback verdict names both"
         target, (step, what, value), times = verdict.rollback_to, verdict.cause, verdict.in_a_row
         read = self.state.step + self.state.data_offset  # global batches read so far
-        self.checkpointer.load(target, restore_data=False)
+        where = self.checkpoint.restore(target)
         self.state.data_offset = read - target
-        self.fp8.after_load()
         self.metrics.start_window()
         if self.is_main:
             logger.warning(
-                f"{what} became {value} at step {step}: rolled back to {self.checkpointer.step_dir(target)} "
-                f"({times} of at most {MAX_IN_A_ROW} in a row); training goes on with batch {read + 1}: "
-                f"the {read - target} batches read since step {target} are not replayed"
-            )
+                f"{what} became {value} at step {step}: rolled back to {where} ({times} of at most {MAX_IN_A_ROW} "
+                f"in a row); training goes on with batch {read + 1}: the {read - target} batches read since step "
+                f"{target} are not replayed")
         self.metrics.log(step, {"to_step": target, "not_replayed": read - target, "in_a_row": times}, prefix="rollback")
 
     def nonfinite_counts(self) -> dict:
@@ -288,15 +266,6 @@ class Trainer:
         if mode == "skip":
             return {"skipped_steps": self.state.skipped_steps}
         return {"batches_skipped": self.state.data_offset} if mode == "rollback" else {}
-
-    def float8_health(self, step: int) -> dict:
-        """Every metrics.log_freq × fp8.health_log_freq steps: each float8 layer's cast health to TensorBoard,
-        the worst layers' to the record (collectives: every rank calls this at the same steps)."""
-        health = self.fp8.health(step, self.cfg.metrics.log_freq)
-        if not health:
-            return {}
-        self.metrics.scalars(step, {f"fp8/{name}/{key}": v for name, h in health.items() for key, v in h.items()})
-        return health_summary(health)
 
     @torch.no_grad()
     def validate(self) -> None:
@@ -314,19 +283,19 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------------------------
 
     def train(self) -> int:
-        """Train up to training.steps, or until a stop signal (stopping.py); returns the exit code."""
+        """Train up to training.steps, or until a stop signal (run/stopping.py); returns the exit code."""
         cfg = self.cfg
         steps = cfg.training.steps
         if self.state.step >= steps:
             logger.info(f"nothing to do: the checkpoint is at step {self.state.step} and training.steps = {steps}")
             return 0
         if self.is_main:
-            logger.info(f"training from step {self.state.step + 1} to {steps}")
+            logger.info(f"training from step {self.state.step + 1} to {steps}; writing to {cfg.job.dump_folder}")
         first_step = self.state.step + 1
         t0 = time.perf_counter()
         self.progress = Progress(first_step, steps, self.global_batch * cfg.data.seq_len,
                                  terminal=logger.isEnabledFor(logging.INFO) and wants_terminal_line(sys.stderr))
-        stop_signals = stopping.StopSignals(announce=logger.isEnabledFor(logging.INFO))
+        self.stop_signals = stop_signals = stopping.StopSignals(announce=logger.isEnabledFor(logging.INFO))
         stop_signals.install()  # from here on, preemption and Ctrl-C stop after a step, with a checkpoint
         while self.state.step < steps:
             grad_norm = self.train_step()
@@ -343,7 +312,7 @@ class Trainer:
                     record["first_step_s"] = time.perf_counter() - t0
                 else:
                     record.update(tokens_seen=self.state.tokens_seen, **self.metrics.throughput(),
-                                  float8_matmul_share=self.metrics.float8_share, **self.float8_health(step))
+                                  float8_matmul_share=self.metrics.float8_share)
                 self.metrics.log(step, {**record, **self.metrics.memory()}, total_steps=steps,
                                  eta_s=self.progress.eta_s())
                 self.progress.logged_loss(step, loss)
@@ -351,24 +320,20 @@ class Trainer:
                     self.metrics.start_window()
             if self.val_data is not None and (step % cfg.validation.freq == 0 or last):
                 self.validate()
-            stop = self.checkpointer.stop_requested_and_publish(stop_signals.request)  # the same on every rank
-            if self.checkpointer.due(step, last) or stop:
-                if self._window_losses and self.check_losses() is None:
-                    continue  # rolled back: never save the weights of a diverged run
-                self.checkpointer.save(step, final=last or bool(stop), preemption=bool(stop))  # even without enable
-            if stop and not last:
-                self.checkpointer.finish_and_publish()
+            # Saves when due (interval, last step), and on a stop request agreed by every rank.
+            outcome = self.checkpoint.after_step(step, last=last, stop_request=stop_signals.request)
+            if self.state.step != step:
+                continue  # rolled back before a save (the weights had diverged): train on from there
+            if outcome.stop and not last:
                 marker = os.environ.get("TITANLIKE_PREEMPTED_MARKER")
-                if stop == stopping.PREEMPTED and marker and self.dims.local_rank == 0:
+                if outcome.stop == stopping.PREEMPTED and marker and self.dims.local_rank == 0:
                     open(marker, "w").close()  # tells run_train.sh on this node: a clean stop, exit 0
                 if self.is_main:
-                    where = self.checkpointer.step_dir(step)
-                    logger.info(stopping.stopped_line(stop, step, where))
-                return stopping.EXIT_CODE[stop]
+                    logger.info(stopping.stopped_line(outcome.stop, step, outcome.saved or "(none)"))
+                return stopping.EXIT_CODE[outcome.stop]
             self.profiler.step(step)
             self.progress.show()
-        self.checkpointer.finish_and_publish()
-        self.checkpointer.remove_consumed_preemption_save()
+        self.completed = True
         self.progress.close()
         if self.is_main:
             trained = f"{steps} steps" if first_step == 1 else (
@@ -376,13 +341,21 @@ class Trainer:
             logger.info(f"done: {trained} in {time.perf_counter() - t0:.1f}s")
         return 0
 
-    def close(self) -> None:
-        progress = getattr(self, "progress", None)  # absent when __init__ failed early
+    def close(self, publish: bool = True) -> None:
+        """However the run ends: the checkpoint manager publishes what is in flight (`publish`: every
+        rank got here), then the records close. Parts __init__ did not get to build are skipped."""
+        progress = getattr(self, "progress", None)
         if progress is not None:
             progress.close()
-        for part in ("profiler", "metrics", "run_folder"):  # what __init__ got to build
-            if hasattr(self, part):
-                getattr(self, part).close()
+        if hasattr(self, "stop_signals"):
+            self.stop_signals.restore()
+        try:
+            if hasattr(self, "checkpoint"):
+                self.checkpoint.close(completed=getattr(self, "completed", False), publish=publish)
+        finally:
+            for part in ("profiler", "metrics", "run_folder"):
+                if hasattr(self, part):
+                    getattr(self, part).close()
 
 
 def setup_logging(rank: int) -> None:
@@ -399,24 +372,20 @@ def setup_logging(rank: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parallel.default_allocator_settings()
-    world, rank, _ = parallel.world_from_env()
+    world, rank, _ = world_from_env()
     setup_logging(rank)
     trainer = cfg = None
-    preflight_world = os.environ.get("TITANLIKE_PREFLIGHT_WORLD")
     argv = list(sys.argv[1:] if argv is None else argv)
+    publish = True  # whether every rank reaches the end together (a failure of one rank alone: no)
     try:
         if any(a in ("-h", "--help") for a in argv):
             if rank == 0:
                 print(help_text())
-            return PRINTED_CONFIG if preflight_world else 0  # run_train.sh's preflight printed it: stop there
+            return 0
         cfg = load_config(argv)
         if cfg.job.print_config:
             if rank == 0:
-                print(to_toml(cfg), end="")
-            return PRINTED_CONFIG if preflight_world else 0
-        if preflight_world:
-            preflight(cfg, int(preflight_world))
-            check_not_in_use(cfg.job.dump_folder)  # a second run into a folder in use: stop before torchrun
+                print(to_toml(resolved(cfg)), end="")
             return 0
         trainer = Trainer(cfg)
         return trainer.train()
@@ -424,12 +393,15 @@ def main(argv: list[str] | None = None) -> int:
         # Ctrl-C before the training loop (building, compiling, loading): nothing trained to save.
         if rank == 0:
             print("interrupted before training started: nothing saved", file=sys.stderr)
+        publish = world == 1
         return stopping.EXIT_CODE[stopping.INTERRUPTED]
     except UserError as e:
         if rank == 0 or not e.same_on_all_ranks:
             print(f"error: {e}", file=sys.stderr)
+        publish = world == 1 or e.same_on_all_ranks
         return 2
     except torch.OutOfMemoryError:
+        publish = world == 1
         if cfg is None:
             raise
         snapshot = trainer.profiler.oom_snapshot(trainer.state.step) if trainer is not None else None
@@ -440,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {message}", file=sys.stderr)
         return 2
     except RuntimeError as e:
+        publish = world == 1
         if "can't allocate memory" in str(e):  # the CPU allocator: a model or batch too large for this machine
             want = next((w for w in str(e).split("allocate ")[1:] if w[:1].isdigit()), "").split(" bytes")[0]
             size = f"{int(want) / 2**30:.1f} GiB" if want.isdigit() else "more memory than there is"
@@ -451,9 +424,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: rank {rank} on {socket.gethostname()}: {failure}", file=sys.stderr)
         return 1
+    except BaseException:
+        publish = world == 1
+        raise
     finally:
         if trainer is not None:
-            trainer.close()
+            try:
+                trainer.close(publish=publish)
+            except UserError as e:  # publishing the save in flight failed: say so, after the first error
+                print(f"error: {e}", file=sys.stderr)
         if dist.is_initialized():
             parallel.destroy_process_group()
 

@@ -3,7 +3,7 @@
 Run as `torchrun --nproc_per_node=2 tests/probes/float8_fsdp_probe.py OUT.json [cpu|cuda]` (CPU with gloo
 and float8 emulated, the default; or one GPU per rank with NCCL and real float8 kernels). Builds a
 small Llama twice, with torchao tensorwise float8 + float8 all-gather and without, each through
-titanlike's own Float8Training.convert and parallel.apply_fsdp, and records during a forward pass:
+titanlike's own Float8Converter and parallel.apply_fsdp, and records during a forward pass:
 every all-gather collective (dtype, bytes sent by this rank), and every float8 weight's
 fsdp_pre_all_gather (dtype and element count of what it hands to FSDP, and whether a
 precomputed scale was used; with one, whether titanlike's fused cast gave the same bytes as
@@ -21,9 +21,10 @@ import torch
 import torch.distributed as dist
 
 from titanlike import parallel
-from titanlike.config import Fp8
-from titanlike.float8 import Float8Training, all_gather
-from titanlike.model import ModelArgs, Transformer
+from titanlike.config.schema import Fp8
+from titanlike.float8 import Float8Converter, all_gather
+from titanlike.model.decoder import Transformer
+from titanlike.model.shape import ModelArgs
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=64)
 SEQ = 16
@@ -87,13 +88,21 @@ class Recorder:
             WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = pre
 
 
+class NoMetrics:
+    def scalars(self, step, values):
+        pass
+
+    def note(self, values):
+        pass
+
+
 def build(fp8: bool, mesh):
     with torch.device("meta"):
         model = Transformer(ARGS)
     cfg = Fp8(recipe="tensorwise" if fp8 else "none", emulate=DEVICE_TYPE == "cpu", auto_filter=False,
               filter_fqns=["output"])
-    fp8 = Float8Training.from_config(cfg, dp_shard=mesh.size())  # all-gather and precompute left to their defaults
-    fp8.convert(model, tokens=2 * SEQ, device=device())
+    fp8 = Float8Converter.from_config(cfg, dp_shard=mesh.size())  # all-gather and precompute left to their defaults
+    fp8.convert(model, device=device(), batch=2, seq_len=SEQ)
     parallel.apply_fsdp(model, mesh, None, "default")
     model.to_empty(device=device())
     model.init_weights(seed=0, seq_len=SEQ)
@@ -121,8 +130,10 @@ def case(fp8: bool, mesh, rec: Recorder) -> dict:
     rec.active = False
     first = {"collectives": rec.collectives, "pre_all_gather": rec.pre_all_gather}
     logits.float().pow(2).mean().backward()
-    optimizer.step()
-    component.after_optimizer_step()
+    # The trainer attaches the converter before step 1 (so step 1 gathers with precomputed scales too);
+    # here after the first forward, which then shows the scales computed on the fly.
+    component.attach(optimizer, steps_done=lambda: 0, metrics=NoMetrics(), log_freq=1)
+    optimizer.step()  # the converter's hook precomputes every weight's scale
 
     precomputed = {}
     for name, module in model.named_modules():

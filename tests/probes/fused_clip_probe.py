@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from titanlike import parallel
-from titanlike.model import ModelArgs, Transformer
+from titanlike.model.decoder import Transformer
+from titanlike.model.shape import ModelArgs
 from titanlike.optim import clip_and_step
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=64)

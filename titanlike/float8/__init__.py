@@ -1,30 +1,27 @@
-"""Float8 training through torchao, as one component the trainer holds: Float8Training.
+"""Float8 training through torchao, as one converter the trainer calls at four points:
 
-The trainer calls it at a handful of moments of a run, in this order:
+    float8 = Float8Converter.from_config(cfg.fp8, dp_shard)   options from [fp8] and the data-parallel degree
+    float8.convert(model, device=..., ...)           on the meta model, before activation checkpointing,
+                                                     compile and FSDP: checks that this device can run the
+                                                     recipe (one line if not), times whole blocks if
+                                                     fp8.auto_filter = measure (measure.py), swaps the chosen
+                                                     Linears for torchao's Float8Linear (layers.py) or
+                                                     DelayedFloat8Linear (delayed.py), logs what it did
+    float8.compile_options()                         what torch.compile needs for the converted blocks
+    float8.attach(optimizer, ...)                    once the weights are set: registers its own hook after
+                                                     each optimizer step (delayed scaling's history, the
+                                                     weights' scales for the next float8 all-gather, weight
+                                                     health every few log steps)
 
-  Float8Training.from_config  resolve the options (options.py) from [fp8] and the data-parallel degree
-  check_device          before any real work, one tiny float8 matmul on the actual device, so a GPU
-                        that cannot run the recipe stops the run with one line, not a kernel error
-  convert               on the meta model, before activation checkpointing, compile and FSDP: time
-                        whole blocks if fp8.auto_filter = measure (measure.py), swap the chosen
-                        Linears for torchao's Float8Linear (layers.py), with fp8.scaling = delayed
-                        for DelayedFloat8Linear (delayed.py)
-  compile_options       what torch.compile needs for the converted blocks; installs the fused
-                        all-gather cast (all_gather.py)
-  after_materialize     the model has memory: delayed scaling starts without history
-  after_load            the weights were initialised, loaded or rolled back: the float8 all-gather
-                        scales follow them
-  before_step / after_optimizer_step
-                        around each step: whether delayed scaling measures amaxes in it; then its
-                        amaxes into the history and the weights' scales for the next all-gather
-  state_dict / load_state_dict
-                        what a checkpoint holds of float8 (delayed scaling's amax history)
-  health                every few log steps, the weight casts' saturation and underflow (health.py)
-
-Nothing outside this package needs to know which of these do work for a given recipe.
+It is a Stateful the checkpoint manager holds: its state is delayed scaling's amax history, and
+loading it (a resume or a rollback) recomputes the all-gather scales from the loaded weights, after
+them, never before. Nothing outside this package needs to know which of these do work for a recipe.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -34,47 +31,61 @@ from titanlike.float8.health import health_summary, weight_health
 from titanlike.float8.layers import Float8Report
 from titanlike.float8.options import Float8Options, inductor_options
 
-__all__ = ["Float8Options", "Float8Report", "Float8Training", "health_summary", "inductor_options", "weight_health"]
+__all__ = ["Float8Converter", "Float8Options", "Float8Report", "health_summary", "inductor_options", "weight_health"]
 
 
-class Float8Training:
-    """The float8 side of one run: frozen options in, a report of what was converted, and the
-    hooks the trainer calls. One object per run; it keeps the model it converted."""
+class MetricsSink(Protocol):
+    """Where weight health goes: per-layer values to TensorBoard, the worst layers to the next record."""
+
+    def scalars(self, step: int, values: dict[str, float]) -> None: ...
+
+    def note(self, values: dict) -> None: ...
+
+
+class Float8Converter:
+    """The float8 side of one run: frozen options in, the model converted, the hooks it needs."""
+
+    # Its checkpoint entries may be absent (saved with dynamic scaling, or with float8 off) or shaped
+    # otherwise (another amax_history): then delayed scaling starts afresh (see load_state_dict).
+    partial_load = True
 
     def __init__(self, options: Float8Options):
         self.options = options
         self.report = Float8Report()
         self.model: nn.Module | None = None
+        self._steps_done: Callable[[], int] | None = None
+        self._loaded = False
         # The delayed-scaling module when fp8.scaling = delayed, else None; imported only then, as
         # it imports torchao at once.
         self._delayed = None
-        if options.delayed:
+        if self.options.delayed:
             from titanlike.float8 import delayed
 
             self._delayed = delayed
 
     @classmethod
-    def from_config(cls, fp8_cfg, dp_shard: int) -> Float8Training:
+    def from_config(cls, fp8_cfg, dp_shard: int) -> Float8Converter:
         return cls(Float8Options.from_config(fp8_cfg, dp_shard))
 
     @property
     def enabled(self) -> bool:
         return self.options.enabled
 
-    # ---- building the model ------------------------------------------------------------------------
-
-    def check_device(self, device: torch.device) -> None:
-        """Stop with one line if this device cannot run the recipe (layers.check_device)."""
+    def convert(self, model: nn.Module, *, device: torch.device, batch: int = 1, seq_len: int = 1,
+                flops_per_token: int = 0, block_sample: Callable | None = None) -> Float8Report:
+        """Convert the chosen Linears of `model` in place and log what converted and why not (with the
+        share of the `flops_per_token` that runs in float8). `block_sample(batch, seq, device)` gives a
+        fresh block and its forward's arguments, for timing blocks when fp8.auto_filter = measure
+        (micro-batches of `batch` sequences of `seq_len`)."""
         layers.check_device(self.options, device)
-
-    def convert(self, model: nn.Module, tokens: int, device: torch.device, seq_len: int = 0) -> Float8Report:
-        """Convert the chosen Linears of `model` in place (`tokens` per micro-batch of sequences of
-        `seq_len`, for timing blocks when fp8.auto_filter = measure); returns, and keeps, the report."""
         self.model = model
-        plan = measure.measure(model, self.options, tokens, device, seq_len)
+        plan = measure.measure(model, self.options, batch, seq_len, device, block_sample)
         self.report = layers.convert(model, self.options, plan)
         if self._delayed:
             self._delayed.convert(model, self.options.amax_history)
+        if flops_per_token:
+            self.report.matmul_share = layers.float8_matmul_share(model, flops_per_token)
+        layers.log_report(self.options, self.report)
         return self.report
 
     def compile_options(self) -> dict[str, object]:
@@ -85,60 +96,57 @@ class Float8Training:
             all_gather.fuse_all_gather_cast()
         return inductor_options(self.options.recipe) if self.enabled else {}
 
-    def matmul_share(self, flops_per_token: int) -> float:
-        """Share of the model's training matmul FLOPs that run in float8."""
-        return layers.float8_matmul_share(self.model, flops_per_token) if self.model is not None else 0.0
+    def attach(self, optimizer: torch.optim.Optimizer, *, steps_done: Callable[[], int], metrics: MetricsSink,
+               log_freq: int) -> None:
+        """Once the weights are set (initialised, or loaded by a resume): register the hook that runs
+        after each update. `steps_done()` counts the steps completed before the update in flight;
+        weight health goes to `metrics` every log_freq × fp8.health_log_freq steps."""
+        if not self.enabled or self.model is None:
+            return
+        self._steps_done = steps_done
+        if self._delayed and not self._loaded:
+            self._delayed.reset(self.model)  # materialised just now: no history yet
+        self._after_weights_set()
+        every = log_freq * self.options.health_log_freq
 
-    def log(self, share: float) -> None:
-        """The start-up lines: what converted, what did not and why."""
-        layers.log_report(self.options, self.report, share)
+        model = self.model
 
-    def after_materialize(self) -> None:
-        """Once the model has memory (to_empty): delayed scaling starts without history."""
-        if self._delayed:
-            self._delayed.reset(self.model)
+        def after_update(opt, args, kwargs) -> None:
+            step = steps_done() + 1  # the step whose update just ran
+            if self._delayed:
+                # Its amaxes into the history (one all-reduce for all layers); the next step measures or not.
+                self._delayed.update_scales(model)
+                self._delayed.set_recording(model, step + 1, self.options.amax_every)
+            if self.options.precompute_scales:
+                all_gather.precompute_scales(model)  # one all-reduce for every weight's scale
+            if every and step % every == 0:  # a collective: every rank runs it at the same steps
+                values = health.weight_health(model)
+                metrics.scalars(step, {f"fp8/{name}/{key}": v for name, h in values.items() for key, v in h.items()})
+                metrics.note(health_summary(values))
 
-    def after_load(self) -> None:
-        """Once the weights are set other than by a training step (initialised, loaded from a
-        checkpoint, rolled back): the float8 all-gather's weight scales follow them, never earlier."""
+        optimizer.register_step_post_hook(after_update)
+
+    def _after_weights_set(self) -> None:
+        """The weights were initialised, loaded or rolled back: the all-gather's scales follow them, and
+        the next step's delayed recording is set for its place in the schedule."""
+        assert self.model is not None
         if self.options.precompute_scales:
-            assert self.model is not None, "after_load() follows convert()"
             all_gather.precompute_scales(self.model)
+        if self._delayed and self._steps_done is not None:
+            self._delayed.set_recording(self.model, self._steps_done() + 1, self.options.amax_every)
 
-    # ---- each training step ------------------------------------------------------------------------
-
-    def before_step(self, step: int) -> None:
-        """Before training step `step` (from 1): whether delayed scaling measures amaxes in it (fp8.amax_every)."""
-        if self._delayed:
-            self._delayed.set_recording(self.model, step, self.options.amax_every)
-
-    def after_optimizer_step(self) -> None:
-        """After each step's update: its amaxes into delayed scaling's history (one all-reduce for
-        all layers), then all weights' scales for the next float8 all-gather (one all-reduce)."""
-        if self._delayed:
-            self._delayed.update_scales(self.model)
-        self.after_load()
-
-    # ---- the checkpoint ----------------------------------------------------------------------------
+    # ---- the checkpoint (torch's Stateful protocol) -------------------------------------------------
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """What float8 adds to a checkpoint (torch's Stateful protocol): delayed scaling's amax
-        history under its own top-level key, `float8_amax_history` (the key checkpoints have always
-        used); nothing otherwise. Its tensors are also the buffers a checkpoint load fills."""
-        return self._delayed.checkpoint_state(self.model) if self._delayed else {}
+        """Delayed scaling's amax history under `float8_amax_history`; nothing otherwise."""
+        return self._delayed.checkpoint_state(self.model) if self._delayed and self.model is not None else {}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Apply what a checkpoint held of state_dict(); a key it lacked (a checkpoint saved with
-        dynamic scaling, or another amax_history) starts the history afresh."""
+        """After the model's weights were loaded: the history (or a fresh start without one), then the
+        scales from the loaded weights."""
+        if not self.enabled or self.model is None:
+            return
         if self._delayed:
             self._delayed.load_checkpoint_state(self.model, state)
-
-    # ---- health ------------------------------------------------------------------------------------
-
-    def health(self, step: int, log_freq: int) -> dict[str, dict[str, float]]:
-        """Every log_freq × fp8.health_log_freq steps, each float8 layer's weight-cast health
-        (health.weight_health; {} at other steps). A collective: every rank calls it at the same steps."""
-        every = log_freq * self.options.health_log_freq
-        if not (self.enabled and every and step % every == 0 and self.model is not None):
-            return {}
-        return health.weight_health(self.model)
+        self._loaded = True
+        self._after_weights_set()

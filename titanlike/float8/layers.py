@@ -41,6 +41,8 @@ class Float8Report:
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     plan: Float8Plan | None = None
+    matmul_share: float = 0.0
+    """Share of the model's training matmul FLOPs that run in float8."""
 
 
 def skip_reason(fqn: str, linear: nn.Linear, options: Float8Options, plan: Float8Plan | None = None) -> str | None:
@@ -93,7 +95,7 @@ def float8_matmul_share(model: nn.Module, flops_per_token: int) -> float:
     return fp8 / flops_per_token
 
 
-def log_report(options: Float8Options, report: Float8Report, share: float) -> None:
+def log_report(options: Float8Options, report: Float8Report) -> None:
     """The start-up lines: recipe, how many layers converted, and why the others did not."""
     if not options.enabled:
         return
@@ -102,7 +104,8 @@ def log_report(options: Float8Options, report: Float8Report, share: float) -> No
     logger.info(
         f"float8 {options.recipe}{' (emulated)' if options.emulate else ''}{delayed}: "
         f"{len(report.converted)} Linears converted, {len(report.skipped)} kept in high precision; "
-        f"{share:.0%} of matmul FLOPs in float8; float8 all-gather {'on' if options.fsdp_float8_all_gather else 'off'}"
+        f"{report.matmul_share:.0%} of matmul FLOPs in float8; "
+        f"float8 all-gather {'on' if options.fsdp_float8_all_gather else 'off'}"
     )
     reasons: dict[str, list[str]] = {}
     for fqn, why in report.skipped.items():

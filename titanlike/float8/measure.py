@@ -139,28 +139,23 @@ def allocated_bytes(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device)
 
 
-def time_block(margs, batch: int, seq: int, options: Float8Options, choice: str,
+def time_block(block_sample, batch: int, seq: int, options: Float8Options, choice: str,
                device: torch.device) -> tuple[float, int]:
-    """Forward + backward of one compiled transformer block on (batch, seq) bf16 activations: the
+    """Forward + backward of one compiled transformer block (`block_sample(batch, seq, device)`: a
+    fresh block and its forward's arguments, bf16 activations) with `choice`'s Linears in float8: the
     median ms, and the bytes its forward keeps allocated for backward (the block's output included,
     the same for every choice)."""
-    from titanlike.model import TransformerBlock, rope_tables
-
     torch._dynamo.reset()  # a fresh compile per candidate, never the recompile limit's eager fallback
     torch.manual_seed(0)
-    block: nn.Module = TransformerBlock(margs).to(device)
-    for name, p in block.named_parameters():
-        nn.init.ones_(p) if name.endswith("norm.weight") else nn.init.normal_(p, std=0.02)
+    block, args = block_sample(batch, seq, device)
     block = _float8(block, options, BLOCK_CHOICES[choice])
     # The trainer compiles every block with the recipe's options, whichever Linears converted.
     block.compile(fullgraph=True, options=inductor_options(options.recipe) or None)
-    cos, sin = rope_tables(margs.head_dim, seq, margs.rope_theta, device)
-    x = torch.randn(batch, seq, margs.dim, device=device, dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn_like(x)
+    grad = torch.randn_like(args[0])
 
     def forward() -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            return block(x, cos, sin)
+            return block(*args)
 
     def step() -> None:
         forward().backward(grad)
@@ -201,26 +196,27 @@ def time_linear_ms(tokens: int, in_features: int, out_features: int, recipe: str
     return median_cuda_ms(step, iters, warmup)
 
 
-def _cache_key(device: torch.device, options: Float8Options, margs, batch: int, seq: int, candidate: str) -> str:
+def _cache_key(device: torch.device, options: Float8Options, shape, batch: int, seq: int, candidate: str) -> str:
     import torchao
 
     scaling = f"delayed every {options.amax_every}" if options.delayed else "dynamic"
     return (f"{torch.cuda.get_device_name(device)}|torch {torch.__version__}|torchao {torchao.__version__}|"
-            f"{options.recipe} {scaling}|{margs}|{batch}x{seq}|{candidate}")
+            f"{options.recipe} {scaling}|{shape}|{batch}x{seq}|{candidate}")
 
 
-def time_candidates(margs, batch: int, seq: int, options: Float8Options,
-                    device: torch.device) -> tuple[dict[str, float], dict[str, int]]:
-    """ms and bytes kept for backward per block choice; cached on disk."""
+def time_candidates(shape, batch: int, seq: int, options: Float8Options, device: torch.device,
+                    block_sample) -> tuple[dict[str, float], dict[str, int]]:
+    """ms and bytes kept for backward per block choice; cached on disk, keyed by `shape` (the model's
+    ModelArgs) among others."""
     plans = cache_dir() / PLANS
     cache = json.loads(plans.read_text()) if plans.exists() else {}
     block_ms, block_bytes = {}, {}
     timed = False
     for choice in BLOCK_CHOICES:
-        key = _cache_key(device, options, margs, batch, seq, f"block {choice}")
+        key = _cache_key(device, options, shape, batch, seq, f"block {choice}")
         # A plan cached before the bytes were measured is timed again.
         if key not in cache or key + " kept bytes" not in cache:
-            cache[key], cache[key + " kept bytes"] = time_block(margs, batch, seq, options, choice, device)
+            cache[key], cache[key + " kept bytes"] = time_block(block_sample, batch, seq, options, choice, device)
             timed = True
         block_ms[choice], block_bytes[choice] = cache[key], cache[key + " kept bytes"]
     if not timed:  # every choice came from the cache: nothing was compiled, nothing to write
@@ -233,19 +229,19 @@ def time_candidates(margs, batch: int, seq: int, options: Float8Options,
     return block_ms, block_bytes
 
 
-def measure(model: nn.Module, options: Float8Options, tokens: int, device: torch.device,
-            seq_len: int = 0) -> Float8Plan | None:
-    """For auto_filter = measure: time the candidates on this GPU at the run's micro-batch (`tokens`
-    = batch × seq_len) and decide. None where nothing is timed: the layers are then chosen by size."""
+def measure(model: nn.Module, options: Float8Options, batch: int, seq: int, device: torch.device,
+            block_sample=None) -> Float8Plan | None:
+    """For auto_filter = measure: time the candidates on this GPU at the run's micro-batch (`batch`
+    sequences of `seq`) with blocks from `block_sample`, and decide. None where nothing is timed: the
+    layers are then chosen by size."""
     if not options.enabled or options.auto_filter != "measure":
         return None
-    if device.type != "cuda" or options.emulate:
+    if device.type != "cuda" or options.emulate or block_sample is None:
         logger.info("fp8.auto_filter = measure needs a GPU running real float8: choosing layers by size instead")
         return None
-    seq = seq_len or tokens
     result: list = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
-        result = [time_candidates(model.args, tokens // seq, seq, options, device)]
+        result = [time_candidates(getattr(model, "args", None), batch, seq, options, device, block_sample)]
     if dist.is_initialized():
         dist.broadcast_object_list(result, src=0)
     block_ms, block_bytes = result[0]

@@ -29,12 +29,13 @@ import shutil
 import signal
 import sys
 import time
-from typing import BinaryIO
 
 import numpy as np
 
-from titanlike.errors import UserError
-from titanlike.text_sources import ALL_SUFFIXES, Chunk, expand, plan, read_chunk
+from titanlike.data.dataset_info import DATASET_FORMAT, DATASET_JSON
+from titanlike.data.shards import ShardWriter, token_dtype
+from titanlike.data.sources import ALL_SUFFIXES, Chunk, expand, plan, read_chunk
+from titanlike.errors import ArgumentParser, UserError
 
 # ---- the worker side: a chunk of input in, its documents' tokens out ----------------------------------
 
@@ -47,13 +48,9 @@ def _init_worker(spec: str, bos: str, eos: str, pool_worker: bool = True) -> Non
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Each worker is one core: the tokenizers package's own thread pool would only oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from titanlike.tokenizer import load_tokenizer
+    from titanlike.data.tokenizer import load_tokenizer
 
     _tokenizer = load_tokenizer(spec, bos, eos)
-
-
-def _token_dtype(vocab_size: int):
-    return np.uint16 if vocab_size <= 2**16 else np.uint32
 
 
 def tokenize_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, int]:
@@ -63,7 +60,7 @@ def tokenize_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, int]:
     docs = read_chunk(chunk)
     ids = tok.encode_batch(docs) if docs else []
     head = [tok.bos_id] if tok.bos_id is not None else []
-    dtype = _token_dtype(tok.vocab_size)
+    dtype = token_dtype(tok.vocab_size)
     lengths = np.fromiter((len(x) + len(head) + 1 for x in ids), dtype=np.int64, count=len(ids))
     out = np.empty(int(lengths.sum()), dtype=dtype)
     pos = 0
@@ -79,49 +76,6 @@ def tokenize_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, int]:
 
 
 # ---- the main side: shards, splits, progress ---------------------------------------------------------
-
-
-class ShardWriter:
-    """Token shards of exactly `shard_tokens` tokens (the last one shorter), written under final names
-    inside a folder that becomes visible only when everything is done."""
-
-    def __init__(self, folder: str, shard_tokens: int, dtype):
-        from titanlike.shard_format import HEADER, MAGIC, VERSION
-
-        self.header, self.magic, self.version = HEADER, MAGIC, VERSION
-        self.folder, self.shard_tokens, self.dtype = folder, shard_tokens, np.dtype(dtype)
-        self.file: BinaryIO | None = None  # the shard being written
-        self.index = self.count = self.max_id = self.total = self.documents = 0
-
-    def _open(self) -> BinaryIO:
-        os.makedirs(self.folder, exist_ok=True)
-        self.file = file = open(os.path.join(self.folder, f"shard-{self.index:05d}.bin"), "wb")
-        file.write(b"\0" * self.header.size)  # the header, once the count is known
-        self.count = self.max_id = 0
-        return file
-
-    def _close(self) -> None:
-        assert self.file is not None
-        self.file.seek(0)
-        self.file.write(self.header.pack(self.magic, self.version, self.dtype.itemsize, self.count, self.max_id))
-        self.file.close()
-        self.file, self.index = None, self.index + 1
-
-    def add(self, tokens: np.ndarray) -> None:
-        while tokens.size:
-            file = self.file if self.file is not None else self._open()
-            take = tokens[: self.shard_tokens - self.count]
-            file.write(take.astype(self.dtype, copy=False).tobytes())
-            self.count += take.size
-            self.total += take.size
-            self.max_id = max(self.max_id, int(take.max()))
-            tokens = tokens[take.size :]
-            if self.count == self.shard_tokens:
-                self._close()
-
-    def finish(self) -> None:
-        if self.file is not None:
-            self._close()
 
 
 class Progress:
@@ -183,7 +137,7 @@ def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, 
             val_fraction: float = 0.01, shard_tokens: int = 100_000_000, overwrite: bool = False,
             bos_token: str = "", eos_token: str = "", progress: bool = False) -> dict:
     """Tokenize `inputs` into OUT/train, OUT/val and OUT/dataset.json; returns the dataset.json record."""
-    from titanlike.tokenizer import DATASET_FORMAT, DATASET_JSON, load_tokenizer
+    from titanlike.data.tokenizer import load_tokenizer
 
     out = os.path.normpath(out)
     if os.path.exists(out) and not overwrite:
@@ -198,7 +152,7 @@ def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, 
     # Every core this process may use (a container or taskset may allow fewer than the machine has).
     workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) or 1
     every = round(1 / val_fraction) if val_fraction > 0 else 0
-    dtype = _token_dtype(tok.vocab_size)
+    dtype = token_dtype(tok.vocab_size)
 
     tmp = f"{out}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -280,7 +234,7 @@ def _split(tokens: np.ndarray, lengths: np.ndarray, first_doc: int, every: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="titanlike-prepare", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="titanlike-prepare", description=__doc__.split("\n\n")[0],
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", help="output folder (train/, val/, dataset.json, tokenizer.json)")

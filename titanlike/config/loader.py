@@ -1,7 +1,7 @@
 """Reading a tree of option dataclasses from a TOML file and `--section.key value` overrides.
 
 This module knows how options are spelled, coerced and printed, not which options exist: the schema
-(titanlike/config.py) hands it the root dataclass (one field per `[section]`, each a dataclass of
+(schema.py) hands it the root dataclass (one field per `[section]`, each a dataclass of
 typed fields with a docstring under each) and its validation. Precedence is dataclass default <
 TOML file < command line. Every mistake is one `ConfigError` line that names the key, the value and
 what would be valid.
@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import os
 import sys
 import types
@@ -145,9 +146,12 @@ def coerce(key: str, raw: object, tp: Any) -> object:
         if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
             raise bad
         try:
-            return float(raw)
+            number = float(raw)
         except ValueError:
             raise bad from None
+        if not math.isfinite(number):  # inf or nan: no option means either
+            raise ConfigError(f"{key} = {raw!r} is not valid: expected a finite number")
+        return number
     if tp is str:
         if isinstance(raw, (dict, list)):
             raise bad

@@ -1,11 +1,12 @@
 """The job configuration's schema: every option, its type, default and docstring, and what a valid value is.
 
 Each `[section]` is a dataclass; the string literal under a field is its documentation, which
-`--help`, error lines and docs/configuration.md all read back (config_loader.field_docs). Each
-section's `validate()` holds the rules that section alone decides; `validate_across_sections` holds
-the few that tie two sections together. All of them run before a process group or a GPU is touched
-and fail as one `ConfigError` line that names the key, the value and what would be valid.
-Reading TOML and the command line is titanlike/config_loader.py's job.
+`--help`, error lines and docs/configuration.md all read back (loader.field_docs). Each section's
+`validate()` holds the rules that section alone decides; `validate_across_sections` holds the few
+that tie two sections together. All of them run before a process group or a GPU is touched (the
+preflight imports no torch) and fail as one `ConfigError` line that names the key, the value and
+what would be valid. Reading TOML and the command line is loader.py's job; which model shape a
+config means, resolve.py's.
 """
 
 from __future__ import annotations
@@ -14,12 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from titanlike import config_loader
-from titanlike.config_loader import ConfigError
-from titanlike.config_loader import field_docs as field_docs  # re-exported: callers read docs from the schema
-from titanlike.config_loader import to_toml as to_toml  # re-exported beside load_config
-
-USAGE = "usage: run_train.sh [--section.key value ...]   (TOML file via --job.config_file)"
+from titanlike.config.loader import ConfigError
+from titanlike.model.shape import PRESETS, model_args
 
 
 def need(ok: bool, msg: str) -> None:
@@ -76,10 +73,13 @@ class Model:
     """Longest sequence the model is meant for (config.json's max_position_embeddings); data.seq_len must not
     exceed it."""
 
-    def validate(self) -> None:
-        from titanlike.model import PRESETS, model_args  # late: the schema must not import torch
-        from titanlike.model_shape import shape_overrides
+    def shape_overrides(self) -> dict:
+        """The fields that override a preset's shape (0 / None = keep the preset's)."""
+        keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta", "norm_eps", "qk_norm",
+                "max_seq_len", "vocab_size", "tie_embeddings")
+        return {k: getattr(self, k) for k in keys}
 
+    def validate(self) -> None:
         need(self.flavor in PRESETS or self.flavor == "hf",
              f"model.flavor = {self.flavor!r} is not a preset; valid: {', '.join(PRESETS)}, hf")
         need(self.vocab_size >= 0,
@@ -89,7 +89,7 @@ class Model:
         for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta", "norm_eps", "max_seq_len"):
             need(getattr(self, key) >= 0, f"model.{key} = {getattr(self, key)} must be >= 0 (0 = the preset's)")
         if self.flavor != "hf":  # an hf shape is checked once its config.json is read (titanlike/model_shape.py)
-            for problem in model_args(self.flavor, **shape_overrides(self)).problems():
+            for problem in model_args(self.flavor, **self.shape_overrides()).problems():
                 need(False, f"model shape ({self.flavor} with the model.* overrides): {problem}")
 
 
@@ -433,10 +433,7 @@ def validate_across_sections(cfg: JobConfig) -> None:
          "model.flavor = hf takes the shape from a Hugging Face folder's config.json: "
          "set --checkpoint.initial_load_path")
     if m.flavor != "hf":
-        from titanlike.model import model_args
-        from titanlike.model_shape import shape_overrides
-
-        max_seq_len = model_args(m.flavor, **shape_overrides(m)).max_seq_len
+        max_seq_len = model_args(m.flavor, **m.shape_overrides()).max_seq_len
         need(cfg.data.seq_len <= max_seq_len,
              f"data.seq_len = {cfg.data.seq_len} exceeds model.max_seq_len = {max_seq_len}")
     need(
@@ -447,25 +444,3 @@ def validate_across_sections(cfg: JobConfig) -> None:
         cfg.training.nonfinite != "rollback" or cfg.checkpoint.enable,
         "training.nonfinite = rollback reloads the last checkpoint: it needs --checkpoint.enable",
     )
-
-
-def validate(cfg: JobConfig) -> None:
-    """Checks that need no process group and no GPU: each section's, then those across sections.
-    World-size checks live in parallel.py (resolve_dims) and train.py (preflight)."""
-    for name in sections():
-        getattr(cfg, name).validate()
-    validate_across_sections(cfg)
-
-
-def sections() -> dict[str, type]:
-    """Each `[section]` name and its dataclass, in the order of JobConfig."""
-    return config_loader.sections_of(JobConfig)
-
-
-def load_config(argv: list[str] | None = None) -> JobConfig:
-    """Defaults, then the TOML file (job.config_file, from the CLI), then the CLI overrides; validated."""
-    return config_loader.load(JobConfig, argv, validate, USAGE)
-
-
-def help_text() -> str:
-    return config_loader.help_text(JobConfig, USAGE)

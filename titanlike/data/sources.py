@@ -79,7 +79,7 @@ def _open_compressed(path: str):
     raw = open(path, "rb")
     if path.lower().endswith(".gz"):
         return gzip.GzipFile(fileobj=raw), raw
-    from titanlike.tokenizer import need_extra
+    from titanlike.data.tokenizer import need_extra
 
     zstd = need_extra("zstandard", f"{path} (.jsonl.zst)")
     return io.BufferedReader(zstd.ZstdDecompressor().stream_reader(raw)), raw
@@ -151,7 +151,7 @@ def _plan_compressed(path: str, text_field: str) -> Iterator[Chunk]:
 
 
 def _plan_parquet(path: str, size: int, text_field: str) -> Iterator[Chunk]:
-    from titanlike.tokenizer import need_extra
+    from titanlike.data.tokenizer import need_extra
 
     pq = need_extra("pyarrow", f"{path} (.parquet)")
     import pyarrow.parquet  # noqa: F401  (the submodule is not imported by `import pyarrow`)

@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from titanlike.progress import format_duration
+from titanlike import fs
+from titanlike.run.progress import format_duration
 
 logger = logging.getLogger("titanlike")
 
@@ -54,11 +55,12 @@ class MetricsLogger:
         self.peak = peak_bf16_flops(self.device_name) if device.type == "cuda" else None
         if device.type == "cuda" and self.peak is None and is_writer:
             logger.warning(f"no bf16 peak known for GPU {self.device_name!r}: MFU will show as n/a")
-        self.jsonl = None
+        self.jsonl: fs.AppendFile | None = None
         self.tb = None
+        self._notes: dict = {}  # values that join the next record (float8's weight health)
         if is_writer:
             os.makedirs(folder, exist_ok=True)
-            self.jsonl = open(os.path.join(folder, "metrics.jsonl"), "a")
+            self.jsonl = fs.AppendFile(os.path.join(folder, "metrics.jsonl"))
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -121,10 +123,12 @@ class MetricsLogger:
         if not self.is_writer:
             return
         record = {"step": step, **record}
+        if prefix == "train":
+            record.update(self._notes)
+            self._notes = {}
         if self.jsonl:
             clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-            self.jsonl.write(json.dumps({"kind": prefix, **clean}) + "\n")
-            self.jsonl.flush()
+            self.jsonl.write_line(json.dumps({"kind": prefix, **clean}))
         if self.tb:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and v is not None:
@@ -133,6 +137,10 @@ class MetricsLogger:
             # A CPU has no bf16 peak (no MFU), and its TFLOPS would print as 0.0: the jsonl keeps them.
             record = {k: v for k, v in record.items() if k not in ("tflops", "mfu")}
         logger.info(format_line(prefix, record, total_steps, eta_s))
+
+    def note(self, values: dict) -> None:
+        """Values for the next train record (metrics.jsonl only), from a component that measured them."""
+        self._notes.update(values)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         """TensorBoard only (per-layer detail that would swamp metrics.jsonl); only the writer rank writes."""

@@ -1,5 +1,5 @@
-"""Hugging Face folders: our parameter names ↔ theirs, config.json both ways, safetensors shards,
-and the tokenizer files that make the folder load in AutoTokenizer.
+"""Hugging Face folders: our parameter names ↔ theirs, safetensors shards, and the tokenizer files
+that make the folder load in AutoTokenizer (config.json is hf/config.py's).
 
 A model without QK-norm is a `LlamaForCausalLM`; with QK-norm (an RMSNorm over each head's q and k
 before RoPE) a `Qwen3ForCausalLM`, which is the same decoder plus exactly those two norms. Our rotary
@@ -16,7 +16,8 @@ import re
 import torch
 
 from titanlike.errors import UserError
-from titanlike.model import ModelArgs
+from titanlike.hf.config import check_hf_config, hf_config
+from titanlike.model.shape import ModelArgs
 
 _LAYER_NAMES = {
     "attention.wo": "self_attn.o_proj",
@@ -90,118 +91,6 @@ def from_hf_state(hf_state: dict[str, torch.Tensor], a: ModelArgs, where: str) -
     return out
 
 
-def hf_config(a: ModelArgs, dtype: torch.dtype, bos_id: int | None = None, eos_id: int | None = None) -> dict:
-    """config.json for transformers: Qwen3 with QK-norm, else Llama. Both the older keys (rope_theta,
-    torch_dtype) and transformers 5's (rope_parameters, dtype) are written, so either reads it."""
-    dtype_name = str(dtype).removeprefix("torch.")
-    config = {
-        "architectures": ["Qwen3ForCausalLM" if a.qk_norm else "LlamaForCausalLM"],
-        "model_type": "qwen3" if a.qk_norm else "llama",
-        "hidden_size": a.dim,
-        "intermediate_size": a.ffn_dim,
-        "num_hidden_layers": a.n_layers,
-        "num_attention_heads": a.n_heads,
-        "num_key_value_heads": a.n_kv_heads,
-        "head_dim": a.head_dim,
-        "vocab_size": a.vocab_size,
-        "rms_norm_eps": a.norm_eps,
-        "rope_theta": a.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta},
-        "rope_scaling": None,
-        "max_position_embeddings": a.max_seq_len,
-        "tie_word_embeddings": a.tie_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "torch_dtype": dtype_name,
-        "dtype": dtype_name,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-    }
-    if a.qk_norm:
-        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=a.n_layers)
-    else:
-        config["mlp_bias"] = False
-    return config
-
-
-def _rope_theta(config: dict) -> float | None:
-    params = config.get("rope_parameters") or {}
-    return params.get("rope_theta", config.get("rope_theta"))
-
-
-def args_from_hf_config(config: dict, where: str) -> ModelArgs:
-    """Our shape from a transformers config.json (Llama, Mistral-style Llama, or Qwen3); anything
-    this decoder cannot reproduce (biases, rope scaling, sliding windows) is one error line."""
-    kind = config.get("model_type")
-    if kind not in ("llama", "qwen3"):
-        raise UserError(f"{where}: model_type {kind!r} is not one titanlike builds (llama, qwen3)")
-    scaling = config.get("rope_scaling") or {}
-    rope_type = (config.get("rope_parameters") or {}).get("rope_type", scaling.get("rope_type", "default"))
-    unsupported = [(config.get("attention_bias"), "attention_bias"), (config.get("mlp_bias"), "mlp_bias"),
-                   (rope_type not in ("default", None), f"rope type {rope_type!r}"),
-                   (config.get("use_sliding_window"), "use_sliding_window"),
-                   (config.get("hidden_act", "silu") != "silu", f"hidden_act {config.get('hidden_act')!r}")]
-    for bad, what in unsupported:
-        if bad:
-            raise UserError(f"{where}: {what} is not supported by titanlike's decoder")
-    try:
-        dim, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-        args = ModelArgs(dim=dim, n_layers=int(config["num_hidden_layers"]), n_heads=heads,
-                         n_kv_heads=int(config.get("num_key_value_heads") or heads),
-                         ffn_dim=int(config["intermediate_size"]), vocab_size=int(config["vocab_size"]),
-                         rope_theta=float(_rope_theta(config) or 10000.0),
-                         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-                         max_seq_len=int(config.get("max_position_embeddings") or 131072), qk_norm=kind == "qwen3")
-    except (KeyError, TypeError, ValueError) as e:
-        raise UserError(f"{where} lacks a usable {e.args[0] if isinstance(e, KeyError) else 'value'} "
-                        f"({type(e).__name__}: {e})") from None
-    head_dim = config.get("head_dim")
-    if head_dim is not None and int(head_dim) != args.head_dim:
-        raise UserError(f"{where}: head_dim {head_dim} is not hidden_size / num_attention_heads = {args.head_dim}, "
-                        f"which titanlike's attention assumes")
-    return args
-
-
-def read_hf_config(folder: str) -> ModelArgs:
-    """The shape recorded in a Hugging Face folder's config.json (for --model.flavor hf)."""
-    path = os.path.join(folder, "config.json")
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror}); --model.flavor hf takes the shape from a Hugging Face "
-                        f"folder's config.json") from None
-    except ValueError as e:
-        raise UserError(f"{path} is not valid JSON ({e})") from None
-    return args_from_hf_config(config, path)
-
-
-# config.json key ↔ our field and the [model] option that sets it, for disagreement messages.
-_COMPARED = [("hidden_size", "dim", "model.dim"), ("num_hidden_layers", "n_layers", "model.n_layers"),
-             ("num_attention_heads", "n_heads", "model.n_heads"),
-             ("num_key_value_heads", "n_kv_heads", "model.n_kv_heads"),
-             ("head_dim", "head_dim", "model.dim / model.n_heads"), ("intermediate_size", "ffn_dim", "model.ffn_dim"),
-             ("vocab_size", "vocab_size", "model.vocab_size"), ("rope_theta", "rope_theta", "model.rope_theta"),
-             ("rms_norm_eps", "norm_eps", "model.norm_eps"), ("qk_norm", "qk_norm", "model.qk_norm"),
-             ("tie_word_embeddings", "tie_embeddings", "model.tie_embeddings")]
-
-
-def check_hf_config(folder: str, a: ModelArgs) -> None:
-    """Refuse a folder whose config.json describes another model than this run's, naming the first
-    field that differs and both values (same tensor shapes can hide another head layout or rope_theta)."""
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        raise UserError(f"{folder} has no config.json: the shape of its model is unknown (a Hugging Face folder "
-                        f"holds one next to its safetensors)")
-    theirs = read_hf_config(folder)
-    for key, field, option in _COMPARED:
-        there, here = getattr(theirs, field), getattr(a, field)
-        if there != here:
-            raise UserError(f"{path}: {key} is {there!r} there, {here!r} in this run ({option}); "
-                            f"use the same value, or --model.flavor hf to take the whole shape from it")
-
-
 def write_hf_folder(state: dict[str, torch.Tensor], a: ModelArgs, folder: str, dtype: torch.dtype,
                     max_shard_bytes: int = 5 * 1024**3, bos_id: int | None = None,
                     eos_id: int | None = None) -> list[str]:
@@ -236,7 +125,7 @@ def write_hf_folder(state: dict[str, torch.Tensor], a: ModelArgs, folder: str, d
         with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(hf_config(a, dtype, bos_id, eos_id), f, indent=1)
+        json.dump(hf_config(a, str(dtype).removeprefix("torch."), bos_id, eos_id), f, indent=1)
     return files + ["config.json"]
 
 
@@ -269,8 +158,16 @@ def read_hf_folder(folder: str, a: ModelArgs) -> dict[str, torch.Tensor]:
     """Full (unsharded) fp32 tensors under our names, checked against the model's shape and config.json."""
     from safetensors.torch import load_file
 
-    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")) if os.path.isdir(folder) else []
+    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    files = [f for f in names if f.endswith(".safetensors")]
     if not files:
+        pickled = [f for f in names if f.endswith((".bin", ".pt", ".pth", ".ckpt"))]
+        if pickled:
+            # Those are pickles (torch.save): loading one can run code. Converting is the user's call.
+            raise UserError(
+                f"{folder} holds {pickled[0]} but no .safetensors: titanlike reads safetensors only (a pickled "
+                f"checkpoint can run code when loaded); convert it where you trust it, e.g. "
+                f"AutoModelForCausalLM.from_pretrained(folder).save_pretrained(new_folder) in transformers")
         raise UserError(f"{folder} is neither a checkpoint step folder (no .metadata) nor a safetensors folder")
     check_hf_config(folder, a)
     hf: dict[str, torch.Tensor] = {}
@@ -294,10 +191,13 @@ def read_hf_folder(folder: str, a: ModelArgs) -> dict[str, torch.Tensor]:
             raise UserError(f"{folder} has an lm_head.weight of its own (untied embeddings); "
                             f"run with --model.tie_embeddings false")
     elif "output.weight" not in out and "tok_embeddings.weight" in out:
-        raise UserError(f"{folder} has tied embeddings (no lm_head.weight); run with --model.tie_embeddings")
+        # config.json (checked above to agree with this run) says untied: the folder itself is incomplete.
+        raise UserError(f"{folder} has no lm_head.weight, yet its config.json says tie_word_embeddings false: the "
+                        f"folder is incomplete (an untied model stores its output layer; a tied one's config.json "
+                        f"says true)")
     # Otherwise a missing tensor loads silently (that part keeps its random init) and an extra or
     # misshapen one fails deep in torch with a message per tensor: name the first difference.
-    from titanlike.model import Transformer
+    from titanlike.model.decoder import Transformer
 
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in Transformer(a).state_dict().items()

@@ -13,90 +13,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass(frozen=True)
-class ModelArgs:
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_dim: int
-    vocab_size: int
-    rope_theta: float = 500000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    max_seq_len: int = 131072
-    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (as Qwen3, OLMo 2)
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    def problems(self) -> list[str]:
-        """What makes this shape unbuildable, one phrase each (empty when it is fine)."""
-        out = []
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
-            if getattr(self, name) < 1:
-                out.append(f"{name} = {getattr(self, name)} must be >= 1")
-        if out:
-            return out
-        if self.dim % self.n_heads:
-            out.append(f"dim = {self.dim} is not divisible by n_heads = {self.n_heads}")
-        elif self.head_dim % 2:
-            out.append(f"head_dim = dim / n_heads = {self.head_dim} must be even (RoPE rotates pairs)")
-        if self.n_heads % self.n_kv_heads:
-            out.append(f"n_heads = {self.n_heads} is not divisible by n_kv_heads = {self.n_kv_heads}")
-        if self.rope_theta <= 0:
-            out.append(f"rope_theta = {self.rope_theta} must be > 0")
-        if self.norm_eps <= 0:
-            out.append(f"norm_eps = {self.norm_eps} must be > 0")
-        return out
-
-    @property
-    def qkv_widths(self) -> list[int]:
-        """Rows of the stacked wqkv projection that are q, k and v, in that order (the model splits
-        its output so; Hugging Face export and import split and stack the weight so)."""
-        return [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim]
-
-
-PRESETS: dict[str, ModelArgs] = {
-    # A few million parameters: trains visibly in a minute on a laptop CPU. Its vocabulary
-    # covers the built-in byte tokenizer (258 ids) rounded up to a multiple of 64.
-    "debug": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=320, rope_theta=10000.0),
-    # GPT-2 small's scale in today's architecture (the RTX 5090 guide's model): 12 layers, dim 768,
-    # GQA 12:3, QK-norm, SwiGLU at 8/3 × dim, 32768-token vocabulary; 124.8M parameters untied.
-    "124m": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=3, ffn_dim=2048, vocab_size=32768,
-                      rope_theta=10000.0, qk_norm=True),
-    "1b": ModelArgs(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, ffn_dim=8192, vocab_size=128256),
-    "3b": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192, vocab_size=128256),
-    "8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256),
-    "70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256),
-}
-
-
-# The shape fields a config may override (0 / None keeps the preset's value).
-SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "rope_theta", "norm_eps",
-                "qk_norm", "max_seq_len", "tie_embeddings")
-
-
-def model_args(flavor: str | ModelArgs, vocab_size: int = 0, tie_embeddings: bool | None = None,
-               **overrides) -> ModelArgs:
-    """A preset (or a given shape) with every override that is set (not 0, not None) applied."""
-    args = PRESETS[flavor] if isinstance(flavor, str) else flavor
-    overrides.update(vocab_size=vocab_size, tie_embeddings=tie_embeddings)
-    unknown = set(overrides) - set(SHAPE_FIELDS)
-    if unknown:
-        raise TypeError(f"not a model shape field: {', '.join(sorted(unknown))}")
-    # Booleans are unset only as None (False is a choice); numbers are unset as None or 0.
-    return replace(args, **{k: v for k, v in overrides.items()
-                            if v is not None and (isinstance(v, bool) or v != 0)})
+from titanlike.model.shape import ModelArgs
 
 
 class RMSNorm(nn.Module):
@@ -215,6 +138,18 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
+    def sample_block(self, batch: int, seq: int, device: torch.device) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+        """A fresh block of this model's shape on `device` (random weights, norm gains 1) and the
+        arguments of its forward for a micro-batch of `batch` × `seq` bf16 activations: what a
+        training step runs per block, for timing it (float8's `measure` gets this from the trainer)."""
+        block = TransformerBlock(self.args).to(device)
+        with torch.no_grad():
+            for name, p in block.named_parameters():
+                p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(std=0.02)
+        cos, sin = rope_tables(self.args.head_dim, seq, self.args.rope_theta, device)
+        x = torch.randn(batch, seq, self.args.dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+        return block, (x, cos, sin)
+
     def blocks(self) -> list[TransformerBlock]:
         """self.layers with their type (to a type checker an nn.ModuleList holds plain Modules)."""
         return cast("list[TransformerBlock]", list(self.layers))
@@ -282,26 +217,3 @@ class Transformer(nn.Module):
                 full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
             param.copy_(full.to(param.dtype))
         self.init_rope(seq_len)
-
-
-def count_params(args: ModelArgs) -> tuple[int, int]:
-    """(all parameters, embedding parameters), computed from the shape alone."""
-    d, hd = args.dim, args.head_dim
-    attn = d * args.n_heads * hd * 2 + d * args.n_kv_heads * hd * 2
-    ffn = 3 * d * args.ffn_dim
-    block = attn + ffn + 2 * d + (2 * hd if args.qk_norm else 0)
-    embed = args.vocab_size * d
-    output = 0 if args.tie_embeddings else args.vocab_size * d
-    return args.n_layers * block + embed + output + d, embed
-
-
-def flops_per_token(args: ModelArgs, seq_len: int) -> int:
-    """Training FLOPs per token: 6 × matmul parameters + 12 × layers × heads × head_dim × seq_len.
-
-    The embedding lookup does no matmul, so its parameters are left out; a tied output layer
-    still does its matmul, so it is counted back in.
-    """
-    total, embed = count_params(args)
-    matmul_params = total - embed + (args.vocab_size * args.dim if args.tie_embeddings else 0)
-    return 6 * matmul_params + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
-

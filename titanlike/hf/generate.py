@@ -14,6 +14,7 @@ run's own training (titanlike-export's checks); an exported folder through confi
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -22,8 +23,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from titanlike.errors import UserError
-from titanlike.model import Transformer
+from titanlike.errors import ArgumentParser, UserError
+from titanlike.model.decoder import Transformer
 
 
 class KVCache:
@@ -168,16 +169,17 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, tempera
 # ---- loading a model and its tokenizer -------------------------------------------------------------
 
 
-def load(source: str, tokenizer: str, device: torch.device):
+def load(source: str, tokenizer: str, device: torch.device, trust_pickled_dcp: bool = False):
     """(model in eval mode on `device`, tokenizer) from a checkpoint step folder or a Hugging Face folder."""
-    from titanlike.export import load_checkpoint_model, run_tokenizer
+    from titanlike.checkpoint.weights import is_dcp_folder, read_model_weights
+    from titanlike.data.tokenizer import load_tokenizer, tokenizer_from_folder
+    from titanlike.hf.config import read_hf_config
+    from titanlike.hf.export import run_tokenizer
+    from titanlike.hf.interchange import read_hf_folder
 
     if not os.path.isdir(source):
         raise UserError(f"{source}: no such folder (give a checkpoint step folder or an exported folder)")
-    if os.path.isfile(os.path.join(source, "config.json")) and not os.path.isfile(os.path.join(source, ".metadata")):
-        from titanlike.interchange import read_hf_config, read_hf_folder
-        from titanlike.tokenizer import load_tokenizer, tokenizer_from_folder
-
+    if os.path.isfile(os.path.join(source, "config.json")) and not is_dcp_folder(source):
         margs = read_hf_config(source)
         state = read_hf_folder(source, margs)
         if tokenizer:
@@ -187,7 +189,7 @@ def load(source: str, tokenizer: str, device: torch.device):
         else:
             raise UserError(f"{source} has no tokenizer.json; name one with --tokenizer")
     else:
-        margs, state = load_checkpoint_model(source)
+        margs, state = read_model_weights(source, trust_pickled_dcp, flag="--trust-pickled-dcp")
         tok = run_tokenizer(source, tokenizer, margs.vocab_size)
     with torch.device("meta"):
         model = Transformer(margs)
@@ -202,7 +204,7 @@ def load(source: str, tokenizer: str, device: torch.device):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="titanlike-generate", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="titanlike-generate", description=__doc__.split("\n\n")[0],
                                 epilog="\n\n".join(__doc__.split("\n\n")[2:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="a checkpoint step folder or an exported Hugging Face folder")
@@ -213,23 +215,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default 0)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto = CUDA when available")
     p.add_argument("--tokenizer", default="", help="a tokenizer.json (or 'byte') instead of the model's own")
+    p.add_argument("--trust-pickled-dcp", action="store_true",
+                   help="read a checkpoint that titanlike did not write on this account: its .metadata is a "
+                        "Python pickle, and loading it can run any code its author put there")
     a = p.parse_args(argv)
     for name in ("max_new_tokens", "top_k"):
         if getattr(a, name) < 0:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)} must be >= 0")
-    if a.temperature < 0:
-        p.error(f"--temperature {a.temperature} must be >= 0")
+    if not math.isfinite(a.temperature) or a.temperature < 0:
+        p.error(f"--temperature {a.temperature} must be a finite number >= 0")
+    try:
+        a.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        p.error("--prompt is not valid UTF-8 text")
     if a.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda: no CUDA GPU is available", file=sys.stderr)
         return 2
     device = torch.device("cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()) else "cpu")
     try:
-        model, tok = load(a.source, a.tokenizer, device)
+        model, tok = load(a.source, a.tokenizer, device, a.trust_pickled_dcp)
+        prompt = ([tok.bos_id] if tok.bos_id is not None else [tok.eos_id]) + (
+            [int(i) for i in tok.encode_batch([a.prompt])[0]] if a.prompt else [])
+        room = model.args.max_seq_len - len(prompt)
+        if a.max_new_tokens > room:
+            raise UserError(f"--max-new-tokens {a.max_new_tokens}: the model's context is {model.args.max_seq_len} "
+                            f"tokens and the prompt takes {len(prompt)}; ask for {max(room, 0)} or fewer")
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    start = [tok.bos_id] if tok.bos_id is not None else [tok.eos_id]
-    prompt = start + [int(i) for i in tok.encode_batch([a.prompt])[0]] if a.prompt else start
     gen = torch.Generator(device=device).manual_seed(a.seed)
     t0 = time.perf_counter()
     new = generate(model, prompt, a.max_new_tokens, a.temperature, a.top_k, tok.eos_id, gen, vocab_limit=tok.vocab_size)

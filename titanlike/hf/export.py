@@ -19,73 +19,14 @@ to the checkpoint folder; --tokenizer names another (a tokenizer.json, a prepare
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import warnings
 from pathlib import Path
 
-from titanlike.errors import UserError
+from titanlike import fs
+from titanlike.errors import ArgumentParser, UserError
 
 DTYPES = ("bf16", "fp32")
-
-
-def check_trusted(step_dir: str, trust_pickled_dcp: bool = False) -> None:
-    """The one place where export (and generate) decide whether a step folder is a complete titanlike
-    checkpoint that may be read: its .metadata is a pickle, so it must be one titanlike wrote on this
-    account (a signed manifest), unless the user trusts it (--trust-pickled-dcp)."""
-    if not os.path.isdir(step_dir):
-        raise UserError(f"{step_dir}: no such folder")
-    if step_dir.rstrip("/").endswith(".tmp"):
-        raise UserError(f"{step_dir} is a save that never completed; export a complete step-N folder")
-    has_meta = os.path.isfile(os.path.join(step_dir, ".metadata"))
-    if not (has_meta and os.path.isfile(os.path.join(step_dir, "model_args.json"))):
-        steps = sorted((p for p in Path(step_dir).glob("step-*") if p.is_dir() and p.name[5:].isdigit()),
-                       key=lambda p: int(p.name[5:]))
-        if steps:
-            raise UserError(f"{step_dir} holds checkpoints, it is not one: pass a step folder, e.g. {steps[-1]}")
-        missing = ".metadata" if not has_meta else "model_args.json"
-        raise UserError(f"{step_dir} is not a titanlike checkpoint step folder (no {missing})")
-    from titanlike.checkpoint_manifest import check_trusted_dcp
-
-    check_trusted_dcp(step_dir, trust_pickled_dcp, flag="--trust-pickled-dcp")
-
-
-def load_checkpoint_model(step_dir: str, trust_pickled_dcp: bool = False):
-    """(ModelArgs, full CPU state dict under our parameter names) of a checkpoint step folder."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from titanlike.model import ModelArgs, Transformer
-
-    check_trusted(step_dir, trust_pickled_dcp)
-    args_file = os.path.join(step_dir, "model_args.json")
-    try:
-        with open(args_file) as f:
-            margs = ModelArgs(**json.load(f))
-    except (TypeError, ValueError) as e:
-        raise UserError(f"{args_file} does not describe a model ({e})") from None
-
-    with torch.device("meta"):
-        model = Transformer(margs)
-    model.to_empty(device="cpu")
-    saved = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
-    state = {}
-    for name, tensor in model.state_dict().items():
-        meta = saved.get(f"model.{name}")
-        if not isinstance(meta, TensorStorageMetadata):  # absent, or bytes: not a parameter
-            if margs.tie_embeddings and name == "output.weight":
-                continue  # the same tensor as the embedding
-            raise UserError(f"{step_dir} has no parameter {name}: model_args.json does not match its weights")
-        if tuple(meta.size) != tuple(tensor.shape):
-            raise UserError(f"{step_dir}: {name} is {tuple(meta.size)} in the checkpoint, "
-                            f"{tuple(tensor.shape)} from model_args.json")
-        state[name] = tensor
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "torch.distributed is disabled": expected, one process
-        dcp.load({"model": state}, checkpoint_id=step_dir, no_dist=True)
-    return margs, state
 
 
 def find_run_tokenizer(step_dir: str) -> str | None:
@@ -100,7 +41,7 @@ def find_run_tokenizer(step_dir: str) -> str | None:
 
 def run_tokenizer(step_dir: str, choice: str, vocab_size: int):
     """The tokenizer to ship with an export of `step_dir` (see the module docstring)."""
-    from titanlike.tokenizer import ByteTokenizer, load_tokenizer, tokenizer_from_folder
+    from titanlike.data.tokenizer import ByteTokenizer, load_tokenizer, tokenizer_from_folder
 
     if choice:
         if os.path.isdir(choice) and not os.path.isfile(os.path.join(choice, "tokenizer.json")):
@@ -125,25 +66,35 @@ def export(step_dir: str, out_dir: str, dtype: str = "bf16", tokenizer: str = ""
     """Write the Hugging Face folder; returns (the files written, the architecture)."""
     import torch
 
-    from titanlike.interchange import set_file_modes, write_hf_folder, write_tokenizer_files
+    from titanlike.checkpoint.weights import MODEL_ARGS, read_model_weights, step_folder_problem
+    from titanlike.hf.interchange import set_file_modes, write_hf_folder, write_tokenizer_files
+    from titanlike.model.shape import args_from_json
 
     if os.path.isfile(os.path.join(out_dir, ".metadata")):
         raise UserError(f"{out_dir} is a checkpoint; the output must be another folder")
-    check_trusted(step_dir, trust_pickled_dcp)
-    with open(os.path.join(step_dir, "model_args.json")) as f:
-        vocab = int(json.load(f).get("vocab_size", 0))
-    tok = run_tokenizer(step_dir, tokenizer, vocab)  # before the weights: a wrong choice costs nothing
-    margs, state = load_checkpoint_model(step_dir, trust_pickled_dcp)
+    problem = step_folder_problem(step_dir)
+    if problem:
+        raise UserError(problem)
+    args_file = os.path.join(step_dir, MODEL_ARGS)
+    try:
+        shape = args_from_json(fs.read_json(args_file, "the checkpoint's model shape"), args_file)
+    except ValueError as e:
+        raise UserError(f"{e}; it does not describe a model titanlike builds") from None
+    tok = run_tokenizer(step_dir, tokenizer, shape.vocab_size)  # before the weights: a wrong choice costs nothing
+    margs, state = read_model_weights(step_dir, trust_pickled_dcp, flag="--trust-pickled-dcp")
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    files = write_hf_folder(state, margs, out_dir, torch_dtype, bos_id=tok.bos_id, eos_id=tok.eos_id)
-    files += write_tokenizer_files(out_dir, tok.to_json(), (tok.bos_token, tok.bos_id), (tok.eos_token, tok.eos_id),
-                                   margs.max_seq_len)
+    try:
+        files = write_hf_folder(state, margs, out_dir, torch_dtype, bos_id=tok.bos_id, eos_id=tok.eos_id)
+        files += write_tokenizer_files(out_dir, tok.to_json(), (tok.bos_token, tok.bos_id),
+                                       (tok.eos_token, tok.eos_id), margs.max_seq_len)
+    except OSError as e:
+        raise UserError(f"cannot write the export: {fs.describe_os_error(e, out_dir)}") from None
     set_file_modes(out_dir, files)
     return files, "Qwen3ForCausalLM" if margs.qk_norm else "LlamaForCausalLM"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="titanlike-export", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="titanlike-export", description=__doc__.split("\n\n")[0],
                                 epilog="\n\n".join(__doc__.split("\n\n")[2:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a checkpoint step folder, e.g. outputs/debug/checkpoint/step-150")

@@ -1,11 +1,11 @@
-"""Tokenizers that travel with the data: the byte tokenizer or a Hugging Face tokenizer.json, and
-the dataset.json record that titanlike-prepare leaves next to the shards.
+"""Tokenizers that travel with the data: titanlike's byte tokenizer or a Hugging Face tokenizer.json.
 
 Both kinds are one `tokenizer.json` on disk: the byte tokenizer is written as a `tokenizers` model
 too (a byte-level BPE with no merges, ids = byte values), so an exported folder loads in
-`AutoTokenizer` whatever tokenizer the data was made with. Reading and writing dataset.json and the
-byte tokenizer's JSON need no extra package; encoding with a tokenizer.json needs `tokenizers`
-(the `data` extra), imported only when used.
+`AutoTokenizer` whatever tokenizer the data was made with. The byte tokenizer and its JSON need no
+extra package; encoding with a tokenizer.json needs `tokenizers` (the `data` extra), imported only
+when used. A tokenizer file is read through titanlike.fs's gate; the run's copy (`record_tokenizer`)
+is written without following a link.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+from titanlike import fs
+from titanlike.data.dataset_info import DatasetInfo
 from titanlike.errors import UserError
 
-DATASET_JSON = "dataset.json"
-DATASET_FORMAT = "titanlike-dataset/1"
 BYTE_BOS, BYTE_EOS = "<|begin_of_text|>", "<|end_of_text|>"
 # Special-token spellings of common tokenizers, in order of preference.
 EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
@@ -100,12 +100,9 @@ class HFTokenizer:
 
     def __init__(self, path: str, bos_token: str = "", eos_token: str = ""):
         tokenizers = need_extra("tokenizers", "a tokenizer.json")
+        self.text = fs.read_text(path, "the tokenizer")
         try:
-            with open(path, encoding="utf-8") as f:
-                self.text = f.read()
             self.tok = tokenizers.Tokenizer.from_str(self.text)
-        except OSError as e:
-            raise TokenizerError(f"{path}: cannot read the tokenizer ({e.strerror})") from None
         except Exception as e:  # tokenizers raises plain Exceptions whose first line says what is wrong
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise TokenizerError(f"{path} is not a tokenizer.json that the tokenizers package reads: {first}") from None
@@ -156,67 +153,42 @@ def tokenizer_from_folder(folder: str):
     """The tokenizer recorded in a folder: an export's or a prepared dataset's tokenizer.json.
     A byte tokenizer's JSON is recognised and decoded without the tokenizers package."""
     path = os.path.join(folder, "tokenizer.json")
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+    data = fs.read_json(path, "the tokenizer")
     if data == json.loads(json.dumps(byte_tokenizer_json(), ensure_ascii=False)):
         return ByteTokenizer()
-    info = {}
-    for name in ("tokenizer_config.json", "tokenizer_info.json", DATASET_JSON):
+    info: dict = {}
+    for name in ("tokenizer_config.json", "tokenizer_info.json", "dataset.json"):
         if os.path.isfile(os.path.join(folder, name)):
-            with open(os.path.join(folder, name)) as f:
-                info = json.load(f)
+            found = fs.read_json(os.path.join(folder, name), "the tokenizer's record")
+            info = found if isinstance(found, dict) else {}
             break
+    if not isinstance(info.get("tokenizer", {}), dict):
+        info = {k: v for k, v in info.items() if k != "tokenizer"}
     bos = info.get("bos_token") or info.get("tokenizer", {}).get("bos_token") or ""
     eos = info.get("eos_token") or info.get("tokenizer", {}).get("eos_token") or ""
     return HFTokenizer(path, bos if isinstance(bos, str) else "", eos if isinstance(eos, str) else "")
 
 
-# ---- dataset.json ----------------------------------------------------------------------------
+# ---- the run's copy ---------------------------------------------------------------------------
 
 
-def dataset_info_path(data_path: str) -> Path | None:
-    """The dataset.json that describes these shards: in the shard folder or the one above it
-    (titanlike-prepare writes OUT/dataset.json with OUT/train/ and OUT/val/)."""
-    p = Path(data_path)
-    folder = p if p.is_dir() else p.parent
-    for candidate in (folder / DATASET_JSON, folder.parent / DATASET_JSON):
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def read_dataset_info(data_path: str) -> dict | None:
-    """The dataset.json of these shards (with "_path" and "_folder" added), or None if they have none."""
-    path = dataset_info_path(data_path)
-    if path is None:
-        return None
-    try:
-        with open(path) as f:
-            info = json.load(f)
-        int(info["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise TokenizerError(f"{path} is not a titanlike dataset.json ({type(e).__name__}: {e}); "
-                             f"re-make the data with titanlike-prepare") from None
-    info["_path"], info["_folder"] = str(path), str(path.parent)
-    return info
-
-
-def record_tokenizer(data_path: str, run_folder: str) -> None:
+def record_tokenizer(data_path: str, info: DatasetInfo | None, run_folder: str) -> None:
     """Leave the run's tokenizer in its folder (tokenizer.json + tokenizer_info.json), where
-    titanlike-export and titanlike-generate find it: the byte tokenizer for the built-in corpus, the
-    dataset.json's tokenizer for prepared data, none (and any earlier one removed) when unknown."""
-    info = read_dataset_info(data_path) if data_path else None
+    titanlike-export and titanlike-generate find it: the byte tokenizer for the built-in corpus and
+    byte-tokenized data, the dataset's own tokenizer.json for prepared data, none (and any earlier
+    one removed) when the data has no dataset.json. Written whole, never through a link."""
     target = Path(run_folder) / "tokenizer.json"
     meta = Path(run_folder) / "tokenizer_info.json"
-    if not data_path:
+    record: dict[str, str | None]
+    if not data_path or (info is not None and info.tokenizer_kind == "byte"):
         text, record = ByteTokenizer().to_json(), {"kind": "byte", "bos_token": BYTE_BOS, "eos_token": BYTE_EOS}
-    elif info is not None and (Path(info["_folder"]) / info["tokenizer"]["file"]).is_file():
-        text = (Path(info["_folder"]) / info["tokenizer"]["file"]).read_text(encoding="utf-8")
-        record = {"kind": info["tokenizer"]["kind"], "bos_token": info["tokenizer"].get("bos_token"),
-                  "eos_token": info["tokenizer"].get("eos_token"), "dataset": info["_path"]}
+    elif info is not None and info.tokenizer_file is not None:
+        text = fs.read_text(info.tokenizer_file, "the dataset's tokenizer")
+        record = {"kind": info.tokenizer_kind, "bos_token": info.bos_token, "eos_token": info.eos_token,
+                  "dataset": info.path}
     else:
         for p in (target, meta):
             p.unlink(missing_ok=True)
         return
-    target.write_text(text, encoding="utf-8")
-    meta.write_text(json.dumps(record, indent=1))
+    fs.write_text(target, text)
+    fs.write_json(meta, record, indent=1)

@@ -1,7 +1,8 @@
 """Stopping early without losing work: a scheduler's preemption, or the user's Ctrl-C.
 
     signal                 what the run does                                          exit code
-    SIGTERM, SIGUSR1       finish the step, save a checkpoint, one line, stop         0
+    SIGTERM, SIGUSR1,      finish the step, save a checkpoint, one line, stop         0
+    SIGHUP (a closed terminal or ssh session)
     SIGINT (Ctrl-C)        the same, but report the interruption                      130
     a second SIGINT        stop at once: no save (the step in flight is lost)         130 (killed by SIGINT)
 
@@ -10,7 +11,7 @@ Ctrl-C exits 130 as any interrupted command does (128 + SIGINT), yet keeps what 
 checkpoint is saved even without checkpoint.enable; the same command resumes from it.
 
 The handlers only record the request; the training loop acts on it between steps, after every rank
-has agreed on it (Checkpointer.stop_requested_and_publish), so all ranks stop after the same step. A second
+has agreed on it (CheckpointManager.after_step), so all ranks stop after the same step. A second
 Ctrl-C restores the default action of SIGINT, which ends the process even while it waits inside a
 long native call (a collective, a save). Under torchrun the workers run in process groups of their
 own and get their signals from torchrun; titanlike.launch passes a second Ctrl-C on to them.
@@ -24,7 +25,7 @@ import signal
 NONE, PREEMPTED, INTERRUPTED = 0, 1, 2
 EXIT_CODE = {NONE: 0, PREEMPTED: 0, INTERRUPTED: 128 + signal.SIGINT}
 
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
 
 class StopSignals:
@@ -33,11 +34,18 @@ class StopSignals:
     def __init__(self, announce: bool):
         self.request = NONE
         self.announce = announce  # the rank that logs says, at once, what a Ctrl-C will do
+        self._previous: dict = {}
 
     def install(self) -> None:
         for sig in PREEMPTION_SIGNALS:
-            signal.signal(sig, self._preempt)
-        signal.signal(signal.SIGINT, self._interrupt)
+            self._previous[sig] = signal.signal(sig, self._preempt)
+        self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
+
+    def restore(self) -> None:
+        """The handlers the process had before install() (a run inside a longer-lived process ends)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
     def _preempt(self, signum, frame) -> None:
         self.request = max(self.request, PREEMPTED)
@@ -55,13 +63,6 @@ class StopSignals:
 
 def stopped_line(request: int, step: int, checkpoint: str) -> str:
     """The one line a stopped run ends with. The same command resumes from the save, with or without
-    checkpoint.enable (checkpoint.py resumes from a stop's save either way)."""
+    checkpoint.enable (the checkpoint manager resumes from a stop's save either way)."""
     what = "preempted" if request == PREEMPTED else "interrupted"
     return f"{what}: stopped after step {step}; checkpoint at {checkpoint}; run the same command to resume"
-
-
-def ignore_interrupts_in_loader_worker(worker_id: int) -> None:
-    """Data-loader workers share the trainer's process group, so a terminal's Ctrl-C reaches them too;
-    they must keep serving the step being finished and the loader state being saved. They exit
-    with the trainer."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)

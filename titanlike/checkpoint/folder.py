@@ -1,0 +1,109 @@
+"""The checkpoint folder on disk: its step folders, and what a save's failure means in words.
+
+    step-200/            a complete checkpoint (manifest.json written last)
+    step-300.tmp/        a save in progress, or one a crash interrupted: never loaded, reported
+    step-400.abandoned/  set aside: a resume from an earlier step (checkpoint.load_step) went another way
+    step-500.damaged/    set aside: its files do not match its manifest, or it has no signed manifest
+
+Renames and deletions are rank 0's; every rank lists. Nothing here runs a collective: the manager
+(manager.py) puts barriers around these where ranks must agree.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import resource
+import shutil
+from pathlib import Path
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+TMP_DIR = re.compile(r"^step-(\d+)\.tmp$")
+DAMAGED_DIR = re.compile(r"^step-(\d+)\.damaged(?:\.\d+)?$")
+
+
+class StepFolders:
+    def __init__(self, folder: str, is_main: bool):
+        self.folder, self.is_main = folder, is_main
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.folder, f"step-{step}")
+
+    def _matching(self, pattern: re.Pattern) -> list[int]:
+        if not os.path.isdir(self.folder):
+            return []
+        return sorted({int(m.group(1)) for m in map(pattern.match, os.listdir(self.folder)) if m})
+
+    def complete(self) -> list[int]:
+        return self._matching(STEP_DIR)
+
+    def incomplete(self) -> list[int]:
+        return self._matching(TMP_DIR)
+
+    def damaged(self) -> list[str]:
+        return sorted(n for n in os.listdir(self.folder) if DAMAGED_DIR.match(n)) if os.path.isdir(self.folder) else []
+
+    def aside_name(self, step: int, why: str) -> str:
+        """Where step-N goes when set aside: step-N.<why>, or step-N.<why>.k if that is taken."""
+        base = self.step_dir(step) + f".{why}"
+        target, k = base, 1
+        while os.path.exists(target):
+            k += 1
+            target = f"{base}.{k}"
+        return target
+
+    def set_aside(self, step: int, target: str) -> None:
+        if self.is_main:
+            os.replace(self.step_dir(step), target)
+
+    def prune(self, keep: int, below: int) -> None:
+        """Delete all but the newest `keep` complete steps before step `below` (rank 0). Never fewer
+        than one: a failed save always leaves a checkpoint behind."""
+        if self.is_main:
+            older = [s for s in self.complete() if s < below]
+            for old in older[: -max(keep, 1)]:
+                shutil.rmtree(self.step_dir(old), ignore_errors=True)
+
+    def size_mb(self, step: int) -> float:
+        path = Path(self.step_dir(step))
+        return sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 2**20 if path.is_dir() else 0.0
+
+
+def failure_cause(e: BaseException, folder: str, keep_latest_k: int, checkpoint_mb: float) -> str:
+    """One readable cause of a failed save: the OSError's text and path where there is one, else what
+    the file system says (free space, the file size limit), else the first line of the error, with
+    its type named."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    free_mb = shutil.disk_usage(folder).free / 2**20 if os.path.isdir(folder) else float("inf")
+    errors: list[BaseException] = []
+    todo: list[BaseException] = [e]
+    while todo and len(errors) < 50:  # DCP wraps each rank's error: (exception, traceback) per rank
+        x = todo.pop()
+        errors.append(x)
+        for wrapped in (getattr(x, "failures", None) or {}).values():
+            todo.append(wrapped[0] if isinstance(wrapped, tuple) else getattr(wrapped, "exc", wrapped))
+        todo += [c for c in (x.__cause__, x.__context__) if c is not None]
+    os_error = next((x for x in errors if isinstance(x, OSError) and x.strerror), None)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if (os_error and os_error.errno == errno.ENOSPC) or any("No space left" in str(x) for x in errors) or free_mb < 64:
+        # A save keeps the newest complete checkpoint until the new one is whole: two on disk at the
+        # peak whatever keep_latest_k is, so only a k above 2 (or 0, keep all) can be lowered to help.
+        need = f"; a checkpoint takes {checkpoint_mb:.0f} MB and a save needs room for one more beside the newest" \
+            if checkpoint_mb else ""
+        advice = ("keep fewer with --checkpoint.keep_latest_k 2, " if keep_latest_k == 0 or keep_latest_k > 2
+                  else "")
+        return (f"No space left on device: {free_mb:.0f} MB free{need}; {advice}free space, or point "
+                f"--checkpoint.folder at a larger disk")
+    size_limit = (f"this process may write files of at most {limit / 2**20:.0f} MB (ulimit -f); raise the limit"
+                  if limit != resource.RLIM_INFINITY else "")
+    if os_error:
+        cause = f"{os_error.strerror}: {os_error.filename or folder}"
+        return f"{cause}: {size_limit}" if os_error.errno == errno.EFBIG and size_limit else cause
+    if size_limit:
+        return f"a file could not be written in full: {size_limit}"
+    # The error a rank met, not DCP's wrapper around it; its type named (a KeyError's text alone is a key).
+    inner = next((x for x in errors if not isinstance(x, CheckpointException) and str(x).strip()), e)
+    text = (str(inner).strip().splitlines() or [""])[0][:200]
+    return f"{type(inner).__name__}: {text}" if text else type(inner).__name__

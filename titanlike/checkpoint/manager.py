@@ -1,0 +1,406 @@
+"""The checkpoint manager: built with the run's states, it decides when to save, saves, publishes,
+verifies, resumes, falls back and owns its folder. The trainer calls it at four points:
+
+    manager = CheckpointManager(cfg.checkpoint, dump_folder, states={...}, run=RunRecord(...), ...)
+    manager.load_or_start()        resume from the newest intact step (or checkpoint.load_step), or
+                                   start from checkpoint.initial_load_path's weights, or afresh
+    manager.after_step(step, ...)  every step: agree on a stop request over ranks, publish background
+                                   saves that landed, save when due (interval, last step, stop)
+    manager.restore(step)          a rollback (training.nonfinite): that step's weights, optimizer and
+                                   schedule; the data position stays
+    manager.close(...)             publish what is in flight, remove a consumed preemption save, unlock
+
+A save writes into step-N.tmp and becomes step-N by one rename after every rank has written and the
+signed manifest (manifest.py) is complete, so a step-N folder is always whole. A load passes the
+manifest gate before anything is unpickled. Before each optimizer step a background save's copy of
+the tensors must be complete: the manager registers that wait on the optimizer itself.
+
+What is trusted, and the layout of a step folder: docs/checkpointing.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import shutil
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from titanlike import fs
+from titanlike.checkpoint.folder import StepFolders
+from titanlike.checkpoint.manifest import ensure_signing_key, inspect, read_manifest
+from titanlike.checkpoint.states import holds_tensors, set_rng_state
+from titanlike.checkpoint.weights import MODEL_ARGS, CheckpointMismatch, check_model_shape, load_initial_weights
+from titanlike.checkpoint.writer import RNG_FILE, CheckpointError, StepWriter
+from titanlike.errors import UserError
+
+logger = logging.getLogger("titanlike")
+# DCP warns that a single-process save is single-process (its background thread ignores no_dist).
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+TRAINER_STATE = "trainer_state.json"
+NONE = 0  # no stop request (stopping.NONE): the request values themselves are the trainer's
+
+
+@dataclass
+class RunRecord:
+    """What this run is, saved with every step and compared at a resume."""
+
+    model_args: Any
+    """The model's shape (a ModelArgs; model_args.json)."""
+    global_batch: int
+    dp_world: int
+    seed: int
+    optimizer_state_dtype: str = "fp32"
+    """8-bit moments cannot become fp32 ones, nor back."""
+    settings: dict = field(default_factory=dict)
+    """What a resume may change, by config name ("optimizer.lr": 3e-4, ...): each change is one line."""
+    load_step: int = -1
+    """The checkpoint.load_step this run's line of checkpoints began with (applied once: -1 when none)."""
+
+    def saved(self) -> dict:
+        return {"global_batch": self.global_batch, "dp_world": self.dp_world, "seed": self.seed,
+                "optimizer_state_dtype": self.optimizer_state_dtype, "settings": self.settings,
+                "load_step": self.load_step}
+
+
+class StepOutcome(NamedTuple):
+    stop: int
+    """The stop request all ranks agreed on (NONE: train on)."""
+    saved: str | None
+    """The step folder this call saved (or started to save), if any."""
+
+
+def _from_earlier_layout(record: dict, step: int) -> dict:
+    """trainer_state.json as titanlike wrote it before it saved each state under its own name."""
+    ts = record.get("train_state", {})
+    return {"states": {"train_state": ts, "lr_scheduler": {"steps_done": step},
+                       "dataloader": {"batches_read": step + int(ts.get("data_offset", 0))}},
+            "run": {k: record.get(k) for k in ("global_batch", "dp_world", "settings")}
+            | {"optimizer_state_dtype": record.get("optimizer_state_dtype", "fp32")},
+            "preemption": record.get("preemption", False)}
+
+
+class CheckpointManager:
+    def __init__(self, cfg, dump_folder: str, *, states: dict[str, Any], run: RunRecord, is_main: bool,
+                 cuda: bool, backend_timeout_s: int, optimizer: torch.optim.Optimizer | None = None,
+                 before_save: Callable[[], bool] | None = None):
+        """`states`: every Stateful piece of the run, loaded in this order (weights before what is
+        derived from them). `optimizer`: waits for a background save's copy before each update.
+        `before_save`: asked before each save; False skips it (the run just rolled back)."""
+        self.cfg, self.states, self.run, self.is_main, self.cuda = cfg, states, run, is_main, cuda
+        self.folder = cfg.folder if os.path.isabs(cfg.folder) else os.path.join(dump_folder, cfg.folder)
+        fs.check_path_text(self.folder, "checkpoint.folder")
+        self.steps = StepFolders(self.folder, is_main)
+        self.before_save = before_save
+        self.sharded = dist.is_initialized()
+        self.rank = dist.get_rank() if self.sharded else 0
+        self.world = dist.get_world_size() if self.sharded else 1
+        self.resumed_from: int | None = None
+        self.preemption_save: int | None = None  # resumed from a stop's save without checkpoint.enable
+        self.lock = fs.FolderLock(self.folder, "checkpoint.folder")
+        # Checkpoint collectives run on CPU (gloo) groups, so they never queue behind (or block) the
+        # training step's NCCL work. Two of them: the main thread's (barriers, synchronous saves, loads,
+        # the per-step vote) and the background saves' own; on one shared group the two threads'
+        # collectives would pair up in a different order on different ranks, and the run would hang.
+        self.cpu_group = self.save_group = None
+        if self.sharded:
+            timeout = datetime.timedelta(seconds=backend_timeout_s)
+            self.cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+            if cfg.async_mode != "disabled":  # every rank has the same config: groups are made in step
+                self.save_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.writer = StepWriter(self.steps, cfg, rank=self.rank, world=self.world, group=self.cpu_group,
+                                 save_group=self.save_group, cuda=cuda, eight_bit=run.optimizer_state_dtype == "8bit")
+        if is_main:
+            ensure_signing_key()  # before step 1: a save must be able to sign its manifest
+            if cfg.enable or os.path.isdir(self.folder):
+                self._own_folder()
+        if optimizer is not None and cfg.async_mode != "disabled":
+            optimizer.register_step_pre_hook(lambda *_: self.writer.wait_for_staging())
+
+    def _own_folder(self) -> None:
+        """Rank 0 locks the folder (one run per checkpoint folder) and checks that it is writable."""
+        if self.lock._fd is not None:
+            return
+        self.lock.acquire()
+        try:
+            fs.write_probe(self.folder, f".write-test-{os.getpid()}")
+        except OSError as e:
+            raise CheckpointError(f"checkpoint folder {self.folder} is not writable "
+                                  f"({fs.describe_os_error(e, self.folder)}); set --checkpoint.folder to a "
+                                  f"writable path") from None
+
+    def _barrier(self) -> None:
+        if self.sharded:
+            dist.barrier(group=self.cpu_group)
+
+    def step_dir(self, step: int) -> str:
+        return self.steps.step_dir(step)
+
+    def complete_steps(self) -> list[int]:
+        return self.steps.complete()
+
+    # ---- resuming ------------------------------------------------------------------------------------
+
+    def load_or_start(self, initial_load_path: str = "", trust_pickled_dcp: bool = False) -> int | None:
+        """Resume from the newest intact checkpoint (or checkpoint.load_step, once); else load
+        initial_load_path's weights, if set; else nothing. Without checkpoint.enable only a stop's save
+        is resumed from. Returns the step resumed from, or None."""
+        for step in self.steps.incomplete():
+            if self.is_main:
+                logger.warning(f"ignoring {self.step_dir(step)}.tmp: a save that never completed")
+        steps = self.steps.complete()
+        if not self.cfg.enable:
+            if steps and self._record(steps[-1]).get("preemption"):
+                self._resume([steps[-1]])
+                self.preemption_save = steps[-1]
+                if self.is_main:
+                    logger.info(f"{self.step_dir(steps[-1])} is the save of a stopped run: resumed from it (once "
+                                f"this run completes it is removed; to start over instead, remove it)")
+            elif initial_load_path:
+                self._load_weights(initial_load_path, trust_pickled_dcp)
+            return self.resumed_from
+        if not steps and self.steps.damaged():
+            raise CheckpointError(
+                f"every checkpoint in {self.folder} is damaged ({', '.join(self.steps.damaged())}): nothing to "
+                f"resume from; to start afresh, move them out of the folder or use another --checkpoint.folder")
+        load_step = self.cfg.load_step
+        if load_step >= 0:
+            newest = steps[-1] if steps else -1
+            if newest > load_step and self._record(newest).get("run", {}).get("load_step") == load_step:
+                # An earlier attempt of this run applied load_step and saved since: that save wins.
+                if self.is_main:
+                    logger.info(f"checkpoint.load_step = {load_step} was applied by an earlier attempt of this "
+                                f"run, which saved step {newest} since: resuming from the newest")
+                self.run.load_step = load_step
+                self._resume(steps[::-1])
+            elif load_step not in steps:
+                raise CheckpointMismatch(
+                    f"checkpoint.load_step = {load_step}: no complete checkpoint {self.step_dir(load_step)} "
+                    f"(complete steps in {self.folder}: {', '.join(map(str, steps)) or 'none'})")
+            else:
+                self.run.load_step = load_step
+                self._resume([load_step])
+        elif steps:
+            self._resume(steps[::-1])
+        elif initial_load_path:
+            self._load_weights(initial_load_path, trust_pickled_dcp)
+        return self.resumed_from
+
+    def _verify(self, step: int) -> tuple[str, str]:
+        """(kind, problem) of the manifest gate for step-N, the same on every rank: each rank checks
+        its share of the files, rank 0 the manifest's signature too (every rank does: it is cheap)."""
+        path = self.step_dir(step)
+        names = sorted(self._listed(path))
+        # Rank 0 verifies the manifest's signature (its key signed it); every rank checks its share of
+        # the files against that manifest.
+        finding = inspect(path, names[self.rank::self.world], check_signature=self.rank == 0)
+        result = (finding.kind, finding.problem)
+        if self.sharded:
+            results: list = [None] * self.world
+            dist.all_gather_object(results, result, group=self.cpu_group)
+            result = next((r for r in results if r[0] == "forged"), None) or \
+                next((r for r in results if r[0] != "ok"), result)
+        return result
+
+    @staticmethod
+    def _listed(path: str) -> dict:
+        return (read_manifest(path) or {}).get("files", {})
+
+    def _resume(self, candidates: list[int]) -> None:
+        """Load the first intact step of `candidates`; set damaged ones aside, then later ones."""
+        for step in candidates:
+            kind, problem = self._verify(step)
+            if kind == "forged":
+                raise CheckpointError(f"{problem}; nothing was loaded or changed (a checkpoint edited after its "
+                                      f"save is not resumed from)")
+            if kind == "ok":
+                try:
+                    self._load(step)
+                except (Exception, CheckpointException) as e:  # damage the manifest could not see
+                    if isinstance(e, UserError):
+                        raise
+                    cause = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                    kind, problem = "damaged", f"{self.step_dir(step)} cannot be read ({type(e).__name__}: {cause})"
+            if kind == "ok":
+                self.resumed_from = step
+                self._set_aside_later(step)
+                return
+            aside = self._set_aside(step, "damaged")
+            if self.is_main:
+                logger.warning(f"checkpoint damaged: {problem}; set aside as {aside}")
+            if self.cfg.load_step == step:
+                raise CheckpointError(f"checkpoint.load_step = {step}: {problem}")
+            if self.is_main and step != candidates[-1]:
+                logger.warning(f"falling back to the newest intact checkpoint before step {step}")
+        raise CheckpointError(f"no intact checkpoint in {self.folder}: every step is damaged (set aside as "
+                              f"step-N.damaged); to start afresh, move them out of the folder or use another "
+                              f"--checkpoint.folder")
+
+    def _set_aside(self, step: int, why: str) -> str:
+        """Rename step-N so that it is never loaded again, keeping its bytes."""
+        target = self.steps.aside_name(step, why)
+        self.steps.set_aside(step, target)
+        self._barrier()
+        return target
+
+    def _set_aside_later(self, step: int) -> None:
+        """A resume from an older step starts a new branch: the later checkpoints must never be resumed
+        from again (nor count for keep_latest_k), but their bytes stay."""
+        self._barrier()  # every rank lists the folder before rank 0 renames anything in it
+        later = [s for s in self.steps.complete() if s > step]
+        names = [os.path.basename(self._set_aside(s, "abandoned")) for s in later]
+        if names and self.is_main:
+            logger.warning(f"resumed from step {step}: set aside the later checkpoints as {', '.join(names)} "
+                           f"(never resumed from again; delete them when you no longer need them)")
+
+    def _record(self, step: int) -> dict:
+        """trainer_state.json of step-N (JSON, read through the gate's file checks), in today's layout."""
+        try:
+            record = fs.read_json(os.path.join(self.step_dir(step), TRAINER_STATE), "the trainer state")
+        except UserError:
+            return {}
+        if not isinstance(record, dict):
+            return {}
+        return record if "states" in record else _from_earlier_layout(record, step)
+
+    def _load(self, step: int, keep: tuple[str, ...] = ()) -> None:
+        """Restore every state but those in `keep` (and, with `keep`, this rank's RNG) from step-N."""
+        path = self.step_dir(step)
+        record, run = self._record(step), self.run
+        saved_run = record.get("run", {})
+        model_state = self.states["model"]
+        check_model_shape(model_state.model, run.model_args, path)
+        for key, ours, option in (("optimizer_state_dtype", run.optimizer_state_dtype, "optimizer.state_dtype"),
+                                  ("global_batch", run.global_batch, "training.global_batch_size"),
+                                  ("seed", run.seed, "job.seed")):
+            theirs = saved_run.get(key)
+            if theirs is not None and theirs != ours:
+                why = {"optimizer.state_dtype": "the moments cannot be converted",
+                       "training.global_batch_size": "the LR schedule and data order depend on it",
+                       "job.seed": "the data order depends on it"}[option]
+                raise CheckpointMismatch(f"{path} was trained with {option} = {theirs}, this run has {ours}: resume "
+                                         f"with --{option} {theirs} ({why})")
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        in_dcp = {key.split(".", 1)[0] for key in saved}  # the states this checkpoint saved with DCP
+        tensor_states = {}
+        for name, state in self.states.items():
+            if name in keep or name not in in_dcp:
+                continue
+            sd = state.state_dict()
+            if getattr(state, "partial_load", False):  # entries the checkpoint lacks (or shaped otherwise) start afresh
+                sd = {k: v for k, v in sd.items()
+                      if tuple(getattr(saved.get(f"{name}.{k}"), "size", ())) == tuple(v.shape)}
+            if sd:
+                tensor_states[name] = sd
+        dcp.load(tensor_states, checkpoint_id=path, process_group=self.cpu_group, no_dist=not self.sharded)
+        json_states = record.get("states", {})
+        for name, state in self.states.items():
+            if name in keep:
+                continue
+            if name in tensor_states:
+                state.load_state_dict(tensor_states[name])
+            elif name in json_states:
+                state.load_state_dict(json_states[name])
+            elif getattr(state, "partial_load", False):
+                state.load_state_dict({})
+        self.run.load_step = saved_run.get("load_step", -1) if self.run.load_step < 0 else self.run.load_step
+        if keep:
+            return
+        rng_file = os.path.join(path, RNG_FILE.format(self.rank))
+        if saved_run.get("dp_world") == run.dp_world and os.path.isfile(rng_file):
+            set_rng_state(fs.read_json(rng_file, "the RNG state"))
+            how = "data position and RNG restored"
+        else:
+            how = (f"data position restored; RNG afresh: saved on {saved_run.get('dp_world')} data-parallel ranks, "
+                   f"now {run.dp_world}")
+        if self.is_main:
+            logger.info(f"resumed from {path} at step {step} ({how})")
+            for key, now in run.settings.items():
+                before = saved_run.get("settings", {}).get(key, now)
+                if before != now:
+                    logger.info(f"{key}: checkpoint {before} → config {now}")
+
+    def _load_weights(self, path: str, trust: bool) -> None:
+        load_initial_weights(self.states["model"].model, self.run.model_args, path, trust_pickled_dcp=trust,
+                             process_group=self.cpu_group)
+        if self.is_main:
+            logger.info(f"initial weights loaded from {path}")
+
+    def restore(self, step: int) -> str:
+        """A rollback: step-N's weights, optimizer and schedule; the data position (and RNG) stay where
+        they are. Returns the folder."""
+        self.writer.wait_and_publish()  # a background save of a checked step lands first
+        kind, problem = self._verify(step)
+        if kind != "ok":
+            raise CheckpointError(f"cannot roll back: {problem}")
+        self._load(step, keep=("dataloader",))
+        return self.step_dir(step)
+
+    # ---- saving ---------------------------------------------------------------------------------------
+
+    def after_step(self, step: int, *, last: bool, stop_request: int) -> StepOutcome:
+        """After each training step, on every rank: the largest stop request of any rank (all must stop
+        after the same step), a background save that every rank finished is published, and a save is
+        made when due, on a stop request, and at the last step (one small all-reduce per step)."""
+        flags = torch.tensor([stop_request, int(self.writer.writing)])
+        if self.sharded:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        if not flags[1]:
+            self.writer.wait_and_publish()  # every rank has finished writing: publish at the same step
+        stop = int(flags[0])
+        due = self.cfg.enable and (step % self.cfg.interval == 0 or last)
+        if not (due or stop):
+            return StepOutcome(NONE, None)
+        if self.before_save is not None and not self.before_save():
+            return StepOutcome(NONE, None)  # rolled back: never save the weights of a diverged run
+        self._save(step, final=last or bool(stop), preemption=bool(stop))
+        if stop and not last:
+            self.writer.wait_and_publish()
+        return StepOutcome(stop, self.step_dir(step))
+
+    def _save(self, step: int, final: bool, preemption: bool) -> None:
+        if self.is_main:
+            self._own_folder()  # a stop's save without checkpoint.enable: the folder is ours from now
+        states = {name: state.state_dict() for name, state in self.states.items()}
+        tensors = {name: sd for name, sd in states.items() if holds_tensors(sd)}
+        files = {MODEL_ARGS: asdict(self.run.model_args),
+                 TRAINER_STATE: {"format": 2, "step": step, "preemption": preemption, "run": self.run.saved(),
+                                 "states": {name: sd for name, sd in states.items() if name not in tensors}}}
+        background = self.cfg.async_mode != "disabled" and not final
+        stall = self.writer.write(step, tensors, files, background)
+        if preemption and not background and not self.cfg.enable and self.preemption_save not in (None, step):
+            self._remove(self.preemption_save)  # superseded by this one
+        if self.is_main:  # one line a save (a background save that fails later says so in its own)
+            how = "saving in the background to" if background else "saved to"
+            logger.info(f"checkpoint step {step}: {how} {self.step_dir(step)} (training stalled {stall:.2f}s)")
+
+    def _remove(self, step: int) -> None:
+        self._barrier()
+        if self.is_main:
+            shutil.rmtree(self.step_dir(step), ignore_errors=True)
+            logger.info(f"removed the preemption save {self.step_dir(step)}: this run got past it")
+
+    # ---- the end -------------------------------------------------------------------------------------
+
+    def close(self, completed: bool, publish: bool = True) -> None:
+        """At the end of the run, however it ends: a background save in flight lands and is published
+        (`publish`: every rank is here, so the collectives of publishing can run), or is left as
+        step-N.tmp; a stop's save that this run resumed from and got past is removed (`completed`);
+        the pinned buffers are freed and the folder unlocked."""
+        try:
+            if publish:
+                self.writer.wait_and_publish()
+            if completed and self.preemption_save is not None and not self.cfg.enable:
+                self._remove(self.preemption_save)
+        finally:
+            self.writer.close()
+            self.lock.release()

@@ -1,0 +1,138 @@
+"""The pieces a checkpoint holds, each speaking torch's Stateful protocol (state_dict, load_state_dict).
+
+The trainer hands the checkpoint manager a dict of these (plus any other Stateful, such as the data
+loader and the float8 converter). A state whose state_dict() holds tensors is saved with DCP
+(sharded: each rank writes its shards, and a load reshards to any world size); one that holds only
+numbers is saved as JSON in trainer_state.json. This rank's random number generators are saved per
+rank as JSON (rng-rank{R}.json).
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    tokens_seen: int = 0
+    data_offset: int = 0  # global batches the data is ahead of `step`: those rollbacks did not replay
+    skipped_steps: int = 0  # updates skipped for a non-finite gradient (training.nonfinite = skip)
+
+    def state_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for f in fields(self):  # a field a checkpoint predates keeps its default
+            setattr(self, f.name, int(state.get(f.name, f.default)))
+
+
+def plain_tensors(sd: dict) -> dict:
+    """Float8 all-gather wraps weights in a tensor subclass; checkpoints hold plain tensors."""
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, DTensor) and type(v._local_tensor) is not torch.Tensor and hasattr(v._local_tensor, "_tensor"):
+            v = DTensor.from_local(v._local_tensor._tensor, v.device_mesh, v.placements,
+                                   shape=v.shape, stride=v.stride(), run_check=False)
+        elif type(v) is not torch.Tensor and isinstance(v, torch.Tensor) and hasattr(v, "_tensor"):
+            v = v._tensor
+        out[k] = v
+    return out
+
+
+class ModelState:
+    """The model's parameters, sharded as they are (DCP reshards them on load)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return plain_tensors(get_model_state_dict(self.model))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state)
+
+
+class OptimizerState:
+    """The optimizer's per-parameter tensors (AdamW moments and step counts). Its hyperparameters are
+    not saved: a resumed run uses the configured ones (trainer_state.json records the old ones)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"state": get_optimizer_state_dict(self.model, self.optimizer)["state"]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        current = get_optimizer_state_dict(self.model, self.optimizer)  # param_groups: this run's config
+        current["state"] = state["state"]
+        set_optimizer_state_dict(self.model, self.optimizer, current)
+
+
+class SchedulerState:
+    """The LR schedule's position: the updates done. A resume puts this run's schedule (its configured
+    peak LR, warmup, decay and steps) at that position, so the LR settings may change on resume."""
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LambdaLR):
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict[str, int]:
+        return {"steps_done": int(self.scheduler.last_epoch)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from titanlike.optim import resume_schedule
+
+        resume_schedule(self.scheduler, int(state["steps_done"]))
+
+
+def holds_tensors(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(holds_tensors(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(holds_tensors(v) for v in value)
+    return isinstance(value, torch.Tensor)
+
+
+# ---- this rank's random number generators, as JSON --------------------------------------------------
+
+
+def rng_state() -> dict:
+    version, keys, gauss = random.getstate()
+    np_state = np.random.get_state(legacy=True)
+    assert isinstance(np_state, tuple)  # legacy=True: the tuple form, never the dict
+    name, np_keys, pos, has_gauss, cached = np_state
+    state = {
+        "python": [version, list(keys), gauss],
+        "numpy": [name, np_keys.tolist(), pos, has_gauss, cached],
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    return state
+
+
+def _bytes_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def set_rng_state(state: dict) -> None:
+    version, keys, gauss = state["python"]
+    random.setstate((version, tuple(keys), gauss))
+    name, np_keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(np_keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_bytes_tensor(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(_bytes_tensor(state["cuda"]))

@@ -1,0 +1,175 @@
+"""How one step folder is written and published: in the foreground or the background, into
+step-N.tmp, then every rank's files checksummed, the signed manifest written last, and one rename to
+step-N. A failure at any point is one CheckpointError line naming the cause, and the previous
+checkpoint stays intact. When to save is the manager's decision (manager.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from titanlike import fs
+from titanlike.checkpoint.folder import StepFolders, failure_cause
+from titanlike.checkpoint.manifest import MANIFEST, describe_files, owner, write_manifest
+from titanlike.checkpoint.staging import HostCopyStager
+from titanlike.checkpoint.states import rng_state
+from titanlike.errors import UserError
+
+logger = logging.getLogger("titanlike")
+
+RNG_FILE = "rng-rank{}.json"
+
+
+class CheckpointError(UserError):
+    pass
+
+
+class StepWriter:
+    """Writes step folders into `steps`; one background save in flight at a time. Collectives run on
+    `group` (the main thread's) and `save_group` (a background save's own)."""
+
+    def __init__(self, steps: StepFolders, cfg, *, rank: int, world: int, group, save_group, cuda: bool,
+                 eight_bit: bool):
+        self.steps, self.cfg, self.rank, self.world = steps, cfg, rank, world
+        self.group, self.save_group, self.cuda, self.eight_bit = group, save_group, cuda, eight_bit
+        self.is_main, self.sharded = rank == 0, world > 1
+        self.pending: tuple[int, Future] | None = None  # (step, upload future) of a background save
+        self.staging: Future | None = None  # its host copy, which the next update must wait for
+        self.stager: HostCopyStager | None = None  # pinned host buffers kept from one save to the next
+
+    def _barrier(self) -> None:
+        if self.sharded:
+            dist.barrier(group=self.group)
+
+    @property
+    def writing(self) -> bool:
+        """A background save is still writing on this rank."""
+        return self.pending is not None and not self.pending[1].done()
+
+    def write(self, step: int, tensors: dict, files: dict[str, Any], background: bool) -> float:
+        """Save step-N: `tensors` with DCP, `files` (name → JSON, rank 0's) beside them, this rank's RNG.
+        In the background, only the copy to host memory stalls training. Returns the stall in seconds."""
+        start = time.perf_counter()
+        self.wait_and_publish()  # one save in flight at a time
+        tmp = self.steps.step_dir(step) + ".tmp"
+        try:
+            if self.is_main:
+                if self.cfg.keep_latest_k:  # room for the new one first (0 keeps every checkpoint)
+                    self.steps.prune(keep=self.cfg.keep_latest_k - 1, below=step)
+                shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt at this step that died
+                os.makedirs(tmp)
+                for name, value in files.items():
+                    fs.write_json(os.path.join(tmp, name), value)
+            self._barrier()
+            fs.write_json(os.path.join(tmp, RNG_FILE.format(self.rank)), rng_state())
+        except (OSError, UserError) as e:
+            self._fail(step, e)
+        try:
+            if background:
+                self.pending = (step, self._async_save(tensors, tmp))
+            else:
+                dcp.save(tensors, checkpoint_id=tmp, process_group=self.group, no_dist=not self.sharded)
+                self._publish(step)
+        except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
+            self._fail(step, e)
+        return time.perf_counter() - start
+
+    def _async_save(self, state: dict, tmp: str) -> Future:
+        """Start a background save; returns the future of the upload (the files written)."""
+        kwargs: dict = {"checkpoint_id": tmp, "process_group": self.save_group, "no_dist": not self.sharded}
+        pinned = self.cuda and self.cfg.async_mode == "async_with_pinned_mem"
+        if pinned or self.eight_bit:
+            # titanlike's stager (staging.py): pinned buffers kept between saves, copied on a side
+            # stream while training goes on; and torchao's 8-bit state, which DCP cannot copy.
+            if self.stager is None:
+                self.stager = HostCopyStager(pinned=pinned)
+            kwargs["async_stager"] = self.stager
+        result = dcp.async_save(state, **kwargs)
+        if isinstance(result, Future):
+            return result
+        # A stager that stages in the background makes torch return both the staging and the upload futures.
+        self.staging = result.staging_completion
+        return result.upload_completion
+
+    def wait_for_staging(self) -> None:
+        """Before each optimizer step: a background copy of the tensors the update overwrites must be
+        complete."""
+        if self.staging is not None:
+            start = time.perf_counter()
+            self.staging.result()
+            self.staging = None
+            waited = time.perf_counter() - start
+            if self.is_main and waited > 0.01:
+                logger.info(f"the update waited {waited:.2f}s for the checkpoint's copy to host memory")
+
+    def wait_and_publish(self) -> None:
+        """Wait for a background save in flight, then publish it (make step-N visible)."""
+        if self.pending is None:
+            return
+        step, future = self.pending
+        self.pending = None
+        try:
+            future.result()
+        except (Exception, CheckpointException) as e:
+            self._fail(step, e)
+        self._publish(step)
+
+    def _publish(self, step: int) -> None:
+        """All ranks have written: checksum every file (each rank its own), write the signed manifest,
+        make the checkpoint visible by one rename, then prune old ones."""
+        self._barrier()
+        tmp = self.steps.step_dir(step) + ".tmp"
+        try:
+            names = sorted(os.listdir(tmp))
+            mine: dict[str, Any] = describe_files(tmp, [n for n in names if owner(n, self.world) == self.rank])
+        except OSError as e:
+            mine = {"error": f"{e.strerror}: {e.filename}"}  # this rank's failure, for all to see
+        parts: list[Any] = [mine]
+        if self.sharded:
+            parts = [None] * self.world
+            dist.all_gather_object(parts, mine, group=self.group)
+        failed: BaseException | None = None
+        if self.is_main:
+            try:
+                if any("error" in p for p in parts):
+                    raise OSError(next(p["error"] for p in parts if "error" in p))
+                write_manifest(tmp, step, {k: v for p in parts for k, v in p.items() if k != MANIFEST})
+                final = self.steps.step_dir(step)
+                if os.path.exists(final):
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+                if self.cfg.keep_latest_k:
+                    self.steps.prune(keep=self.cfg.keep_latest_k, below=step + 1)
+            except (OSError, UserError) as e:
+                failed = e
+        flag = torch.tensor([int(failed is not None)])
+        if self.sharded:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.item():
+            self._fail(step, failed or OSError("rank 0 could not publish the checkpoint"))
+
+    def _fail(self, step: int, e: BaseException) -> None:
+        if self.is_main:
+            shutil.rmtree(self.steps.step_dir(step) + ".tmp", ignore_errors=True)
+        previous = [s for s in self.steps.complete() if s != step]
+        kept = (f"the previous checkpoint {self.steps.step_dir(previous[-1])} is intact" if previous
+                else "no earlier checkpoint exists")
+        size = self.steps.size_mb(previous[-1]) if previous else 0.0
+        cause = failure_cause(e, self.steps.folder, self.cfg.keep_latest_k, size)
+        raise CheckpointError(f"saving the checkpoint of step {step} to {self.steps.folder} failed: {cause}; "
+                              f"{kept}") from None
+
+    def close(self) -> None:
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None

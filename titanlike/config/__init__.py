@@ -1,0 +1,38 @@
+"""The job configuration: the schema (schema.py), reading TOML and the command line (loader.py), and
+which model shape a config means (resolve.py). Plain Python: the preflight checks a config before
+any worker imports torch.
+
+    cfg = load_config(["--job.config_file", "train_configs/llama3_1b.toml", "--fp8.recipe", "rowwise"])
+"""
+
+from __future__ import annotations
+
+from titanlike.config import loader
+from titanlike.config.loader import ConfigError, field_docs, to_toml
+from titanlike.config.schema import JobConfig, validate_across_sections
+
+__all__ = ["ConfigError", "JobConfig", "field_docs", "help_text", "load_config", "sections", "to_toml", "validate"]
+
+USAGE = "usage: run_train.sh [--section.key value ...]   (TOML file via --job.config_file)"
+
+
+def sections() -> dict[str, type]:
+    """Each `[section]` name and its dataclass, in the order of JobConfig."""
+    return loader.sections_of(JobConfig)
+
+
+def validate(cfg: JobConfig) -> None:
+    """Checks that need no process group and no GPU: each section's, then those across sections.
+    World-size checks are the preflight's (titanlike/preflight.py)."""
+    for name in sections():
+        getattr(cfg, name).validate()
+    validate_across_sections(cfg)
+
+
+def load_config(argv: list[str] | None = None) -> JobConfig:
+    """Defaults, then the TOML file (job.config_file, from the CLI), then the CLI overrides; validated."""
+    return loader.load(JobConfig, argv, validate, USAGE)
+
+
+def help_text() -> str:
+    return loader.help_text(JobConfig, USAGE)

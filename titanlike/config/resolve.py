@@ -1,0 +1,93 @@
+"""Which model a config means: a preset (or a Hugging Face config.json), the `[model]` overrides, and
+the vocabulary of the tokenizer that made the data.
+
+One function answers it for the preflight, the trainer and the tests alike, so that the shape checked
+before torchrun is the shape built after it. Plain Python: it reads JSON, never tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titanlike.config.loader import ConfigError
+from titanlike.config.schema import JobConfig
+from titanlike.data.dataset_info import DatasetInfo, read_dataset_info
+from titanlike.hf.config import read_hf_config
+from titanlike.model.shape import PRESETS, ModelArgs, llama_ffn_dim, model_args, round_vocab
+
+# The [model] fields a user sets to change a preset's architecture (vocab_size, tie_embeddings and
+# max_seq_len adapt a preset to data and use; they do not make it another model).
+ARCHITECTURE = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta", "norm_eps", "qk_norm")
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    args: ModelArgs
+    name: str
+    """How logs name the model: the preset, `custom (debug with dim 128, n_layers 2)`, or `hf (FOLDER)`."""
+    notes: tuple[str, ...] = ()
+    """Lines to log once: values this resolution derived for the user."""
+    dataset: DatasetInfo | None = None
+    """The data's dataset.json, when it has one."""
+
+
+def _changed(cfg: JobConfig) -> dict:
+    m, preset = cfg.model, PRESETS.get(cfg.model.flavor)
+    out = {}
+    for key in ARCHITECTURE:
+        value = getattr(m, key)
+        if value is not None and (isinstance(value, bool) or value != 0) and (preset is None or
+                                                                             value != getattr(preset, key)):
+            out[key] = value
+    return out
+
+
+def resolve_model(cfg: JobConfig) -> ResolvedModel:
+    """The shape this run builds, its name and what was derived. Raises ConfigError (one line) for a
+    shape that cannot be built."""
+    m = cfg.model
+    overrides = m.shape_overrides()
+    notes: list[str] = []
+    info = read_dataset_info(cfg.data.path) if cfg.data.path else None
+    if m.flavor == "hf":
+        folder = cfg.checkpoint.initial_load_path
+        base = read_hf_config(folder)
+        given = {k: v for k, v in overrides.items() if v is not None and (isinstance(v, bool) or v != 0)
+                 and k != "max_seq_len" and v != getattr(base, k)}
+        if given:
+            key, value = next(iter(given.items()))
+            raise ConfigError(f"model.{key} = {value!r}: with --model.flavor hf the shape is {folder}/config.json's "
+                              f"({key} {getattr(base, key)!r}); leave model.{key} unset")
+        name = f"hf ({folder})"
+    else:
+        base = PRESETS[m.flavor]
+        changed = _changed(cfg)
+        if "dim" in changed and "ffn_dim" not in changed:
+            overrides["ffn_dim"] = llama_ffn_dim(m.dim)
+            changed["ffn_dim"] = overrides["ffn_dim"]
+            notes.append(f"model.ffn_dim = {overrides['ffn_dim']}: derived from model.dim = {m.dim} as Llama does "
+                         f"(8/3 × dim, rounded up to a multiple of 256); set --model.ffn_dim to choose another")
+        name = m.flavor
+        if changed:
+            name = f"custom ({m.flavor} with " + ", ".join(f"{k} {v}" for k, v in changed.items()) + ")"
+    if info is not None:
+        if m.vocab_size and m.vocab_size < info.vocab_size:
+            raise ConfigError(f"model.vocab_size = {m.vocab_size} is smaller than the tokenizer's {info.vocab_size} "
+                              f"ids ({info.path}); leave it unset (→ {round_vocab(info.vocab_size)}) or set "
+                              f"{info.vocab_size} or more")
+        if not m.vocab_size and m.flavor != "hf":
+            overrides["vocab_size"] = round_vocab(info.vocab_size)
+        elif m.flavor == "hf" and base.vocab_size < info.vocab_size:
+            raise ConfigError(f"{cfg.checkpoint.initial_load_path}/config.json has vocab_size {base.vocab_size}, "
+                              f"fewer than the {info.vocab_size} ids of the data's tokenizer ({info.path})")
+    args = model_args(base, **overrides) if m.flavor != "hf" else model_args(base, max_seq_len=m.max_seq_len)
+    problems = args.problems()
+    if problems:
+        raise ConfigError(f"model shape ({name} with the model.* overrides): {problems[0]}")
+    if cfg.data.seq_len > args.max_seq_len:
+        raise ConfigError(f"data.seq_len = {cfg.data.seq_len} exceeds the model's max_seq_len = {args.max_seq_len}")
+    return ResolvedModel(args, name, tuple(notes), info)
+
+
+def resolve_model_args(cfg: JobConfig) -> ModelArgs:
+    return resolve_model(cfg).args

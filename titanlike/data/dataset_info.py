@@ -1,0 +1,114 @@
+"""dataset.json: what `titanlike-prepare` records beside the shards it writes (the tokenizer, its
+vocabulary and bos/eos ids, token counts). Plain Python (no torch, no numpy): the preflight sizes the
+model's vocabulary from it.
+
+Layout of a prepared dataset:
+
+    OUT/dataset.json     this record
+    OUT/tokenizer.json   the tokenizer that made the shards (a copy)
+    OUT/train/*.bin      token shards
+    OUT/val/*.bin
+
+A dataset.json is a file a user may have been handed: it is read through titanlike.fs's gate, every
+field it needs is checked with one line for a wrong one, and the tokenizer file it names must lie in
+its own folder (a name, not a path elsewhere on disk).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from titanlike import fs
+from titanlike.errors import UserError
+
+DATASET_JSON = "dataset.json"
+DATASET_FORMAT = "titanlike-dataset/1"
+
+
+class DatasetError(UserError):
+    same_on_all_ranks = True
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    path: str
+    """The dataset.json file."""
+    vocab_size: int
+    """The tokenizer's number of ids (before the model pads it to a multiple of 64)."""
+    tokenizer_kind: str
+    """byte (titanlike's byte tokenizer) or huggingface (a tokenizer.json)."""
+    tokenizer_file: str | None
+    """The tokenizer.json beside dataset.json (None: the byte tokenizer, which needs no file)."""
+    bos_token: str | None = None
+    eos_token: str | None = None
+    bos_id: int | None = None
+    eos_id: int | None = None
+    """The end-of-document id: what separates documents in the shards."""
+
+    @property
+    def folder(self) -> str:
+        return os.path.dirname(self.path)
+
+
+def dataset_info_path(data_path: str) -> Path | None:
+    """The dataset.json that describes these shards: in the shard folder or the one above it
+    (titanlike-prepare writes OUT/dataset.json with OUT/train/ and OUT/val/)."""
+    p = Path(data_path)
+    folder = p if p.is_dir() else p.parent
+    for candidate in (folder / DATASET_JSON, folder.parent / DATASET_JSON):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _optional_int(record: dict, key: str, where: str) -> int | None:
+    value = record.get(key)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise DatasetError(f"{where}: {key} is {value!r}, not a token id")
+    return value
+
+
+def parse(record: object, where: str) -> DatasetInfo:
+    """A DatasetInfo from a dataset.json record; one DatasetError line for what is missing or wrong."""
+    again = "re-make the data with titanlike-prepare"
+    if not isinstance(record, dict):
+        raise DatasetError(f"{where} is not a titanlike dataset.json (a JSON object is expected); {again}")
+    vocab = record.get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or not 1 <= vocab <= 2**24:
+        raise DatasetError(f"{where}: vocab_size is {vocab!r}, not a vocabulary size; {again}")
+    tokenizer = record.get("tokenizer")
+    if tokenizer in ("byte", {"kind": "byte"}):
+        tokenizer = {"kind": "byte"}
+    if not isinstance(tokenizer, dict) or tokenizer.get("kind") not in ("byte", "huggingface"):
+        raise DatasetError(f"{where} names no tokenizer (a \"tokenizer\" entry of kind byte or huggingface, as "
+                           f"titanlike-prepare writes); {again}")
+    kind, file = tokenizer["kind"], None
+    if kind == "huggingface":
+        name = tokenizer.get("file")
+        # Only a file of the dataset's own folder: a path elsewhere would copy any file into the run.
+        if not isinstance(name, str) or not name or os.path.basename(name) != name or name in (".", ".."):
+            raise DatasetError(f"{where}: tokenizer file {name!r} must be a file name in the dataset's own folder")
+        file = os.path.join(os.path.dirname(where), name)
+        if not os.path.isfile(file) or os.path.islink(file):
+            raise DatasetError(f"{where} names tokenizer file {name!r}, which is not a file in its folder; {again}")
+    tokens = {k: tokenizer.get(k) for k in ("bos_token", "eos_token")}
+    if any(v is not None and not isinstance(v, str) for v in tokens.values()):
+        raise DatasetError(f"{where}: the tokenizer's bos_token and eos_token must be strings")
+    info = DatasetInfo(path=where, vocab_size=vocab, tokenizer_kind=kind, tokenizer_file=file,
+                       bos_token=tokens["bos_token"], eos_token=tokens["eos_token"],
+                       bos_id=_optional_int(record, "bos_id", where), eos_id=_optional_int(record, "eos_id", where))
+    for key in ("bos_id", "eos_id"):
+        value = getattr(info, key)
+        if value is not None and value >= vocab:
+            raise DatasetError(f"{where}: {key} {value} is not below vocab_size {vocab}; {again}")
+    return info
+
+
+def read_dataset_info(data_path: str) -> DatasetInfo | None:
+    """The dataset.json of these shards, or None if they have none."""
+    path = dataset_info_path(data_path)
+    if path is None:
+        return None
+    return parse(fs.read_json(path, "the dataset record"), str(path))

@@ -1,0 +1,196 @@
+"""Batches for training and validation: windows over token shards, the global sample order, and a
+loader that resumes at any data position with any number of ranks and workers.
+
+Sampling is defined on the *global* sample sequence: optimizer step s consumes global positions
+[s·B, (s+1)·B) of a per-epoch pseudo-random permutation of all windows (B = global batch).
+Each data-parallel rank takes its own slice of every micro-batch. The samples of a step are
+therefore the same whatever the number of ranks, which is what lets a checkpoint resume at a
+different world size with the data order of the uninterrupted run. The loader's state is one
+number, the global batches read (`TrainLoader.state_dict`), which the checkpoint manager saves.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from titanlike import cache
+from titanlike.data.corpus import build_default_corpus
+from titanlike.data.shards import DataError, Shard, ShardFault, id_advice, open_shards
+
+# ---- datasets and sampling --------------------------------------------------------------------
+
+
+class TokenWindows(torch.utils.data.Dataset):
+    """Non-overlapping windows of seq_len + 1 tokens (inputs and next-token targets) over shards.
+    Every window is checked against `vocab_size` ids (`limit_source` says whose: the model's, or the
+    tokenizer's that dataset.json names)."""
+
+    def __init__(self, shards: list[Shard], seq_len: int, vocab_size: int | None = None,
+                 limit_source: str = "the model's vocabulary"):
+        self.shards, self.seq_len, self.vocab_size, self.limit_source = shards, seq_len, vocab_size, limit_source
+        per_shard = [max(0, (s.count - 1) // seq_len) for s in shards]
+        self.offsets = np.cumsum([0] + per_shard)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        shard = int(np.searchsorted(self.offsets, index, side="right")) - 1
+        start = (index - int(self.offsets[shard])) * self.seq_len
+        window = self.shards[shard].read(start, self.seq_len + 1)
+        # The header's largest id is a claim: an id past the vocabulary would reach the embedding
+        # as an index error (or a device assert) without the shard's name, so check every window.
+        if self.vocab_size is not None and window.size and int(window.max()) >= self.vocab_size:
+            s = self.shards[shard]
+            at = start + int(np.argmax(window >= self.vocab_size))
+            raise ShardFault(
+                f"{s.path} holds token id {int(window.max())} (at token {at}), but {self.limit_source} has "
+                f"{self.vocab_size} ids (its header claims the largest id is {s.max_id}); "
+                f"{id_advice(self.limit_source, int(window.max()))}"
+            )
+        return torch.from_numpy(window.astype(np.int64))
+
+
+class GlobalBatchSampler:
+    """Yields this rank's micro-batches of window indices, forever, epoch after epoch.
+
+    Global position p maps to window perm_e(p mod N) with e = p div N; the permutation of an
+    epoch is the affine map i -> (a·i + c) mod N with a coprime to N, drawn from (seed, epoch):
+    O(1) memory for any corpus size, and neighbouring positions land far apart.
+    """
+
+    def __init__(self, num_windows: int, local_batch: int, global_batch: int, dp_rank: int,
+                 dp_world: int, seed: int, start_step: int = 0):
+        self.n, self.local, self.global_batch = num_windows, local_batch, global_batch
+        self.rank, self.world, self.seed, self.start_step = dp_rank, dp_world, seed, start_step
+        self.accum = global_batch // (local_batch * dp_world)
+        self._epoch_maps: dict[int, tuple[int, int]] = {}
+
+    def _affine(self, epoch: int) -> tuple[int, int]:
+        if epoch not in self._epoch_maps:
+            rng = np.random.default_rng([self.seed, epoch])
+            while True:
+                a = int(rng.integers(1, max(2, self.n)))
+                if math.gcd(a, self.n) == 1:
+                    break
+            self._epoch_maps = {epoch: (a, int(rng.integers(0, self.n)))}
+        return self._epoch_maps[epoch]
+
+    def window(self, position: int) -> int:
+        epoch, i = divmod(position, self.n)
+        a, c = self._affine(epoch)
+        return (a * i + c) % self.n
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.start_step
+        while True:
+            for micro in range(self.accum):
+                base = step * self.global_batch + (micro * self.world + self.rank) * self.local
+                yield [self.window(base + j) for j in range(self.local)]
+            step += 1
+
+
+def validation_batches(dataset: TokenWindows, local_batch: int, dp_rank: int, dp_world: int,
+                       micro_batches: int) -> Iterator[torch.Tensor]:
+    """This rank's micro-batches of the leading windows (wrapping around a small set).
+
+    Over all ranks the windows are [0, micro_batches × dp_world × local_batch): with
+    micro_batches = steps × gradient-accumulation, that is `steps` global batches whatever the
+    world size, so validation losses compare across world sizes.
+    """
+    for micro in range(micro_batches):
+        base = (micro * dp_world + dp_rank) * local_batch
+        yield torch.stack([dataset[(base + j) % len(dataset)] for j in range(local_batch)])
+
+
+def ignore_interrupts_in_loader_worker(worker_id: int) -> None:
+    """Data-loader workers share the trainer's process group, so a terminal's Ctrl-C reaches them too;
+    they must keep serving the step being finished and the loader state being saved. They exit
+    with the trainer."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class TrainLoader:
+    """This rank's training micro-batches, positioned by a number: the global batches read. Its state
+    (torch's Stateful protocol) is that number alone, since the sampler is a function of it; so a
+    resume works with any world size and any number of loader workers."""
+
+    def __init__(self, dataset: TokenWindows, sampler: GlobalBatchSampler, num_workers: int, pin_memory: bool):
+        self.sampler = sampler
+        self.loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
+            worker_init_fn=ignore_interrupts_in_loader_worker if num_workers else None)
+        self._batches: Iterator[torch.Tensor] | None = None
+        self.batches_read = sampler.start_step  # global batches whose micro-batches were all handed out
+        self._micro = 0  # micro-batches handed out of the batch being read
+
+    def seek(self, batches_read: int) -> None:
+        """Global batches read so far; workers, if any, restart from there at the next batch."""
+        self.sampler.start_step = self.batches_read = batches_read
+        self._micro = 0
+        self._batches = None
+
+    def state_dict(self) -> dict[str, int]:
+        assert self._micro == 0, "saved between steps, never inside a global batch"
+        return {"batches_read": self.batches_read}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seek(int(state["batches_read"]))
+
+    def __iter__(self) -> TrainLoader:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self._batches is None:
+            self._batches = iter(self.loader)
+        try:
+            batch = next(self._batches)
+        except Exception as e:
+            # A worker's error arrives re-raised with the worker's traceback in its message: keep its line.
+            lines = str(e).strip().splitlines()
+            if isinstance(e, ShardFault) and len(lines) == 1:
+                raise
+            fault = next((ln.split("ShardFault: ", 1)[1] for ln in reversed(lines) if "ShardFault: " in ln), None)
+            if fault is None:
+                raise
+            raise ShardFault(fault) from None
+        self._micro += 1
+        if self._micro == self.sampler.accum:
+            self._micro, self.batches_read = 0, self.batches_read + 1
+        return batch
+
+
+# ---- building it all from the config ------------------------------------------------------------
+
+
+def resolve_paths(data_path: str, val_path: str) -> tuple[str, str]:
+    """(train, validation) shard paths; the embedded corpus, from the per-machine cache, when data.path is empty."""
+    if not data_path:
+        return build_default_corpus(cache.cache_dir())
+    return data_path, val_path
+
+
+def open_dataset(path: str, seq_len: int, vocab_size: int, what: str, tokenizer: tuple[int, str] | None = None
+                 ) -> TokenWindows:
+    """The windows of the shards at `path`, checked against the model's `vocab_size` or, when the data's
+    dataset.json names a tokenizer, `tokenizer` = (its size, the dataset.json path): an id between the
+    tokenizer's size and the padded vocabulary is no token the tokenizer made."""
+    limit, source = (tokenizer[0], f"its tokenizer ({tokenizer[1]})") if tokenizer else (vocab_size,
+                                                                                      "the model's vocabulary")
+    return TokenWindows(open_shards(path, seq_len, limit, source, what), seq_len, limit, source)
+
+
+def build_train_loader(dataset: TokenWindows, local_batch: int, global_batch: int, dp_rank: int,
+                       dp_world: int, seed: int, num_workers: int, pin_memory: bool) -> TrainLoader:
+    if len(dataset) < global_batch:
+        raise DataError(
+            f"the training data has {len(dataset)} samples of data.seq_len + 1 tokens, fewer than one "
+            f"global batch of {global_batch}; use more data, a shorter data.seq_len or a smaller batch"
+        )
+    sampler = GlobalBatchSampler(len(dataset), local_batch, global_batch, dp_rank, dp_world, seed)
+    return TrainLoader(dataset, sampler, num_workers, pin_memory)

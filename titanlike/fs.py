@@ -1,0 +1,256 @@
+"""The files a run writes and the small files it is handed, through one gate each.
+
+Writing: never through a symlink titanlike did not create. A file is written whole under a
+temporary name in the same folder and renamed over the target (`write_text`, `write_json`):
+a rename replaces a symlink itself, never its target. A file that grows (metrics.jsonl) or must
+stay open (a lock) is opened with O_NOFOLLOW (`open_append`, `FolderLock`): a symlink there is
+refused with one line. Errors a user can fix (a full disk, a read-only folder, a name that is not
+UTF-8) become one `FileError` line naming the file.
+
+Reading: `read_text` and `read_json` read a small file a user may have been handed (a dataset.json,
+a config.json, a tokenizer.json, a checkpoint's JSON) as a regular file of bounded size, decoded
+as UTF-8, with one line for anything wrong. Checkpoint tensors go through the checkpoint's own gate
+(titanlike/checkpoint/manifest.py).
+
+Plain Python (no torch): the preflight uses it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import stat
+import sys
+import time
+from typing import Any
+
+from titanlike.errors import UserError
+
+# A JSON or tokenizer file of a real run is kilobytes to a few tens of megabytes (a large vocabulary's
+# tokenizer.json); a larger one is not what it claims to be.
+MAX_SMALL_FILE = 256 * 2**20
+
+
+class FileError(UserError):
+    """A file the run cannot read or write, named with the reason; the same on every rank that meets it."""
+
+
+def describe_os_error(e: OSError, path: str | os.PathLike) -> str:
+    """'PATH: reason' in words a user acts on (a full disk, a read-only folder, permissions)."""
+    where = os.fsdecode(e.filename) if e.filename else os.fsdecode(path)
+    if e.errno == errno.ENOSPC:
+        return f"{where}: no space left on the device"
+    if e.errno == errno.EROFS:
+        return f"{where}: the file system is read-only"
+    if e.errno == errno.ELOOP:
+        return f"{where} is a symbolic link; titanlike writes only files it created (remove the link)"
+    return f"{where}: {e.strerror or e}"
+
+
+def check_path_text(path: str | os.PathLike, what: str) -> str:
+    """The path as text; a name that is not valid UTF-8 (surrogate-escaped bytes) is one line."""
+    text = os.fspath(path)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        printable = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        raise FileError(f"{what} = {printable!r}: the name is not valid UTF-8; use a folder name in UTF-8") from None
+    return text
+
+
+# ---- writing --------------------------------------------------------------------------------------
+
+
+def write_text(path: str | os.PathLike, text: str, *, fsync: bool = False) -> None:
+    """Write `path` whole: a temporary file beside it, renamed over it (a symlink at `path` is replaced,
+    never followed). Raises FileError."""
+    path = os.fspath(path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                if fsync:
+                    os.fsync(f.fileno())
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        os.replace(tmp, path)
+    except OSError as e:
+        _unlink_quietly(tmp)
+        raise FileError(f"cannot write {describe_os_error(e, path)}") from None
+
+
+def write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = None, fsync: bool = False) -> None:
+    write_text(path, json.dumps(obj, indent=indent), fsync=fsync)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+class AppendFile:
+    """A text file that grows a line at a time (metrics.jsonl): opened without following a symlink;
+    a write that fails (a full disk) is one FileError line."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            raise FileError(f"cannot write {describe_os_error(e, self.path)}") from None
+        self._file = os.fdopen(fd, "a", encoding="utf-8")
+
+    def write_line(self, line: str) -> None:
+        try:
+            self._file.write(line + "\n")
+            self._file.flush()
+        except OSError as e:
+            raise FileError(f"cannot write {describe_os_error(e, self.path)}") from None
+
+    def close(self) -> None:
+        try:
+            self._file.close()
+        except OSError:
+            pass  # a flush that fails at exit: the lines already written are on disk
+
+
+def write_probe(folder: str | os.PathLike, name: str) -> None:
+    """Make `folder` and write, then remove, a small file `name` in it: raises the OSError a real
+    write would (read-only, full, not a folder)."""
+    os.makedirs(folder, exist_ok=True)
+    probe = os.path.join(folder, name)
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    try:
+        os.write(fd, b"ok")
+    finally:
+        os.close(fd)
+    os.remove(probe)
+
+
+# ---- one owner per folder ------------------------------------------------------------------------
+
+LOCK = ".titanlike.lock"
+
+
+class FolderInUse(UserError):
+    pass
+
+
+def _holder(folder: str) -> str:
+    try:
+        h = read_json(os.path.join(folder, LOCK), "a lock file", limit=65536)
+        return f"pid {h['pid']} on {h['host']}, started {h['started']}"
+    except (UserError, KeyError, TypeError):
+        return "a process whose details are unreadable"
+
+
+class FolderLock:
+    """An flock on `<folder>/.titanlike.lock`, held for the life of the process (or until release()):
+    a second run into the same folder stops with one line naming the first. When the holder dies, the
+    lock goes with it and the next run takes the folder over. The lock file is opened without
+    following a symlink."""
+
+    def __init__(self, folder: str, what: str):
+        self.folder, self.what = folder, what
+        self._fd: int | None = None
+        self.previous: str | None = None  # the details a dead holder left behind
+
+    def acquire(self) -> None:
+        path = os.path.join(self.folder, LOCK)
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            raise FileError(f"{self.what} {self.folder} cannot be locked: {describe_os_error(e, path)}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise self.in_use() from None
+        if os.fstat(fd).st_size:
+            self.previous = _holder(self.folder)
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  "argv": [a.encode("utf-8", "surrogateescape").decode("utf-8", "replace") for a in sys.argv]}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        self._fd = fd
+
+    def in_use(self) -> FolderInUse:
+        return FolderInUse(f"{self.what} {self.folder} is in use by another run ({_holder(self.folder)}): wait for "
+                           f"it, stop it, or use another {self.option()}")
+
+    def option(self) -> str:
+        return "--checkpoint.folder" if self.what.startswith("checkpoint") else "--job.dump_folder"
+
+    def check_free(self) -> None:
+        """For the preflight: raise FolderInUse when another process holds the lock (nothing is created)."""
+        path = os.path.join(self.folder, LOCK)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return  # absent, or a link: the real acquire() reports it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise self.in_use() from None
+        finally:
+            os.close(fd)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            try:
+                os.ftruncate(self._fd, 0)  # empty: the run ended cleanly (a dead run's details stay)
+            except OSError:
+                pass
+            os.close(self._fd)  # releases the lock
+            self._fd = None
+
+
+# ---- reading what a user may have been handed ------------------------------------------------------
+
+
+def read_text(path: str | os.PathLike, what: str, *, limit: int = MAX_SMALL_FILE) -> str:
+    """A small UTF-8 text file: a regular file (not a FIFO or a device) of at most `limit` bytes."""
+    path = os.fspath(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise FileError(f"cannot read {what} {describe_os_error(e, path)}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise FileError(f"{what} {path} is not a regular file")
+        if info.st_size > limit:
+            raise FileError(f"{what} {path} has {info.st_size:,} bytes, more than such a file holds "
+                            f"({limit:,} at most): it is not what it claims to be")
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise FileError(f"cannot read {what} {describe_os_error(e, path)}") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FileError(f"{what} {path} is not UTF-8 text (byte {e.start})") from None
+
+
+def read_json(path: str | os.PathLike, what: str, *, limit: int = MAX_SMALL_FILE) -> Any:
+    text = read_text(path, what, limit=limit)
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise FileError(f"{what} {os.fspath(path)} is not valid JSON ({e})") from None

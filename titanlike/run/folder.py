@@ -1,0 +1,112 @@
+"""The dump folder is one run's home: locked against a second run, checked writable before step 1,
+and its records (metrics.jsonl, TensorBoard, config.toml) read as one run's history.
+
+- A second run into a folder in use stops with one line naming the first (host, pid): an flock held
+  for the run's life (titanlike.fs.FolderLock). When that run dies the lock goes with it, and the next
+  run takes the folder over. The checkpoint folder has a lock of its own (checkpoint/manager.py), so
+  two runs never share one through different dump folders either.
+- A fresh run (not a resume) into a folder that holds another run's records moves them to
+  `earlier-runs/<time>/` first, and says so.
+- A resumed run drops the records of the steps after the checkpoint it resumed from (the attempt
+  that was interrupted): they move from metrics.jsonl to metrics.dropped.jsonl, and TensorBoard
+  purges them (purge_step).
+
+Nothing here imports torch: the preflight uses `check_not_in_use`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import time
+
+from titanlike import fs
+from titanlike.errors import UserError
+
+logger = logging.getLogger("titanlike")
+
+RECORDS = ("metrics.jsonl", "metrics.dropped.jsonl", "tb", "config.toml")
+
+
+class RunFolderError(UserError):
+    """Raised by rank 0 only (the one that locks and writes the folder)."""
+
+
+def check_not_in_use(path: str, checkpoint_folder: str | None = None) -> None:
+    """For the preflight: fail before torchrun when another run holds the dump folder or the checkpoint
+    folder (nothing is created)."""
+    fs.FolderLock(path, "job.dump_folder").check_free()
+    if checkpoint_folder:
+        fs.FolderLock(checkpoint_folder, "checkpoint.folder").check_free()
+
+
+class RunFolder:
+    def __init__(self, path: str, is_main: bool):
+        self.path, self.is_main = fs.check_path_text(path, "job.dump_folder"), is_main
+        self.lock = fs.FolderLock(path, "job.dump_folder")
+        if is_main:
+            try:
+                fs.write_probe(path, f".write-test-{os.getpid()}")
+            except OSError as e:
+                raise RunFolderError(f"job.dump_folder {path} is not writable ({fs.describe_os_error(e, path)}); "
+                                     f"set --job.dump_folder to a writable path") from None
+            self.lock.acquire()
+            atexit.register(self.close)  # also when the run stops before the trainer exists
+            if self.lock.previous:
+                logger.info(f"took over {path} from a run that ended without releasing it ({self.lock.previous})")
+
+    def write(self, name: str, text: str) -> None:
+        """A file of the run's own (config.toml), written whole, never through a link (rank 0)."""
+        if self.is_main:
+            fs.write_text(os.path.join(self.path, name), text)
+
+    def start_records(self, resumed_step: int | None) -> int | None:
+        """Make the folder's records one run's history; returns TensorBoard's purge_step (or None)."""
+        if not self.is_main:
+            return None
+        if resumed_step is None:
+            found = [n for n in RECORDS if os.path.lexists(os.path.join(self.path, n))]
+            if found:
+                written = os.lstat(os.path.join(self.path, found[0])).st_mtime
+                stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(written))
+                target = os.path.join(self.path, "earlier-runs", stamp)
+                k = 1
+                while os.path.exists(target):
+                    k += 1
+                    target = os.path.join(self.path, "earlier-runs", f"{stamp}-{k}")
+                os.makedirs(target)
+                for name in found:
+                    os.replace(os.path.join(self.path, name), os.path.join(target, name))
+                logger.info(f"{self.path} held another run's records: moved {', '.join(found)} to {target}/ "
+                            f"(this run starts afresh, not from a checkpoint)")
+            return None
+        self._drop_metrics_after(resumed_step)
+        return resumed_step + 1
+
+    def _drop_metrics_after(self, step: int) -> None:
+        path = os.path.join(self.path, "metrics.jsonl")
+        if not os.path.isfile(path) or os.path.islink(path):
+            return
+        keep: list[str] = []
+        drop: list[str] = []
+        with open(path) as f:
+            for line in f:
+                try:
+                    later = int(json.loads(line).get("step", 0)) > step
+                except (ValueError, AttributeError, TypeError):
+                    later = False  # a torn last line, say: keep it where it is
+                (drop if later else keep).append(line)
+        if not drop:
+            return
+        dropped = fs.AppendFile(os.path.join(self.path, "metrics.dropped.jsonl"))
+        for line in drop:
+            dropped.write_line(line.rstrip("\n"))
+        dropped.close()
+        fs.write_text(path, "".join(keep))
+        logger.info(f"metrics.jsonl: {len(drop)} records after step {step} (the interrupted attempt's) moved to "
+                    f"metrics.dropped.jsonl; TensorBoard drops those steps too")
+
+    def close(self) -> None:
+        self.lock.release()
