@@ -158,3 +158,32 @@ def metrics(dump: Path, kind: str = "train") -> list[dict]:
 
 def losses(dump: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in metrics(dump)}
+
+
+@contextlib.contextmanager
+def small_disk(folder: Path, size: str = "64k", read_only: bool = False):
+    """A tmpfs of `size` mounted at `folder` (read-only if asked): a full or read-only disk, for real.
+    Mounting needs root; elsewhere the test is skipped, saying so."""
+    folder.mkdir(parents=True, exist_ok=True)
+    options = f"size={size}" + (",ro" if read_only else "")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root; cannot simulate a full or read-only disk here")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def fill(folder: Path) -> None:
+    """Fill the file system of `folder` to the last byte."""
+    fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        for block in (65536, 4096, 1):
+            try:
+                while True:
+                    os.write(fd, b"\0" * block)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)

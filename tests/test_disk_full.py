@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 
@@ -43,3 +44,23 @@ def test_disk_full_keeps_previous_checkpoint(tmp_path, corpus):
     after = losses(tmp_path / "resume")
     assert sorted(after) == [3, 4]
     assert 2 in first and after[3] > 0
+
+
+@pytest.mark.parametrize("free_pages", [0, 1, 2, 3, 16])
+def test_a_full_dump_folder_is_one_line(tmp_path, corpus, free_pages):
+    """The dump folder's disk fills at the write probe, tokenizer.json, config.toml, the metrics or
+    TensorBoard's records (which one depends on the room left): the run either finishes or stops with
+    one error line naming the file, never a traceback."""
+    from conftest import fill, small_disk, train_here
+
+    with small_disk(tmp_path / "disk", "1m") as mount:
+        fill(mount)
+        os.truncate(mount / "filler", max(0, os.path.getsize(mount / "filler") - free_pages * 4096))
+        proc = train_here(mount / "run", "--training.steps", "3", "--metrics.log_freq", "1", corpus=corpus,
+                          check=False)
+    if free_pages <= 3:  # the probe, config.toml, TensorBoard, metrics.jsonl in turn
+        assert proc.returncode == 2, proc.stderr[-3000:]
+    if proc.returncode:
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "no space left on the device" in errors[0], proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

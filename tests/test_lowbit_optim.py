@@ -199,8 +199,8 @@ def test_resume_that_changes_state_dtype_is_refused(straight, tmp_path, corpus):
                       *SCHEDULE, "--optimizer.state_dtype", now)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert errors == [f"error: {tmp_path}/checkpoint/step-3 keeps AdamW's moments in 8bit, this run in {now}: "
-                      f"resume with --optimizer.state_dtype 8bit (the moments cannot be converted)"]
+    assert errors == [f"error: {tmp_path}/checkpoint/step-3 was trained with optimizer.state_dtype = 8bit, this run "
+                      f"has {now}: resume with --optimizer.state_dtype 8bit (the moments cannot be converted)"]
     assert "Traceback" not in proc.stderr
     assert (tmp_path / "checkpoint" / "step-3").is_dir()  # nothing set aside or lost
 

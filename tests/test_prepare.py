@@ -260,3 +260,55 @@ def test_prepared_data_without_dataset_json_keeps_the_preset_vocab(tmp_path):
 def test_user_error_is_the_base(tmp_path):
     with pytest.raises(UserError):
         prepare(str(tmp_path / "o"), [str(tmp_path / "none")])
+
+
+# ---- the output folder: nothing of the user's is lost ---------------------------------------------
+
+
+def test_an_input_inside_the_output_is_refused_and_kept(tmp_path):
+    out = tmp_path / "out"
+    (out / "raw").mkdir(parents=True)
+    (out / "raw" / "a.txt").write_text("my only copy")
+    (out / "notes.md").write_text("unrelated")
+    one_error(cmd(str(out), str(out / "raw" / "a.txt"), "--overwrite"), "lies inside the output folder")
+    assert (out / "raw" / "a.txt").read_text() == "my only copy" and (out / "notes.md").read_text() == "unrelated"
+
+
+def test_overwrite_replaces_only_what_prepare_wrote(tmp_path):
+    (tmp_path / "a.txt").write_text("first")
+    (tmp_path / "b.txt").write_text("second")
+    out = tmp_path / "out"
+    not_a_dataset = tmp_path / "photos"
+    not_a_dataset.mkdir()
+    (not_a_dataset / "cat.jpg").write_bytes(b"\xff\xd8")
+    one_error(cmd(str(not_a_dataset), str(tmp_path / "a.txt"), "--overwrite"), "is not a dataset titanlike-prepare")
+    assert (not_a_dataset / "cat.jpg").read_bytes() == b"\xff\xd8"
+    assert cmd(str(out), str(tmp_path / "a.txt"), "--val-fraction", "0").returncode == 0
+    (out / "README.txt").write_text("the user's own note")
+    assert cmd(str(out), str(tmp_path / "b.txt"), "--overwrite", "--val-fraction", "0").returncode == 0
+    assert documents(shard_tokens(out / "train"), ByteTokenizer()) == ["second"]
+    assert (out / "README.txt").read_text() == "the user's own note"
+    assert sorted(os.listdir(out)) == ["README.txt", "dataset.json", "tokenizer.json", "train"]
+
+
+@pytest.mark.parametrize("disk", ["full", "read-only"])
+def test_a_full_or_read_only_disk_is_one_line(tmp_path, disk):
+    from conftest import fill, small_disk
+
+    (tmp_path / "big.txt").write_text("x" * 300_000)
+    with small_disk(tmp_path / "disk", "256k", read_only=disk == "read-only") as mount:
+        if disk == "full":
+            fill(mount)
+        line = one_error(cmd(str(mount / "out"), str(tmp_path / "big.txt")), "cannot write the dataset")
+        assert ("no space left" if disk == "full" else "read-only") in line
+        assert sorted(os.listdir(mount)) == (["filler"] if disk == "full" else [])
+
+
+def test_the_summary_reports_text_size_and_empty_documents(tmp_path):
+    text = "".join(json.dumps({"text": t}) + "\n" for t in ["a" * 10_000, "", "b" * 10_000, ""] * 50)
+    with gzip.open(tmp_path / "docs.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write(text)
+    proc = cmd(str(tmp_path / "out"), str(tmp_path / "docs.jsonl.gz"))
+    assert proc.returncode == 0, proc.stderr
+    assert "100 documents (100 empty ones dropped), 1.0 MB of text" in proc.stdout, proc.stdout
+    assert json.loads((tmp_path / "out" / "dataset.json").read_text())["empty_documents_dropped"] == 100

@@ -33,9 +33,10 @@ def test_format_duration():
 
 def test_render_names_step_rate_eta_and_last_loss():
     assert render(37, 150, 12345.6, 83, (30, 2.3141), 200) == \
-        "step 37/150 24% | 12,346 tok/s | ETA 1m23s | loss 2.314 @ step 30"
+        "step 37/150 24% | 12,346 tok/s all ranks | ETA 1m23s | loss 2.314 @ step 30"
     assert render(1, 150, None, None, None, 200) == "step 1/150 0% | ETA ..."  # not timed yet
-    assert render(150, 150, 9000, None, (150, 1.5), 200) == "step 150/150 100% | 9,000 tok/s | loss 1.500 @ step 150"
+    assert (render(150, 150, 9000, None, (150, 1.5), 200)
+            == "step 150/150 100% | 9,000 tok/s all ranks | loss 1.500 @ step 150")
 
 
 def test_render_fits_the_terminal_width():
@@ -78,12 +79,12 @@ def test_terminal_line_is_redrawn_in_place_and_throttled():
     p.step_done(3)
     p.show()
     out = term.getvalue()
-    assert out == CLEAR + "step 1/10 10% | ETA ..." + CLEAR + "step 2/10 20% | 1,000 tok/s | ETA 8s"
+    assert out == CLEAR + "step 1/10 10% | ETA ..." + CLEAR + "step 2/10 20% | 1,000 tok/s all ranks | ETA 8s"
     assert "\n" not in out
     clock.now += progress.REDRAW_EVERY_S  # 3 steps in 1.35 s since step 1
     p.step_done(4)
     p.show()
-    assert term.getvalue().endswith(CLEAR + "step 4/10 40% | 2,222 tok/s | ETA 3s")
+    assert term.getvalue().endswith(CLEAR + "step 4/10 40% | 2,222 tok/s all ranks | ETA 3s")
     p.close()
     assert term.getvalue().endswith(CLEAR)  # the terminal is left clean
 
@@ -106,7 +107,7 @@ def test_log_records_are_written_above_the_line():
         clock.now += 0.01
         p.step_done(2)
         p.show()  # redrawn under the record at once, however recent the last draw
-        assert term.getvalue().endswith("train step 1\n" + CLEAR + "step 2/10 20% | 100,000 tok/s | ETA 0s")
+        assert term.getvalue().endswith("train step 1\n" + CLEAR + "step 2/10 20% | 100,000 tok/s all ranks | ETA 0s")
         p.close()
         log.info("done")
         assert term.getvalue().endswith(CLEAR + "done\n")

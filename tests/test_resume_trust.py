@@ -44,7 +44,8 @@ def losses(dump: Path) -> dict[int, float]:
 
 
 def steps_in(folder: Path) -> list[str]:
-    return sorted(os.listdir(folder), key=lambda n: (int(n.split("-")[1].split(".")[0]), n))
+    names = [n for n in os.listdir(folder) if n.startswith("step-")]  # not the folder's lock file
+    return sorted(names, key=lambda n: (int(n.split("-")[1].split(".")[0]), n))
 
 
 @pytest.fixture(scope="module")
@@ -183,9 +184,15 @@ def test_no_intact_checkpoint_stops_with_exit_2(ref, tmp_path, corpus):
     proc = train(tmp_path, corpus, *K, check=False)
     assert proc.returncode == 2
     assert error_lines(proc.stderr) == [
-        f"error: no intact checkpoint in {folder}: steps 6, 4 are damaged (set aside as step-N.damaged); remove "
-        f"--checkpoint.enable or use another --checkpoint.folder to start afresh"]
+        f"error: no intact checkpoint in {folder}: steps 6, 4 are damaged (set aside as step-N.damaged); to start "
+        f"afresh, move them out of the folder or use another --checkpoint.folder"]
     assert "train step" not in proc.stderr
+    # A requeue of the same command keeps refusing: it never starts over at step 1 on its own.
+    again = train(tmp_path, corpus, *K, check=False)
+    assert again.returncode == 2 and "train step" not in again.stderr
+    assert error_lines(again.stderr) == [
+        f"error: every checkpoint in {folder} is damaged (step-4.damaged, step-6.damaged): nothing to resume from; "
+        f"to start afresh, move them out of the folder or use another --checkpoint.folder"]
 
 
 # ---- 2. no code from a file ---------------------------------------------------------------------------
@@ -201,7 +208,7 @@ def test_trainer_state_is_json_and_tensors(ref):
     pickled = [k for k, v in meta.items() if not isinstance(v, TensorStorageMetadata)]
     assert pickled == []  # DCP stores anything but a tensor as a pickle
     state = json.loads((step / "trainer_state.json").read_text())
-    assert state["train_state"]["step"] == 8
+    assert state["step"] == 8 and state["states"]["train_state"]["step"] == 8
     assert set(json.loads((step / "rng-rank0.json").read_text())) >= {"python", "numpy", "torch"}
 
 
@@ -224,6 +231,14 @@ def test_a_pickle_from_elsewhere_runs_nothing(ref, tmp_path, corpus):
     marker = tmp_path / "code-ran"
     (evil / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
 
+    # A copy of one of our steps with its .metadata swapped: the signed manifest no longer matches.
+    proc = train(tmp_path / "run", corpus, "--training.steps", "1", "--checkpoint.initial_load_path", str(evil),
+                 check=False)
+    assert proc.returncode == 2 and not marker.exists()
+    assert error_lines(proc.stderr) == [f"error: {evil}/.metadata is not the one its manifest was signed with; "
+                                        f"it cannot be loaded"]
+    # Without a manifest signed on this account (a folder from elsewhere): the trust flag is the way.
+    (evil / "manifest.json").unlink()
     proc = train(tmp_path / "run", corpus, "--training.steps", "1", "--checkpoint.initial_load_path", str(evil),
                  check=False)
     assert proc.returncode == 2 and not marker.exists()
@@ -293,12 +308,12 @@ def test_unwritable_folders_are_found_before_step_1(tmp_path, corpus):
     bad_dump = train(blocker / "run", corpus, "--training.steps", "2", check=False)
     assert bad_dump.returncode == 2
     assert error_lines(bad_dump.stderr) == [
-        f"error: job.dump_folder {blocker}/run is not writable (Not a directory: {blocker}/run); "
+        f"error: job.dump_folder {blocker}/run is not writable ({blocker}/run: Not a directory); "
         f"set --job.dump_folder to a writable path"]
     bad_ckpt = train(tmp_path / "run", corpus, *K, "--checkpoint.folder", str(blocker / "ckpt"), check=False)
     assert bad_ckpt.returncode == 2
     assert error_lines(bad_ckpt.stderr) == [
-        f"error: checkpoint folder {blocker}/ckpt is not writable (Not a directory: {blocker}/ckpt); "
+        f"error: checkpoint folder {blocker}/ckpt is not writable ({blocker}/ckpt: Not a directory); "
         f"set --checkpoint.folder to a writable path"]
     assert "train step" not in bad_ckpt.stderr
 
@@ -386,7 +401,7 @@ def test_keep_latest_k_makes_room_before_a_save(tmp_path, corpus):
         "def listing(self, plan, planner):\n"
         "    folder = os.path.dirname(str(self.path))\n"
         f"    with open({str(seen)!r}, 'a') as f:\n"
-        "        f.write(json.dumps(sorted(os.listdir(folder))) + '\\n')\n"
+        "        f.write(json.dumps(sorted(n for n in os.listdir(folder) if n.startswith('step-'))) + '\\n')\n"
         "    return real(self, plan, planner)\n"
         "fs._FileSystemWriter.write_data = listing\n"
         "from titanlike.train import main\n"

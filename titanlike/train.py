@@ -80,6 +80,9 @@ class Trainer:
         torch.manual_seed(cfg.job.seed)
         # The dump folder is this run's alone (a lock; checked writable before any work).
         self.run_folder = RunFolder(cfg.job.dump_folder, self.is_main)
+        if self.is_main:
+            logger.info(f"run folder {os.path.abspath(cfg.job.dump_folder)}: the config, metrics and "
+                        f"{'checkpoints' if cfg.checkpoint.enable else 'logs'} of this run go there")
 
         # ---- 2. Data: every rank reads its own slice of each global batch -----------------------------
         # The shape: the preset (or an hf config.json), the [model] overrides, the data's tokenizer.

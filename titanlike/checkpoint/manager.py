@@ -130,13 +130,13 @@ class CheckpointManager:
         """Rank 0 locks the folder (one run per checkpoint folder) and checks that it is writable."""
         if self.lock._fd is not None:
             return
-        self.lock.acquire()
-        try:
+        try:  # before the lock, which needs a folder it can write in
             fs.write_probe(self.folder, f".write-test-{os.getpid()}")
         except OSError as e:
             raise CheckpointError(f"checkpoint folder {self.folder} is not writable "
                                   f"({fs.describe_os_error(e, self.folder)}); set --checkpoint.folder to a "
                                   f"writable path") from None
+        self.lock.acquire()
 
     def _barrier(self) -> None:
         if self.sharded:
@@ -241,9 +241,9 @@ class CheckpointManager:
                 raise CheckpointError(f"checkpoint.load_step = {step}: {problem}")
             if self.is_main and step != candidates[-1]:
                 logger.warning(f"falling back to the newest intact checkpoint before step {step}")
-        raise CheckpointError(f"no intact checkpoint in {self.folder}: every step is damaged (set aside as "
-                              f"step-N.damaged); to start afresh, move them out of the folder or use another "
-                              f"--checkpoint.folder")
+        raise CheckpointError(f"no intact checkpoint in {self.folder}: steps {', '.join(map(str, candidates))} are "
+                              f"damaged (set aside as step-N.damaged); to start afresh, move them out of the folder "
+                              f"or use another --checkpoint.folder")
 
     def _set_aside(self, step: int, why: str) -> str:
         """Rename step-N so that it is never loaded again, keeping its bytes."""

@@ -51,6 +51,13 @@ def check_model_shape(model: torch.nn.Module, margs: ModelArgs, path: str) -> No
     params = cast("dict[str, torch.Tensor]", get_model_state_dict(model))
     for name, tensor in params.items():
         saved = meta.get(f"model.{name}")
+        if saved is None and name.endswith("attention.wqkv.weight") and f"model.{name.replace('wqkv', 'wq')}" in meta:
+            # Earlier titanlike versions had three Linears (wq, wk, wv). Hugging Face folders hold them
+            # apart too, and import stacks them: that is the way across.
+            raise CheckpointMismatch(
+                f"{path} was saved by an earlier titanlike, with separate wq/wk/wv projections (now one stacked "
+                f"wqkv): export it with that version's scripts/export_safetensors.py and start from the export "
+                f"with --checkpoint.initial_load_path")
         if not isinstance(saved, TensorStorageMetadata):  # absent (None), or saved as bytes: not a tensor
             raise CheckpointMismatch(f"{path} has no parameter {name}: it was saved from a different model")
         if tuple(saved.size) != tuple(tensor.shape):

@@ -136,12 +136,14 @@ def coerce(key: str, raw: object, tp: Any) -> object:
     if tp is int:
         if isinstance(raw, bool):
             raise bad
-        if isinstance(raw, int):
-            return raw
         try:
-            return int(str(raw).replace("_", ""))
+            whole = raw if isinstance(raw, int) else int(str(raw).replace("_", ""))
         except ValueError:
             raise bad from None
+        # No setting means a number past 64 bits; such a value would wrap or exhaust memory further on.
+        if abs(whole) >= 2**64:
+            raise ConfigError(f"{key} = {raw} is out of range: no setting takes a number of 2^64 or more")
+        return whole
     if tp is float:
         if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
             raise bad

@@ -18,6 +18,16 @@ from typing import Literal
 from titanlike.config.loader import ConfigError
 from titanlike.model.shape import PRESETS, model_args
 
+# data.num_workers: loader processes beyond a few per core only cost memory (each holds the dataset).
+MAX_WORKERS_PER_CORE = 4
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the platform has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
 
 def need(ok: bool, msg: str) -> None:
     """A validation rule: raise `msg` as a ConfigError unless `ok`. tests/test_config.py finds every call
@@ -108,6 +118,11 @@ class Data:
     def validate(self) -> None:
         need(self.seq_len >= 8, f"data.seq_len = {self.seq_len} must be at least 8")
         need(self.num_workers >= 0, f"data.num_workers = {self.num_workers} must be >= 0")
+        # Each worker is a process holding a copy of the dataset: more than a few per core only costs memory.
+        cores = available_cores()
+        need(self.num_workers <= MAX_WORKERS_PER_CORE * cores,
+             f"data.num_workers = {self.num_workers} is more than {MAX_WORKERS_PER_CORE} per CPU core "
+             f"({cores} cores here): use at most {MAX_WORKERS_PER_CORE * cores}")
         for key, path in (("data.path", self.path), ("data.val_path", self.val_path)):
             need(not path or os.path.exists(path), f"{key} = {path!r}: no such file or folder")
 
@@ -440,6 +455,8 @@ def validate_across_sections(cfg: JobConfig) -> None:
         cfg.activation_checkpoint.mode != "budget" or cfg.compile.enable,
         "activation_checkpoint.mode = budget is carried out by torch.compile's partitioner: set --compile.enable",
     )
+    need(cfg.checkpoint.load_step == -1 or cfg.checkpoint.enable,
+         f"checkpoint.load_step = {cfg.checkpoint.load_step} resumes from a checkpoint: it needs --checkpoint.enable")
     need(
         cfg.training.nonfinite != "rollback" or cfg.checkpoint.enable,
         "training.nonfinite = rollback reloads the last checkpoint: it needs --checkpoint.enable",

@@ -22,16 +22,17 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
-import json
 import multiprocessing
 import os
 import shutil
 import signal
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
+from titanlike import fs
 from titanlike.data.dataset_info import DATASET_FORMAT, DATASET_JSON
 from titanlike.data.shards import ShardWriter, token_dtype
 from titanlike.data.sources import ALL_SUFFIXES, Chunk, expand, plan, read_chunk
@@ -53,11 +54,13 @@ def _init_worker(spec: str, bos: str, eos: str, pool_worker: bool = True) -> Non
     _tokenizer = load_tokenizer(spec, bos, eos)
 
 
-def tokenize_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, int]:
-    """(all tokens of the chunk's documents with their BOS/EOS, each document's length, input bytes)."""
+def tokenize_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, ChunkCounts]:
+    """(all tokens of the chunk's non-empty documents with their BOS/EOS, each document's length, counts)."""
     tok = _tokenizer
     assert tok is not None, "tokenize_chunk runs in a worker set up by _init_worker"
-    docs = read_chunk(chunk)
+    read = read_chunk(chunk)
+    docs = [d for d in read if d]  # an empty document would be a lone BOS/EOS pair: dropped, and counted
+    counts = ChunkCounts(chunk.input_bytes, sum(len(d.encode("utf-8")) for d in docs), len(read) - len(docs))
     ids = tok.encode_batch(docs) if docs else []
     head = [tok.bos_id] if tok.bos_id is not None else []
     dtype = token_dtype(tok.vocab_size)
@@ -72,7 +75,14 @@ def tokenize_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, int]:
         pos += len(x)
         out[pos] = tok.eos_id
         pos += 1
-    return out, lengths, chunk.input_bytes
+    return out, lengths, counts
+
+
+@dataclass(frozen=True)
+class ChunkCounts:
+    input_bytes: int  # on disk (compressed, for compressed inputs): what the progress bar's ETA runs on
+    text_bytes: int  # UTF-8 text of the documents kept: what the summary reports
+    empty_documents: int  # dropped
 
 
 # ---- the main side: shards, splits, progress ---------------------------------------------------------
@@ -133,6 +143,27 @@ def _tokenized(chunks, workers: int, spec: str, bos: str, eos: str):
         pool.join()
 
 
+# What titanlike-prepare writes into OUT; --overwrite replaces these and nothing else.
+WRITTEN = ("train", "val", DATASET_JSON, "tokenizer.json")
+
+
+def check_output(out: str, files: list[str], overwrite: bool) -> None:
+    """Refuse an OUT that would cost the user data: one that holds an input, or one that exists and
+    is not a dataset this tool wrote (--overwrite replaces only its own files)."""
+    real_out = os.path.realpath(out)
+    for f in files:
+        real = os.path.realpath(f)
+        if real == real_out or real.startswith(real_out + os.sep):
+            raise UserError(f"input {f} lies inside the output folder {out}; write the dataset elsewhere")
+    if not os.path.lexists(out):
+        return
+    if not overwrite:
+        raise UserError(f"{out} exists; choose another output folder or pass --overwrite to replace it")
+    if not os.path.isdir(out) or os.path.islink(out) or not os.path.isfile(os.path.join(out, DATASET_JSON)):
+        raise UserError(f"{out} is not a dataset titanlike-prepare wrote (no {DATASET_JSON}); --overwrite replaces "
+                        f"only such a folder: choose another output folder")
+
+
 def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, text_field: str = "text",
             val_fraction: float = 0.01, shard_tokens: int = 100_000_000, overwrite: bool = False,
             bos_token: str = "", eos_token: str = "", progress: bool = False) -> dict:
@@ -140,14 +171,13 @@ def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, 
     from titanlike.data.tokenizer import load_tokenizer
 
     out = os.path.normpath(out)
-    if os.path.exists(out) and not overwrite:
-        raise UserError(f"{out} exists; choose another output folder or pass --overwrite to replace it")
     if not 0 <= val_fraction < 1:
         raise UserError(f"--val-fraction {val_fraction} must be in [0, 1)")
     if shard_tokens < 1:
         raise UserError(f"--shard-tokens {shard_tokens} must be >= 1")
-    tok = load_tokenizer(tokenizer, bos_token, eos_token)  # a bad tokenizer.json stops here, before any work
     files = expand(inputs)
+    check_output(out, files, overwrite)
+    tok = load_tokenizer(tokenizer, bos_token, eos_token)  # a bad tokenizer.json stops here, before any work
     total_bytes = sum(os.path.getsize(f) for f in files)
     # Every core this process may use (a container or taskset may allow fewer than the machine has).
     workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) or 1
@@ -155,20 +185,22 @@ def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, 
     dtype = token_dtype(tok.vocab_size)
 
     tmp = f"{out}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
     try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
         splits = {"train": ShardWriter(os.path.join(tmp, "train"), shard_tokens, dtype),
                   "val": ShardWriter(os.path.join(tmp, "val"), shard_tokens, dtype)}
         bar = Progress(total_bytes, progress)
         start = time.perf_counter()
-        n_docs = 0
+        n_docs = text_bytes = empty = 0
         chunks = plan(files, text_field)
         spec = getattr(tok, "path", "byte")
-        for tokens, lengths, nbytes in _tokenized(chunks, workers, spec, tok.bos_token or "", tok.eos_token or ""):
+        for tokens, lengths, counts in _tokenized(chunks, workers, spec, tok.bos_token or "", tok.eos_token or ""):
             _split(tokens, lengths, n_docs, every, splits)
             n_docs += lengths.size
-            bar.update(nbytes, int(lengths.size), int(tokens.size))
+            text_bytes += counts.text_bytes
+            empty += counts.empty_documents
+            bar.update(counts.input_bytes, int(lengths.size), int(tokens.size))
         for w in splits.values():
             w.finish()
         bar.done()
@@ -185,31 +217,45 @@ def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, 
             "eos_id": tok.eos_id,
             "token_bytes": np.dtype(dtype).itemsize,
             "documents": n_docs,
+            "empty_documents_dropped": empty,
             "splits": {name: {"tokens": w.total, "documents": w.documents, "shards": w.index}
                        for name, w in splits.items()},
             "val_every": every,
             "inputs": [os.path.abspath(i) for i in inputs],
             "files": len(files),
             "input_bytes": total_bytes,
+            "text_bytes": text_bytes,
             "text_field": text_field,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
-        with open(os.path.join(tmp, "tokenizer.json"), "w", encoding="utf-8") as f:
-            f.write(tok.to_json())
-        with open(os.path.join(tmp, DATASET_JSON), "w") as f:
-            json.dump(info, f, indent=1)
-        if os.path.exists(out):  # --overwrite: the old output goes only once the new one is complete
-            old = f"{out}.old-{os.getpid()}"
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
+        fs.write_text(os.path.join(tmp, "tokenizer.json"), tok.to_json())
+        fs.write_json(os.path.join(tmp, DATASET_JSON), info, indent=1)
+        _publish(tmp, out)
+    except OSError as e:  # a read-only or full disk, a folder we may not write: one line, nothing left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"cannot write the dataset: {fs.describe_os_error(e, tmp)}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     info["seconds"] = seconds
     return info
+
+
+def _publish(tmp: str, out: str) -> None:
+    """Move the finished dataset in `tmp` to `out`. Over an earlier output (--overwrite), only the entries
+    prepare writes are replaced, and the old ones go only once the new ones are in place."""
+    if not os.path.exists(out):
+        os.rename(tmp, out)
+        return
+    old = os.path.join(tmp, ".replaced")
+    os.mkdir(old)
+    for name in WRITTEN:
+        if os.path.lexists(os.path.join(out, name)):
+            os.rename(os.path.join(out, name), os.path.join(old, name))
+    for name in WRITTEN:
+        if os.path.lexists(os.path.join(tmp, name)):  # no val/ when nothing was held out
+            os.rename(os.path.join(tmp, name), os.path.join(out, name))
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _split(tokens: np.ndarray, lengths: np.ndarray, first_doc: int, every: int, splits: dict) -> None:
@@ -266,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     tr, va = info["splits"]["train"], info["splits"]["val"]
     rate = (tr["tokens"] + va["tokens"]) / max(info["seconds"], 1e-9)
-    print(f"{a.out}: {info['documents']:,} documents, {info['input_bytes'] / 1e6:,.1f} MB in {info['seconds']:.1f}s "
+    dropped = f" ({info['empty_documents_dropped']:,} empty ones dropped)" if info["empty_documents_dropped"] else ""
+    print(f"{a.out}: {info['documents']:,} documents{dropped}, {info['text_bytes'] / 1e6:,.1f} MB of text "
+          f"in {info['seconds']:.1f}s "
           f"({rate:,.0f} tok/s) | train {tr['tokens']:,} tokens in {tr['shards']} shard(s) | "
           f"val {va['tokens']:,} tokens in {va['shards']} shard(s) | "
           f"{info['tokenizer']['kind']} tokenizer, vocabulary {info['vocab_size']}")

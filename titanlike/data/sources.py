@@ -204,7 +204,7 @@ def _line_number(path: str, offset: int) -> int:
 
 
 def read_chunk(chunk: Chunk) -> list[str]:
-    """The documents of one chunk, in file order (empty documents dropped)."""
+    """The documents of one chunk, in file order, empty ones included (the caller counts and drops them)."""
     if chunk.kind == "text":
         docs = []
         for path in chunk.paths:
@@ -213,7 +213,7 @@ def read_chunk(chunk: Chunk) -> list[str]:
                     docs.append(_decode(f.read(), path, 0))
             except OSError as e:
                 raise InputError(f"{path}: cannot read ({e.strerror})") from None
-        return [d for d in docs if d]
+        return docs
     path = chunk.paths[0]
     if chunk.kind == "jsonl":
         try:
@@ -233,4 +233,4 @@ def read_chunk(chunk: Chunk) -> list[str]:
     bad = next((i for i, v in enumerate(values) if v is not None and not isinstance(v, str)), None)
     if bad is not None:
         raise InputError(f"{path}: column {chunk.text_field!r} holds {type(values[bad]).__name__}, not text")
-    return [v for v in values if v]
+    return [v or "" for v in values]

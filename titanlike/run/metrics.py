@@ -7,11 +7,14 @@ between: per-step timing would put a host sync in every step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import threading
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -44,6 +47,53 @@ def peak_bf16_flops(device_name: str) -> float | None:
     return None
 
 
+class TensorBoard:
+    """TensorBoard's event file. Its writer thread fails on a full disk with a traceback of its own and
+    hands the error to the next call here: that thread's report is kept quiet, and the error becomes one
+    FileError line naming the folder."""
+
+    def __init__(self, folder: str, purge_step: int | None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.folder = folder
+        _quiet_tensorboard_thread_errors()
+        with self._writing():
+            self.writer = SummaryWriter(folder, purge_step=purge_step)
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as e:
+            raise fs.FileError(f"cannot write TensorBoard's records: {fs.describe_os_error(e, self.folder)}") from None
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        with self._writing():
+            self.writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        try:
+            self.writer.close()
+        except OSError:
+            pass  # at exit: the error, if any, was reported at the write that met it
+
+
+def _quiet_tensorboard_thread_errors() -> None:
+    """An OSError in TensorBoard's writer thread is reported by the writer's next call (one line);
+    every other thread error goes to Python's usual hook."""
+    usual = threading.excepthook
+    if getattr(usual, "titanlike", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if isinstance(args.exc_value, OSError) and type(args.thread).__module__.startswith("tensorboard"):
+            return
+        usual(args)
+
+    hook.titanlike = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 class MetricsLogger:
     def __init__(self, folder: str, *, is_writer: bool, tensorboard: bool, device: torch.device,
                  flops_per_token: int, float8_matmul_share: float, purge_step: int | None = None):
@@ -62,10 +112,8 @@ class MetricsLogger:
             os.makedirs(folder, exist_ok=True)
             self.jsonl = fs.AppendFile(os.path.join(folder, "metrics.jsonl"))
             if tensorboard:
-                from torch.utils.tensorboard import SummaryWriter
-
                 # purge_step: a resumed run's events replace those the interrupted attempt wrote after it.
-                self.tb = SummaryWriter(os.path.join(folder, "tb"), purge_step=purge_step)
+                self.tb = TensorBoard(os.path.join(folder, "tb"), purge_step)
         self._window_start: float | None = None
         self._window_tokens = 0
         self._window_data_s = 0.0

@@ -3,7 +3,7 @@
 On a terminal (the logging rank's stderr is a TTY) one line at the bottom is rewritten in place
 after every step, at most a few times a second:
 
-    step 37/150 24% | 12,345 tok/s | ETA 1m23s | loss 2.314 @ step 30
+    step 37/150 24% | 12,345 tok/s all ranks | ETA 1m23s | loss 2.314 @ step 30
 
 Log lines still scroll above it: the line is erased before each log record and redrawn at the
 next step. Anywhere else (a file, a pipe, a scheduler's log) nothing extra is written: the log
@@ -44,7 +44,7 @@ def render(step: int, total: int, tokens_per_s: float | None, eta_s: float | Non
     """The progress line, cut to the terminal's width (a wrapped line could not be redrawn in place)."""
     parts = [f"step {step}/{total} {100 * step // total}%"]
     if tokens_per_s is not None:
-        parts.append(f"{tokens_per_s:,.0f} tok/s")
+        parts.append(f"{tokens_per_s:,.0f} tok/s all ranks")  # since step 1; the log line: per device, per window
     if step < total:
         parts.append(f"ETA {format_duration(eta_s)}" if eta_s is not None else "ETA ...")
     if loss is not None:
