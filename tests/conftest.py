@@ -50,8 +50,8 @@ def corpus() -> tuple[str, str]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """`-m gpu` tests need a CUDA GPU: without one they are skipped, so that a `-m` of one's own
-    (`pytest -m "not slow"`, which replaces the default `-m 'not gpu'`) still runs on CPU."""
+    """`-m gpu` tests need a CUDA GPU: without one they are skipped, so that a `-m` of one's own that
+    keeps them (it replaces the default `-m 'not gpu and not slow'`) still passes on CPU."""
     import torch
 
     if torch.cuda.is_available():
@@ -187,3 +187,30 @@ def fill(folder: Path) -> None:
                 pass
     finally:
         os.close(fd)
+
+
+# ---- one trained run, shared by the whole test session ----------------------------------------------
+
+# Four steps of the debug model on one rank, a checkpoint every two: small enough for seconds, real
+# enough to resume, export, damage and attack. Tests copy it (copy_run) and never change it.
+SMALL = ("--data.seq_len", "64", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
+         "--training.deterministic", "--validation.enable", "false")
+TRAINED_STEPS = ("--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2")
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory, corpus) -> Path:
+    dump = tmp_path_factory.mktemp("trained-run")
+    train_here(dump, *SMALL, *TRAINED_STEPS, corpus=corpus)
+    assert sorted(n for n in os.listdir(dump / "checkpoint") if n.startswith("step-")) == ["step-2", "step-4"]
+    return dump
+
+
+def copy_run(run: Path, dump: Path) -> Path:
+    """A copy of a run folder (its lock files left behind: the copy belongs to no process)."""
+    shutil.copytree(run, dump, ignore=shutil.ignore_patterns(".titanlike.lock"))
+    return dump
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]

@@ -169,6 +169,19 @@ def test_wrong_types():
     assert load_config(["--training.steps", "1_000"]).training.steps == 1000
 
 
+@pytest.mark.parametrize("key", ["optimizer.lr", "optimizer.weight_decay", "optimizer.eps", "model.rope_theta",
+                                 "model.norm_eps", "training.max_norm"])
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_non_finite_numbers_are_refused(key, value, tmp_path):
+    """An infinite lr once trained a step of non-finite weights and saved it: no float setting takes one,
+    on the command line or in TOML (where `inf` and `nan` are literals)."""
+    assert error_of([f"--{key}", value]) == f"{key} = '{value}' is not valid: expected a finite number"
+    section, name = key.split(".")
+    toml = tmp_path / "c.toml"
+    toml.write_text(f"[{section}]\n{name} = {value}\n")
+    assert "expected a finite number" in error_of(["--job.config_file", str(toml)])
+
+
 def test_literal_choices():
     msg = error_of(["--fp8.recipe", "rowwse"])
     assert msg.startswith("fp8.recipe = 'rowwse' is not one of none, tensorwise, rowwise, rowwise_with_gw_hp")

@@ -14,7 +14,7 @@ from conftest import ROOT, _env
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGUSR1])
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGHUP])  # SIGHUP: a closed terminal or ssh
 def test_launcher_signal_saves_and_exits_zero(tmp_path, corpus, sig):
     env = dict(_env(), NGPU="2")
     cmd = [str(ROOT / "run_train.sh"), "--job.dump_folder", str(tmp_path), "--training.device", "cpu",

@@ -1,0 +1,428 @@
+"""Hostile use: what a crafted, edited, shared or symlinked file, or an absurd argument, does to a run.
+
+Each test is one attack and asserts what happens now: no code runs from a checkpoint's pickle, an
+edited checkpoint is refused, one run owns a checkpoint folder, no file is written through a link,
+every load checks the manifest, and bad input is one `error:` line with exit 2 and nothing changed
+on disk. docs/troubleshooting.md has the table of attacks and results. One rank, in this process
+(train_here), on copies of the session's trained run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import pickle
+import shutil
+import zlib
+from pathlib import Path
+
+import pytest
+
+from conftest import SMALL, copy_run, error_lines, losses, train_here
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+MORE = ("--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "2")
+
+
+def train(dump: Path, corpus, *extra: str, check: bool = True):
+    return train_here(dump, *SMALL, *extra, corpus=corpus, check=check)
+
+
+def steps_in(folder: Path) -> list[str]:
+    return sorted((n for n in os.listdir(folder) if n.startswith("step-")),
+                  key=lambda n: (int(n.split("-")[1].split(".")[0]), n))
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` and its bytes: to assert that a refusal changed nothing."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != ".titanlike.lock"}
+
+
+def call(main, *argv: str) -> tuple[int, str]:
+    """A console script's main() in this process: (exit code, what it printed to stderr)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            rc = main(list(argv))
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+    return rc, err.getvalue()
+
+
+class Payload:
+    """Unpickling this creates `marker`: the stand-in for any command a crafted pickle could run."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def plant_pickle(step: Path, marker: Path) -> None:
+    (step / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+
+
+# ---- no code from any checkpoint ---------------------------------------------------------------------
+
+
+def test_a_pickle_in_the_runs_own_checkpoint_folder_never_runs(trained_run, tmp_path, corpus):
+    """A planted step-99 (no manifest) and step-98 (a copied manifest, a swapped .metadata) are newer
+    than the real steps: they are set aside by their manifests alone, unread, and the run resumes."""
+    from titanlike.hf import generate
+
+    dump = copy_run(trained_run, tmp_path / "run")
+    marker = tmp_path / "code-ran"
+    no_manifest = dump / "checkpoint" / "step-99"
+    no_manifest.mkdir()
+    shutil.copy(dump / "checkpoint" / "step-4" / "__0_0.distcp", no_manifest)
+    plant_pickle(no_manifest, marker)
+    swapped = dump / "checkpoint" / "step-98"
+    shutil.copytree(dump / "checkpoint" / "step-4", swapped)
+    plant_pickle(swapped, marker)
+
+    for source in (no_manifest, swapped):  # generate reads a step folder through the same gate
+        rc, err = call(generate.main, str(source), "--prompt", "a", "--max-new-tokens", "2", "--device", "cpu")
+        assert rc == 2 and len(error_lines(err)) == 1 and not marker.exists()
+
+    proc = train(dump, corpus, *MORE)
+    assert not marker.exists()
+    assert f"resumed from {dump}/checkpoint/step-4 at step 4" in proc.stderr
+    assert steps_in(dump / "checkpoint") == ["step-2", "step-4", "step-6", "step-98.damaged", "step-99.damaged"]
+
+
+def test_an_edited_trainer_state_with_fresh_checksums_is_refused(trained_run, tmp_path, corpus):
+    """Editing trainer_state.json and recomputing its size and checksums in the manifest breaks the
+    manifest's signature: the run refuses in one line and changes nothing."""
+    dump = copy_run(trained_run, tmp_path / "run")
+    step = dump / "checkpoint" / "step-4"
+    state = json.loads((step / "trainer_state.json").read_text())
+    state["step"] = 2
+    raw = json.dumps(state).encode()
+    (step / "trainer_state.json").write_bytes(raw)
+    manifest = json.loads((step / "manifest.json").read_text())
+    entry = manifest["files"]["trainer_state.json"]
+    entry.update(size=len(raw), crc32=f"{zlib.crc32(raw):08x}")
+    if "sha256" in entry:
+        entry["sha256"] = hashlib.sha256(raw).hexdigest()
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    before = snapshot(dump)
+
+    proc = train(dump, corpus, *MORE, check=False)
+    assert proc.returncode == 2
+    (line,) = error_lines(proc.stderr)
+    assert line.startswith(f"error: {step}/manifest.json is not signed with this user's checkpoint key")
+    assert "train step" not in proc.stderr
+    assert snapshot(dump) == before
+
+
+def test_every_load_checks_the_checksums(trained_run, tmp_path, corpus):
+    """4 KiB zeroed in a shard: resume falls back, and initial_load_path, export and generate refuse."""
+    from titanlike.hf import export, generate
+
+    dump = copy_run(trained_run, tmp_path / "run")
+    step = dump / "checkpoint" / "step-4"
+    with open(step / "__0_0.distcp", "r+b") as f:
+        f.seek(1 << 20)
+        f.write(bytes(4096))
+    expected = f"error: {step}/__0_0.distcp does not match its checksum (its bytes changed after the save); " \
+               f"it cannot be loaded"
+
+    started = train(tmp_path / "other", corpus, "--training.steps", "1", "--checkpoint.initial_load_path", str(step),
+                    check=False)
+    assert started.returncode == 2 and error_lines(started.stderr) == [expected]
+    for main, argv in ((export.main, [str(step), str(tmp_path / "hf")]),
+                       (generate.main, [str(step), "--prompt", "a", "--max-new-tokens", "2", "--device", "cpu"])):
+        rc, err = call(main, *argv)
+        assert rc == 2 and error_lines(err) == [expected]
+    assert not (tmp_path / "hf").exists()
+
+    resumed = train(dump, corpus, *MORE)
+    assert f"resumed from {dump}/checkpoint/step-2 at step 2" in resumed.stderr
+    assert steps_in(dump / "checkpoint") == ["step-2", "step-4", "step-4.damaged", "step-6"]
+
+
+def test_a_step_without_manifest_and_trainer_state_is_damaged(trained_run, tmp_path, corpus):
+    """Advice to resume with another batch size looped; such a step is damaged and the run falls back."""
+    dump = copy_run(trained_run, tmp_path / "run")
+    for name in ("manifest.json", "trainer_state.json"):
+        (dump / "checkpoint" / "step-4" / name).unlink()
+    proc = train(dump, corpus, *MORE)
+    assert f"resumed from {dump}/checkpoint/step-2 at step 2" in proc.stderr
+    assert "global_batch_size" not in proc.stderr
+    assert steps_in(dump / "checkpoint") == ["step-2", "step-4", "step-4.damaged", "step-6"]
+
+
+# ---- one owner per checkpoint folder -------------------------------------------------------------------
+
+
+def test_two_runs_cannot_share_a_checkpoint_folder(trained_run, tmp_path, corpus):
+    """Another run holds the checkpoint folder (its lock, taken here as that run would): a second run
+    with another dump folder but the same --checkpoint.folder stops before it writes anything."""
+    from titanlike.fs import FolderLock
+
+    shared = copy_run(trained_run, tmp_path / "first") / "checkpoint"
+    before = snapshot(shared)
+    holder = FolderLock(str(shared), "checkpoint.folder")
+    holder.acquire()
+    try:
+        proc = train(tmp_path / "second", corpus, *MORE, "--checkpoint.folder", str(shared), check=False)
+    finally:
+        holder.release()
+    assert proc.returncode == 2
+    (line,) = error_lines(proc.stderr)
+    assert line.startswith(f"error: checkpoint.folder {shared} is in use by another run (pid {os.getpid()} on ")
+    assert line.endswith("wait for it, stop it, or use another --checkpoint.folder")
+    assert snapshot(shared) == before
+
+
+# ---- never through a symlink ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "config.toml", "metrics.jsonl"])
+def test_no_run_file_is_written_through_a_symlink(prepared, tmp_path, name):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    dump = tmp_path / "run"
+    dump.mkdir()
+    (dump / name).symlink_to(victim)
+    train(dump, None, "--training.steps", "2", "--data.path", str(prepared / "train"))
+    assert victim.read_text() == "precious"
+    assert not (dump / name).is_symlink() and (dump / name).stat().st_size > 0  # the run's own file
+
+
+@pytest.mark.parametrize("where", ["dump", "checkpoint"])
+def test_a_symlinked_lock_file_is_refused(tmp_path, corpus, where):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    folder = tmp_path / "run" if where == "dump" else tmp_path / "run" / "checkpoint"
+    folder.mkdir(parents=True)
+    (folder / ".titanlike.lock").symlink_to(victim)
+    proc = train(tmp_path / "run", corpus, *MORE, check=False)
+    assert proc.returncode == 2
+    (line,) = error_lines(proc.stderr)
+    assert line.endswith(f"cannot be locked: {folder}/.titanlike.lock is a symbolic link; titanlike writes only "
+                         f"files it created (remove the link)")
+    assert victim.read_text() == "precious"
+
+
+# ---- nothing a run saved is lost -----------------------------------------------------------------------
+
+
+def test_a_non_finite_abort_publishes_the_background_save(tmp_path, corpus, monkeypatch):
+    """The loss turns NaN the step after a background save started: the run stops in one line and the
+    saved step is published, not left as step-4.tmp."""
+    monkeypatch.setenv("TITANLIKE_NAN_BATCHES", "5")
+    dump = tmp_path / "run"
+    proc = train(dump, corpus, "--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "4",
+                 "--checkpoint.async_mode", "async", check=False)
+    assert proc.returncode == 2
+    (line,) = error_lines(proc.stderr)
+    assert line.startswith("error: loss became nan at step 5")
+    assert steps_in(dump / "checkpoint") == ["step-4"]
+    monkeypatch.delenv("TITANLIKE_NAN_BATCHES")
+    resumed = train(dump, corpus, "--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "4")
+    assert f"resumed from {dump}/checkpoint/step-4 at step 4" in resumed.stderr
+
+
+def test_load_step_applies_once_and_the_runs_later_saves_win(trained_run, tmp_path, corpus):
+    """A run started with load_step 2 and stopped after saving step 6 (a preemption, or a requeue) goes
+    on from step 6 when started again with the same command, instead of going back to step 2."""
+    dump = copy_run(trained_run, tmp_path / "run")
+    command = (*MORE, "--checkpoint.load_step", "2")
+    first = train(dump, corpus, *command)
+    assert "resumed from step 2: set aside the later checkpoints as step-4.abandoned" in first.stderr
+    assert steps_in(dump / "checkpoint") == ["step-2", "step-4", "step-4.abandoned", "step-6"]
+    again = train(dump, corpus, *command[:1], "8", *command[2:])
+    assert ("checkpoint.load_step = 2 was applied by an earlier attempt of this run, which saved step 6 since: "
+            "resuming from the newest") in again.stderr
+    assert f"resumed from {dump}/checkpoint/step-6 at step 6" in again.stderr
+    assert sorted(losses(dump)) == list(range(1, 9))
+
+
+# ---- nothing silently changed --------------------------------------------------------------------------
+
+
+def test_resume_with_another_seed_is_refused(trained_run, tmp_path, corpus):
+    """The seed orders the data: another one on resume would train on other batches than it says."""
+    dump = copy_run(trained_run, tmp_path / "run")
+    before = snapshot(dump)
+    proc = train(dump, corpus, *MORE, "--job.seed", "7", check=False)
+    assert proc.returncode == 2
+    assert error_lines(proc.stderr) == [
+        f"error: {dump}/checkpoint/step-4 was trained with job.seed = 0, this run has 7: resume with --job.seed 0 "
+        f"(the data order depends on it)"]
+    assert snapshot(dump) == before
+
+
+# ---- data a user was handed ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def prepared(tmp_path) -> Path:
+    """A dataset prepared with the byte tokenizer (258 ids; the model's padded vocabulary is 320)."""
+    from titanlike.data import prepare
+
+    text = tmp_path / "in"
+    text.mkdir()
+    for i in range(120):
+        (text / f"{i}.txt").write_text(f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 20)
+    rc, err = call(prepare.main, str(tmp_path / "data"), str(text))
+    assert rc == 0, err
+    return tmp_path / "data"
+
+
+def test_token_ids_beyond_the_tokenizer_are_caught(prepared, tmp_path, corpus):
+    import numpy as np
+
+    from titanlike.data.shards import write_shard
+
+    ids = (np.arange(20_000) % 250).astype(np.uint16)
+    ids[5_000] = 300  # below the padded vocabulary (320), above the byte tokenizer's 258 ids
+    shard = next((prepared / "train").iterdir())
+    write_shard(shard, ids)
+    proc = train(tmp_path / "run", None, "--training.steps", "1", "--data.path", str(prepared / "train"),
+                 "--validation.enable", "false", check=False)
+    assert proc.returncode == 2
+    assert error_lines(proc.stderr) == [
+        f"error: {shard} holds token id 300 but its tokenizer ({prepared}/dataset.json) has 258 ids; the shards do "
+        f"not come from that tokenizer: re-make them with titanlike-prepare"]
+
+
+@pytest.mark.parametrize("tokenizer,refused", [
+    (None, "names no tokenizer"),
+    ({"kind": "huggingface", "file": "ELSEWHERE"}, "must be a file name in the dataset's own folder"),
+    ({"kind": "huggingface", "file": "../elsewhere/tokenizer.json"}, "must be a file name in the dataset's own folder"),
+])
+def test_a_dataset_json_is_read_through_one_gate(prepared, tmp_path, corpus, tokenizer, refused):
+    """No tokenizer entry, or a tokenizer file outside the dataset's folder (which would be copied into
+    the run folder): one line, and no tokenizer copied."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "tokenizer.json").write_text('{"secret": true}')
+    info = json.loads((prepared / "dataset.json").read_text())
+    if tokenizer is None:
+        del info["tokenizer"]
+    else:
+        file = str(elsewhere / "tokenizer.json") if tokenizer["file"] == "ELSEWHERE" else tokenizer["file"]
+        info["tokenizer"] = {**info["tokenizer"], **tokenizer, "file": file}
+    (prepared / "dataset.json").write_text(json.dumps(info))
+    dump = tmp_path / "run"
+    proc = train(dump, None, "--training.steps", "1", "--data.path", str(prepared / "train"),
+                 "--validation.enable", "false", check=False)
+    assert proc.returncode == 2
+    (line,) = error_lines(proc.stderr)
+    assert line.startswith(f"error: {prepared}/dataset.json") and refused in line
+    assert not (dump / "tokenizer.json").exists()
+
+
+def test_a_dump_folder_whose_name_is_not_utf8_is_one_line(tmp_path, corpus):
+    dump = Path(os.fsdecode(bytes(tmp_path) + b"/bad\xff"))
+    proc = train(dump, corpus, "--training.steps", "1", check=False)
+    assert proc.returncode == 2
+    assert error_lines(proc.stderr) == [
+        f"error: job.dump_folder = '{tmp_path}/bad\N{REPLACEMENT CHARACTER}': the name is not valid UTF-8; use a "
+        f"folder name in UTF-8"]
+
+
+# ---- export and generate ------------------------------------------------------------------------------
+
+
+def test_export_of_a_folder_with_garbage_is_one_line(trained_run, tmp_path):
+    from titanlike.hf import export
+
+    dump = copy_run(trained_run, tmp_path / "run")
+    step = dump / "checkpoint" / "step-4"
+    (step / "model_args.json").write_text("{garbage")
+    rc, err = call(export.main, str(step), str(tmp_path / "hf"))
+    assert rc == 2 and len(error_lines(err)) == 1 and "model_args.json" in error_lines(err)[0]
+    # A foreign folder (no manifest) whose .metadata is not a pickle at all, exported with the trust flag.
+    foreign = tmp_path / "foreign"
+    shutil.copytree(trained_run / "checkpoint" / "step-4", foreign)
+    (foreign / "manifest.json").unlink()
+    (foreign / ".metadata").write_bytes(b"not a pickle")
+    rc, err = call(export.main, str(foreign), str(tmp_path / "hf2"), "--trust-pickled-dcp")
+    assert rc == 2
+    (line,) = error_lines(err)
+    assert line.startswith(f"error: {foreign}/.metadata cannot be read (")
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf2").exists()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--max-new-tokens", "1e12"], "argument --max-new-tokens: invalid int value: '1e12'"),
+    (["--max-new-tokens", str(10**12)], "--max-new-tokens 1000000000000: the model's context is 131072 tokens"),
+    (["--temperature", "nan"], "--temperature nan must be a finite number >= 0"),
+    (["--prompt", "\udcff\udcfe"], "--prompt is not valid UTF-8 text"),
+])
+def test_generate_refuses_absurd_arguments_in_one_line(trained_run, argv, message):
+    from titanlike.hf import generate
+
+    rc, err = call(generate.main, str(trained_run / "checkpoint" / "step-4"), "--device", "cpu", *argv)
+    assert rc == 2
+    (line,) = error_lines(err)
+    assert line.startswith(f"error: {message}")
+
+
+def test_generates_advice_for_a_foreign_checkpoint_names_its_own_flag(trained_run, tmp_path):
+    """The refusal of a folder not written on this account names a flag generate accepts, and it works."""
+    from titanlike.hf import generate
+
+    foreign = tmp_path / "foreign"
+    shutil.copytree(trained_run / "checkpoint" / "step-4", foreign)
+    (foreign / "manifest.json").unlink()
+    argv = (str(foreign), "--prompt", "a", "--max-new-tokens", "2", "--temperature", "0", "--device", "cpu")
+    rc, err = call(generate.main, *argv)
+    assert rc == 2 and "--trust-pickled-dcp" in error_lines(err)[0]
+    rc, err = call(generate.main, *argv, "--trust-pickled-dcp")
+    assert rc == 0, err
+
+
+# ---- importing a Hugging Face folder -------------------------------------------------------------------
+
+
+@pytest.fixture
+def hf_folder(trained_run, tmp_path) -> Path:
+    from titanlike.hf import export
+
+    rc, err = call(export.main, str(trained_run / "checkpoint" / "step-4"), str(tmp_path / "hf"))
+    assert rc == 0, err
+    return tmp_path / "hf"
+
+
+def test_a_pytorch_bin_only_folder_says_how_to_convert(hf_folder, tmp_path, corpus):
+    import torch
+
+    (hf_folder / "model.safetensors").unlink()
+    marker = tmp_path / "code-ran"
+    torch.save({"payload": Payload(marker)}, hf_folder / "pytorch_model.bin")
+    proc = train(tmp_path / "run", corpus, "--training.steps", "1", "--model.flavor", "hf",
+                 "--checkpoint.initial_load_path", str(hf_folder), check=False)
+    assert proc.returncode == 2 and not marker.exists()
+    (line,) = error_lines(proc.stderr)
+    assert line.startswith(f"error: {hf_folder} holds pytorch_model.bin but no .safetensors: titanlike reads "
+                           f"safetensors only")
+    assert "save_pretrained" in line
+
+
+def test_import_advice_does_not_loop(hf_folder, tmp_path, corpus):
+    """Each refusal's advice, followed, is not refused for the reason the advice gave."""
+    from safetensors.torch import load_file, save_file
+
+    vocab = train(tmp_path / "a", corpus, "--training.steps", "1", "--model.flavor", "hf", "--model.vocab_size", "512",
+                  "--checkpoint.initial_load_path", str(hf_folder), check=False)
+    (line,) = error_lines(vocab.stderr)
+    assert "leave model.vocab_size unset" in line and "use --model.flavor hf" not in line
+
+    weights = load_file(hf_folder / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, hf_folder / "model.safetensors", metadata={"format": "pt"})
+    untied = train(tmp_path / "b", corpus, "--training.steps", "1", "--model.flavor", "hf",
+                   "--checkpoint.initial_load_path", str(hf_folder), check=False)
+    (line,) = error_lines(untied.stderr)
+    assert "has no lm_head.weight, yet its config.json says tie_word_embeddings false" in line
+    assert "--model.tie_embeddings" not in line
