@@ -529,7 +529,7 @@ def test_every_shipped_config_runs_in_bf16_with_one_flag(toml):
     assert cfg.fp8.recipe == "none"
 
 
-def test_gpt2_112m_config_is_the_issue_shape():
+def test_gpt2_112m_config_is_the_reports_shape():
     from titanlike.config.resolve import resolve_model_args
     from titanlike.model.shape import count_params
 

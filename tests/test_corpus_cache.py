@@ -28,7 +28,7 @@ def test_cache_folder_is_home_or_the_env_var(tmp_path, monkeypatch):
 
 def test_the_embedded_corpus_comes_from_the_cache_not_the_run_folder(tmp_path, monkeypatch, corpus):
     monkeypatch.setenv("TITANLIKE_CACHE", str(Path(corpus[0]).parent))
-    assert resolve_paths("", "") == corpus  # the session's cache (conftest), built once
+    assert resolve_paths("", "") == corpus  # the test run's cache (conftest), built once
     v = sys.version_info
     assert Path(corpus[0]).name == f"stdlib-{sys.implementation.name}{v.major}.{v.minor}.{v.micro}-v1-train.bin"
     assert Shard(corpus[0]).count > 1_000_000 and Shard(corpus[1]).count > 10_000

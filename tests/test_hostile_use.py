@@ -4,7 +4,7 @@ Each test is one attack and asserts what happens now: no code runs from a checkp
 edited checkpoint is refused, one run owns a checkpoint folder, no file is written through a link,
 every load checks the manifest, and bad input is one `error:` line with exit 2 and nothing changed
 on disk. docs/troubleshooting.md has the table of attacks and results. One rank, in this process
-(train_here), on copies of the session's trained run.
+(train_here), on copies of the test run's trained run (conftest).
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ def check_interrupted(dump: Path, proc: subprocess.Popen, log: Path) -> int:
     stopped = [line for line in out.splitlines() if "interrupted: stopped after step" in line]
     assert len(stopped) == 1, out[-4000:]
     step = int(stopped[0].split("after step ")[1].split(";")[0])
-    # No --checkpoint.enable was given: saved anyway, and the same command resumes from it (issue 16.5).
+    # No --checkpoint.enable was given: saved anyway, and the same command resumes from it.
     assert stopped[0].endswith(f"checkpoint at {dump / 'checkpoint' / f'step-{step}'}; run the same command "
                                f"to resume"), stopped[0]
     assert stopped[0] == out.rstrip().splitlines()[-1]  # the last word

@@ -1,7 +1,8 @@
-"""Checkpoints and resume you can trust (issue 16): changed settings apply, nothing the user saved is
-deleted by a resume, damage is found and routed around, no code runs from a file, one folder is one
-run's history. Single-process runs (`python -m titanlike.train`, the one-GPU launch) on the debug
-model, on CPU: the two-rank paths are in test_checkpoint.py."""
+"""Checkpoints and resume you can trust: changed settings apply, nothing the user saved is deleted by
+a resume, damage is found and routed around, no code runs from a file, one folder is one run's
+history. One rank on the debug model, on CPU: in this process (train_here) where a function call
+tests the same thing, as `python -m titanlike.train` where the process boundary is under test (a
+second process, signals, ulimit). The two-rank paths are in test_checkpoint.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, _env, metrics, run_python
+from conftest import ROOT, _env, metrics, run_python, train_here
 from test_checkpoint import error_lines, logged_steps, output, start, wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -33,7 +34,8 @@ def args(dump: Path, corpus, *extra: str) -> list[str]:
 
 
 def train(dump: Path, corpus, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = run_python(*args(dump, corpus, *extra), timeout=600)
+    """One rank in this process (train_here): what `python -m titanlike.train args(...)` does."""
+    proc = train_here(dump, "--data.path", corpus[0], *BASE, *extra, check=False)
     if check:
         assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
@@ -66,7 +68,6 @@ def only_steps(ref: Path, dump: Path, *steps: int) -> Path:
 # ---- 1. changed optimizer settings apply on resume ---------------------------------------------------
 
 
-@pytest.mark.slow
 def test_resume_applies_the_configured_optimizer_and_schedule(ref, tmp_path, corpus):
     from titanlike.config import load_config
     from titanlike.optim import lr_factor
@@ -119,7 +120,6 @@ def test_optimizer_state_load_keeps_the_configured_hyperparameters(tmp_path):
 # ---- 3. an older load_step sets the later checkpoints aside; pruning keeps what was written last -----
 
 
-@pytest.mark.slow
 def test_load_step_sets_later_steps_aside_and_keeps_the_new_ones(ref, tmp_path, corpus):
     shutil.copytree(ref / "checkpoint", tmp_path / "checkpoint")
     proc = train(tmp_path, corpus, *K, "--checkpoint.load_step", "2", "--checkpoint.keep_latest_k", "2")
@@ -161,7 +161,6 @@ def _garbage_metadata(step: Path) -> str:
 
 @pytest.mark.parametrize("damage", [_zero_middle, _empty, _no_metadata, _garbage_metadata],
                          ids=["zeroed-bytes", "emptied-shard", "missing-metadata", "garbage-metadata"])
-@pytest.mark.slow
 def test_damaged_newest_step_falls_back_to_the_newest_intact(ref, tmp_path, corpus, damage):
     folder = only_steps(ref, tmp_path, 4, 6)
     named = damage(folder / "step-6")
@@ -176,7 +175,6 @@ def test_damaged_newest_step_falls_back_to_the_newest_intact(ref, tmp_path, corp
     assert "step-6.damaged" in os.listdir(folder)  # kept for a look, never loaded again
 
 
-@pytest.mark.slow
 def test_no_intact_checkpoint_stops_with_exit_2(ref, tmp_path, corpus):
     folder = only_steps(ref, tmp_path, 4, 6)
     _zero_middle(folder / "step-4")
@@ -198,7 +196,6 @@ def test_no_intact_checkpoint_stops_with_exit_2(ref, tmp_path, corpus):
 # ---- 2. no code from a file ---------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_trainer_state_is_json_and_tensors(ref):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -289,7 +286,6 @@ def test_preempted_run_without_checkpoint_enable_resumes_with_the_same_command(r
 # ---- 6. another number of loader workers on resume ---------------------------------------------------
 
 
-@pytest.mark.slow
 def test_resume_with_another_number_of_workers_is_exact(ref, tmp_path, corpus):
     only_steps(ref, tmp_path, 4)
     proc = train(tmp_path, corpus, *K, "--data.num_workers", "2")
@@ -301,7 +297,6 @@ def test_resume_with_another_number_of_workers_is_exact(ref, tmp_path, corpus):
 # ---- 7/8. unwritable folders before step 1; a failed save names its cause ------------------------------
 
 
-@pytest.mark.slow
 def test_unwritable_folders_are_found_before_step_1(tmp_path, corpus):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
@@ -362,7 +357,6 @@ def test_a_second_run_into_a_folder_in_use_refuses_and_a_dead_runs_folder_is_tak
 # ---- 15.4 / 12. one folder, one run's history ---------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_a_fresh_run_moves_another_runs_records_aside(ref, tmp_path, corpus):
     for name in ("metrics.jsonl", "config.toml", "tb"):
         src = ref / name
@@ -376,7 +370,6 @@ def test_a_fresh_run_moves_another_runs_records_aside(ref, tmp_path, corpus):
     assert len(os.listdir(tmp_path / "tb")) == 1
 
 
-@pytest.mark.slow
 def test_a_resumed_run_drops_the_interrupted_attempts_records(ref, tmp_path, corpus):
     shutil.copytree(ref, tmp_path / "run")
     dump = tmp_path / "run"

@@ -101,7 +101,7 @@ def test_config_toml_written(run):
     assert cfg["job"]["dump_folder"] == str(dump)
     assert cfg["job"]["config_file"].endswith("train_configs/debug_model.toml")
     assert cfg["optimizer"]["lr"] == LR
-    # The embedded corpus comes from the per-machine cache (the session's, conftest), not the run folder.
+    # The embedded corpus comes from the per-machine cache (the test run's, conftest), not the run folder.
     assert not (dump / "corpus").exists() and list(Path(CACHE).glob("stdlib-*-train.bin"))
 
 

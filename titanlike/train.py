@@ -16,7 +16,6 @@ import contextlib
 import logging
 import math
 import os
-import socket
 import sys
 import time
 
@@ -60,6 +59,14 @@ def resumable_settings(cfg: JobConfig) -> dict:
 
 class Trainer:
     def __init__(self, cfg: JobConfig):
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.close(publish=False)  # a build stopped half-way unlocks the folders it took
+            raise
+
+    def _build(self, cfg: JobConfig) -> None:
+        """The parts of a run, in the order each needs the ones before it."""
         self.cfg = cfg
         t = cfg.training
 
@@ -403,30 +410,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
         publish = world == 1 or e.same_on_all_ranks
         return 2
-    except torch.OutOfMemoryError:
+    except RuntimeError as e:  # out of memory, or a peer rank gone: one line where it is one of those
         publish = world == 1
-        if cfg is None:
+        known = faults.explain(e, cfg, trainer, world, rank)
+        if known is None:
             raise
-        snapshot = trainer.profiler.oom_snapshot(trainer.state.step) if trainer is not None else None
-        gpu = torch.cuda.is_available() and cfg.training.device != "cpu"
-        device = trainer.device if trainer is not None else torch.device("cuda" if gpu else "cpu")
-        step = trainer.state.step if trainer is not None else None
-        message = faults.oom_message(cfg, world, rank, step, faults.gpu_memory(device), snapshot)
-        print(f"error: {message}", file=sys.stderr)
-        return 2
-    except RuntimeError as e:
-        publish = world == 1
-        if "can't allocate memory" in str(e):  # the CPU allocator: a model or batch too large for this machine
-            want = next((w for w in str(e).split("allocate ")[1:] if w[:1].isdigit()), "").split(" bytes")[0]
-            size = f"{int(want) / 2**30:.1f} GiB" if want.isdigit() else "more memory than there is"
-            print(f"error: out of host memory: an allocation of {size} failed; check --model.* sizes, "
-                  f"--training.local_batch_size and --data.seq_len", file=sys.stderr)
-            return 2
-        failure = faults.collective_failure(e)  # a peer died or hung, or the network failed
-        if failure is None:
-            raise
-        print(f"error: rank {rank} on {socket.gethostname()}: {failure}", file=sys.stderr)
-        return 1
+        print(f"error: {known[1]}", file=sys.stderr)
+        return known[0]
     except BaseException:
         publish = world == 1
         raise

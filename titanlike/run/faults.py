@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import Callable
 
 import torch
@@ -128,3 +129,25 @@ def oom_message(cfg, world_size: int, rank: int, step: int | None, memory: dict 
     seen = f"; memory snapshot in {snapshot}" if snapshot else "; --profiling.memory_snapshot shows what held it"
     return (f"out of GPU memory on {where} {when}: {peak}; training.local_batch_size {b} × data.seq_len "
             f"{d.seq_len}; to use less: {', '.join(knobs)}{seen}")
+
+
+def explain(e: RuntimeError, cfg, trainer, world_size: int, rank: int) -> tuple[int, str] | None:
+    """(exit code, the one line to print) for a failure a user can act on: out of GPU or host memory,
+    a peer rank or the network gone; None for anything else (the traceback is the report)."""
+    if isinstance(e, torch.OutOfMemoryError):
+        if cfg is None:
+            return None
+        snapshot = trainer.profiler.oom_snapshot(trainer.state.step) if trainer is not None else None
+        gpu = torch.cuda.is_available() and cfg.training.device != "cpu"
+        device = trainer.device if trainer is not None else torch.device("cuda" if gpu else "cpu")
+        step = trainer.state.step if trainer is not None else None
+        return 2, oom_message(cfg, world_size, rank, step, gpu_memory(device), snapshot)
+    if "can't allocate memory" in str(e):  # the CPU allocator: a model or batch too large for this machine
+        want = next((w for w in str(e).split("allocate ")[1:] if w[:1].isdigit()), "").split(" bytes")[0]
+        size = f"{int(want) / 2**30:.1f} GiB" if want.isdigit() else "more memory than there is"
+        return 2, (f"out of host memory: an allocation of {size} failed; check --model.* sizes, "
+                   f"--training.local_batch_size and --data.seq_len")
+    failure = collective_failure(e)  # a peer died or hung, or the network failed
+    if failure is None:
+        return None
+    return 1, f"rank {rank} on {socket.gethostname()}: {failure}"
