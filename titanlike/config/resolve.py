@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from titanlike.config.loader import ConfigError
 from titanlike.config.schema import JobConfig
-from titanlike.data.dataset_info import DatasetInfo, read_dataset_info
+from titanlike.data.dataset_info import DatasetInfo
+from titanlike.data.schedule import run_dataset_info
 from titanlike.hf.config import read_hf_config
 from titanlike.model.shape import PRESETS, ModelArgs, llama_ffn_dim, model_args, round_vocab
 
@@ -48,7 +49,7 @@ def resolve_model(cfg: JobConfig) -> ResolvedModel:
     m = cfg.model
     overrides = m.shape_overrides()
     notes: list[str] = []
-    info = read_dataset_info(cfg.data.path) if cfg.data.path else None
+    info = run_dataset_info(cfg.data)  # data.path's, or the one a mixture's sources share
     if m.flavor == "hf":
         folder = cfg.checkpoint.initial_load_path
         base = read_hf_config(folder)

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Literal
 
 from titanlike.config.loader import ConfigError
+from titanlike.data import schedule
 from titanlike.model.shape import PRESETS, model_args
 
 # data.num_workers: loader processes beyond a few per core only cost memory (each holds the dataset).
@@ -110,10 +112,20 @@ class Data:
     machine into ~/.cache/titanlike or $TITANLIKE_CACHE)."""
     val_path: str = ""
     """Validation shards ("" = none, except for the embedded corpus, which holds out its own)."""
+    mix: str = ""
+    """A weighted mixture of prepared datasets instead of data.path: "web=data/web:0.7,code=data/code:0.3",
+    each NAME=FOLDER:WEIGHT with FOLDER what titanlike-prepare wrote (dataset.json, train/, val/); in TOML
+    the same string or [[data.mix]] tables with name, path and weight. Weights are positive and
+    normalised; all sources share one tokenizer. Each sample's source is a function of (job.seed, its
+    position), so a mixture resumes exactly at any world size; a small source repeats (a new order each
+    epoch) while a large one goes on. Validation reads each source's val/ (docs/data.md)."""
     seq_len: int = 256
     """Tokens per sample (each sample reads seq_len + 1 tokens: inputs and shifted targets)."""
     num_workers: int = 0
     """Data-loader worker processes per rank (0 = load in the training process)."""
+
+    # TOML's other spelling of a field, turned into the field's value as it is read (config/loader.py).
+    toml_forms = MappingProxyType({"mix": schedule.mix_from_tables})
 
     def validate(self) -> None:
         need(self.seq_len >= 8, f"data.seq_len = {self.seq_len} must be at least 8")
@@ -125,6 +137,13 @@ class Data:
              f"({cores} cores here): use at most {MAX_WORKERS_PER_CORE * cores}")
         for key, path in (("data.path", self.path), ("data.val_path", self.val_path)):
             need(not path or os.path.exists(path), f"{key} = {path!r}: no such file or folder")
+        need(not (self.mix and (self.path or self.val_path)),
+             "data.mix names the training data and each source's val/ its validation data: leave data.path and "
+             "data.val_path unset (a mixture of one source is data.path)")
+        problem = schedule.mix_problem(self.mix) if self.mix else None
+        need(problem is None, f"data.mix = {self.mix!r}: {problem}")
+        for source in schedule.all_sources(self) if self.mix else []:
+            need(os.path.exists(source.path), f"data source {source.name} = {source.path!r}: no such folder")
 
 
 @dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -58,6 +59,31 @@ class TokenWindows(torch.utils.data.Dataset):
         return torch.from_numpy(window.astype(np.int64))
 
 
+class MixedWindows(torch.utils.data.Dataset):
+    """The windows of a mixture's sources as one dataset: source s's windows are numbered from
+    offsets[s] (as mixture.MixturePlan numbers them)."""
+
+    def __init__(self, parts: list[TokenWindows]):
+        self.parts = parts
+        self.offsets = np.cumsum([0] + [len(p) for p in parts])
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        source = int(np.searchsorted(self.offsets, index, side="right")) - 1
+        return self.parts[source][index - int(self.offsets[source])]
+
+
+class SamplePlan(Protocol):
+    """Which window each global sample position reads: order.EpochOrder or mixture.MixturePlan."""
+
+    kind: str
+    """The kind of epoch order (order.ORDERS), which a checkpoint records."""
+
+    def windows(self, positions: np.ndarray) -> np.ndarray: ...
+
+
 class GlobalBatchSampler:
     """Yields this rank's micro-batches of window indices, forever, epoch after epoch.
 
@@ -66,7 +92,7 @@ class GlobalBatchSampler:
     of the position, so this rank's micro-batches follow from (step, rank, world size) alone.
     """
 
-    def __init__(self, plan: EpochOrder, local_batch: int, global_batch: int, dp_rank: int, dp_world: int,
+    def __init__(self, plan: SamplePlan, local_batch: int, global_batch: int, dp_rank: int, dp_world: int,
                  start_step: int = 0):
         self.plan, self.local, self.global_batch = plan, local_batch, global_batch
         self.rank, self.world, self.start_step = dp_rank, dp_world, start_step
@@ -111,7 +137,8 @@ class TrainLoader:
     any number of loader workers. A state without the order kind was saved before there was a choice:
     it means affine, so such a checkpoint resumes with the windows its run would have read."""
 
-    def __init__(self, dataset: TokenWindows, sampler: GlobalBatchSampler, num_workers: int, pin_memory: bool):
+    def __init__(self, dataset: torch.utils.data.Dataset, sampler: GlobalBatchSampler, num_workers: int,
+                 pin_memory: bool):
         self.sampler = sampler
         self.loader = torch.utils.data.DataLoader(
             dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
@@ -181,12 +208,15 @@ def open_dataset(path: str, seq_len: int, vocab_size: int, what: str, tokenizer:
     return TokenWindows(open_shards(path, seq_len, limit, source, what), seq_len, limit, source)
 
 
-def build_train_loader(dataset: TokenWindows, local_batch: int, global_batch: int, dp_rank: int,
-                       dp_world: int, seed: int, num_workers: int, pin_memory: bool) -> TrainLoader:
+def build_train_loader(dataset: TokenWindows | MixedWindows, local_batch: int, global_batch: int, dp_rank: int,
+                       dp_world: int, seed: int, num_workers: int, pin_memory: bool,
+                       plan: SamplePlan | None = None) -> TrainLoader:
+    """The loader over `dataset` in `plan`'s order (default: the dataset's own epoch order)."""
     if len(dataset) < global_batch:
         raise DataError(
             f"the training data has {len(dataset)} samples of data.seq_len + 1 tokens, fewer than one "
             f"global batch of {global_batch}; use more data, a shorter data.seq_len or a smaller batch"
         )
-    sampler = GlobalBatchSampler(EpochOrder(len(dataset), seed), local_batch, global_batch, dp_rank, dp_world)
+    plan = plan if plan is not None else EpochOrder(len(dataset), seed)
+    sampler = GlobalBatchSampler(plan, local_batch, global_batch, dp_rank, dp_world)
     return TrainLoader(dataset, sampler, num_workers, pin_memory)
