@@ -119,8 +119,9 @@ def sources(tmp_path_factory) -> dict[str, str]:
     return {"web": prepared(root, "web", 60, "web page"), "code": prepared(root, "code", 15, "def f(): return")}
 
 
-def data_section(mix: str, workers: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(mix=mix, path="", val_path="", seq_len=16, num_workers=workers)
+def data_section(mix: str, workers: int = 0, **schedule) -> SimpleNamespace:
+    return SimpleNamespace(**{"mix": mix, "path": "", "val_path": "", "seq_len": 16, "num_workers": workers,
+                              "anneal_mix": "", "anneal_from_step": 0, "phase": "", **schedule})
 
 
 @pytest.mark.parametrize("workers", [0, 2])

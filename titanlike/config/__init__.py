@@ -10,6 +10,7 @@ from __future__ import annotations
 from titanlike.config import loader
 from titanlike.config.loader import ConfigError, field_docs, to_toml
 from titanlike.config.schema import JobConfig, validate_across_sections
+from titanlike.data import schedule
 
 __all__ = ["ConfigError", "JobConfig", "field_docs", "help_text", "load_config", "resumable_settings", "sections",
            "to_toml", "validate"]
@@ -47,4 +48,4 @@ def resumable_settings(cfg: JobConfig) -> dict:
             "optimizer.eps": o.eps, "lr_scheduler.warmup_steps": s.warmup_steps,
             "lr_scheduler.decay_ratio": s.decay_ratio, "lr_scheduler.decay_type": s.decay_type,
             "lr_scheduler.min_lr_factor": s.min_lr_factor, "training.steps": cfg.training.steps,
-            "fp8.recipe": cfg.fp8.recipe}
+            "fp8.recipe": cfg.fp8.recipe, "data.schedule": schedule.describe(cfg.data)}

@@ -63,7 +63,7 @@ def build_run_data(data: Any, vocab_size: int, tokenizer: tuple[int, str] | None
     sources = schedule.all_sources(data)
     mixed = schedule.is_mixture(data)
     if mixed:
-        splits = [s.splits() for s in sources]
+        splits = [s.splits(data.val_path if s.name == schedule.SINGLE else "") for s in sources]
         what = [f"data source {s.name}" for s in sources]
     else:  # data.path as it always was: the embedded corpus when empty, data.val_path for validation
         splits, what = [resolve_paths(data.path, data.val_path)], ["data.path"]

@@ -58,6 +58,8 @@ class Phase:
     start_step: int
     """The first optimizer step (numbered from 1, as the logs number them) that reads this mixture."""
     sources: tuple[Source, ...]
+    option: str = "data.mix"
+    """The option that names it, for messages."""
 
 
 def parse_mix(text: str) -> list[Source]:
@@ -121,10 +123,73 @@ def mix_from_tables(value: Any) -> str:
     return ",".join(items)
 
 
+def parse_phases(text: str) -> list[tuple[int, list[Source]]]:
+    """The phases of a data.phase string, "STEP:MIX;STEP:MIX"; a ValueError with the first problem."""
+    out: list[tuple[int, list[Source]]] = []
+    for item in (t.strip() for t in text.split(";")):
+        step_text, colon, mix = item.partition(":")
+        if not colon:
+            raise ValueError(f"{item!r} is not STEP:MIX")
+        try:
+            step = int(step_text.strip())
+        except ValueError:
+            raise ValueError(f"phase step {step_text.strip()!r} is not a whole number") from None
+        try:
+            out.append((step, parse_mix(mix)))
+        except ValueError as e:
+            raise ValueError(f"the phase from step {step}: {e}") from None
+    steps = [step for step, _ in out]
+    if steps != sorted(set(steps)):
+        raise ValueError(f"phase steps {', '.join(map(str, steps))} must increase")
+    return out
+
+
+def phase_problem(text: str) -> str | None:
+    try:
+        parse_phases(text)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def phases_from_tables(value: Any) -> str:
+    """`[[data.phase]]` tables (from_step, and mix: a mix string or [[data.phase.mix]] tables) in TOML,
+    as the phase string the option holds."""
+    if not isinstance(value, list) or not value or not all(isinstance(t, dict) for t in value):
+        raise ValueError("must be a phase string or [[data.phase]] tables with from_step and mix")
+    items = []
+    for t in value:
+        if set(t) != {"from_step", "mix"}:
+            raise ValueError(f"a [[data.phase]] table has keys from_step and mix (not {', '.join(sorted(t))})")
+        if isinstance(t["from_step"], bool) or not isinstance(t["from_step"], int):
+            raise ValueError(f"a [[data.phase]] table's from_step {t['from_step']!r} is not a whole number")
+        items.append(f"{t['from_step']}:{t['mix'] if isinstance(t['mix'], str) else mix_from_tables(t['mix'])}")
+    return ";".join(items)
+
+
 def phases(data: Any) -> list[Phase]:
-    """The run's mixtures in step order (`data` is the config's [data] section): phase one from step 1."""
+    """The run's mixtures in step order (`data` is the config's [data] section): data.mix or data.path
+    from step 1, then data.anneal_mix from data.anneal_from_step, or each of data.phase."""
     first = tuple(parse_mix(data.mix)) if data.mix else (Source(SINGLE, data.path, 1.0),)
-    return [Phase(1, first)]
+    out = [Phase(1, first, "data.mix" if data.mix else "data.path")]
+    if data.anneal_mix:
+        out.append(Phase(data.anneal_from_step, tuple(parse_mix(data.anneal_mix)), "data.anneal_from_step"))
+    elif data.phase:
+        out += [Phase(step, tuple(sources), "data.phase") for step, sources in parse_phases(data.phase)]
+    return out
+
+
+def name_conflict(data: Any) -> str | None:
+    """A source name that two phases give different folders, as a problem line (a source is one
+    dataset across the schedule: it goes on where it stopped)."""
+    seen: dict[str, tuple[str, str]] = {}
+    for phase in phases(data):
+        for s in phase.sources:
+            path, option = seen.setdefault(s.name, (s.path, phase.option))
+            if path != s.path:
+                return (f"data source {s.name} is {path!r} in {option} but {s.path!r} in {phase.option}: a name is "
+                        f"one dataset over the whole schedule (name the other one differently)")
+    return None
 
 
 def is_mixture(data: Any) -> bool:
@@ -142,8 +207,9 @@ def all_sources(data: Any) -> list[Source]:
 
 
 def describe(data: Any) -> str:
-    """The schedule in one line, as a resume compares it with the checkpoint's."""
-    return "; ".join(f"from step {p.start_step}: " + ",".join(f"{s.name}={s.path}:{s.weight:g}" for s in p.sources)
+    """The schedule in one line, as a resume compares it with the checkpoint's: each phase's first step,
+    sources and weights (not the folders, which a user may move)."""
+    return "; ".join(f"from step {p.start_step}: " + ", ".join(f"{s.name} {s.weight:g}" for s in p.sources)
                      for p in phases(data))
 
 
