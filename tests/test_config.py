@@ -187,6 +187,7 @@ INVALID = [
     (["--model.flavor", "9b"], "model.flavor = '9b' is not a preset"),
     (["--model.vocab_size", "-1"], "model.vocab_size = -1 must be >= 0"),
     (["--model.dim", "-8"], "model.dim = -8 must be >= 0 (0 = the preset's)"),
+    (["--model.attn_mask", "document"], "model.attn_mask = 'document' is not one of causal, block_causal"),
     (["--model.flavor", "hf"], "model.flavor = hf takes the shape from a Hugging Face folder's config.json"),
     (["--model.n_kv_heads", "3"],
      "model shape (debug with the model.* overrides): n_heads = 8 is not divisible by n_kv_heads = 3"),
@@ -520,7 +521,8 @@ def test_launcher_print_config(tmp_path):
     assert printed == _without_none(dataclasses.asdict(resolved(expected)))
     assert printed["model"] == {"flavor": "debug", "vocab_size": 320, "tie_embeddings": False, "dim": 256,
                                 "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 768, "rope_theta": 10000.0,
-                                "norm_eps": 1e-05, "qk_norm": False, "max_seq_len": 131072}
+                                "norm_eps": 1e-05, "qk_norm": False, "max_seq_len": 131072,
+                                "attn_mask": "causal"}
     assert printed["training"]["steps"] == 5 and printed["data"]["seq_len"] == 256  # CLI and debug TOML
     assert "train step" not in proc.stdout + proc.stderr  # printed, not trained
 

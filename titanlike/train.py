@@ -94,7 +94,7 @@ class Trainer:
 
         # ---- 3. Model: meta → float8 → AC → compile → FSDP → materialise → init ----------------------
         with torch.device("meta"):
-            model = Transformer(self.margs)
+            model = Transformer(self.margs, document_end=shape.document_end)  # block_causal splits documents there
         self.flops_per_token = flops_per_token(self.margs, cfg.data.seq_len)
         self.float8 = Float8Converter.from_config(cfg.fp8, self.dims.dp_shard)
         float8_report = self.float8.convert(model, device=self.device, batch=t.local_batch_size,

@@ -48,4 +48,5 @@ def resumable_settings(cfg: JobConfig) -> dict:
             "optimizer.eps": o.eps, "lr_scheduler.warmup_steps": s.warmup_steps,
             "lr_scheduler.decay_ratio": s.decay_ratio, "lr_scheduler.decay_type": s.decay_type,
             "lr_scheduler.min_lr_factor": s.min_lr_factor, "training.steps": cfg.training.steps,
-            "fp8.recipe": cfg.fp8.recipe, "data.schedule": schedule.describe(cfg.data)}
+            "fp8.recipe": cfg.fp8.recipe, "data.schedule": schedule.describe(cfg.data),
+            "model.attn_mask": cfg.model.attn_mask}

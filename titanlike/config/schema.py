@@ -84,11 +84,16 @@ class Model:
     max_seq_len: int = 0
     """Longest sequence the model is meant for (config.json's max_position_embeddings); data.seq_len must not
     exceed it."""
+    attn_mask: Literal["causal", "block_causal"] = "causal"
+    """causal: every token attends to all earlier tokens of its window. block_causal: only to those of its
+    own document, split at the data's end-of-document id (dataset.json's eos_id; the byte tokenizer's for
+    the embedded corpus), with flex attention on a GPU; causal runs keep SDPA. At inference each prompt is
+    one document. A resume may change it (one log line)."""
 
     def shape_overrides(self) -> dict:
         """The fields that override a preset's shape (0 / None = keep the preset's)."""
         keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta", "norm_eps", "qk_norm",
-                "max_seq_len", "vocab_size", "tie_embeddings")
+                "max_seq_len", "vocab_size", "tie_embeddings", "attn_mask")
         return {k: getattr(self, k) for k in keys}
 
     def validate(self) -> None:
