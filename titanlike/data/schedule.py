@@ -232,9 +232,13 @@ def _words(info: DatasetInfo, sig: tuple) -> str:
 def run_dataset_info(data: Any) -> DatasetInfo | None:
     """The dataset.json that describes the run's data: data.path's (if any), or that of every source of a
     mixture, which must all exist and name one tokenizer (a DatasetError line otherwise)."""
-    sources = all_sources(data)
     if not is_mixture(data):
         return read_dataset_info(data.path) if data.path else None
+    return shared_dataset_info(all_sources(data))
+
+
+def shared_dataset_info(sources: list[Source]) -> DatasetInfo | None:
+    """The dataset.json of the first source, once every source has one and all name one tokenizer."""
     first: tuple[Source, DatasetInfo, tuple] | None = None
     for s in sources:
         info = read_dataset_info(s.path)
