@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| model | data | attention | tok/s/GPU | vs one source | loss at the end |", "|---|---|---|---:|---:|---:|"]
+    lines = ["| model | data | attention | tok/s/GPU | vs one source | loss at the end |",
+             "|---|---|---|---:|---:|---:|"]
     base = {r["model"]: r.get("tps") for r in results if r["variant"] == "one source"}
     for r in results:
         data = "3 sources (0.5/0.3/0.2)" if r["variant"] == "3 sources" else "one source"

@@ -33,7 +33,7 @@ def folder_record(path: str) -> dict:
 def epochs_phrase(name: str, epochs: float) -> str:
     if epochs > 1:
         return f"{name} would repeat {epochs:.1f} times"
-    return f"{name} would be read {epochs:.0%} of the way through, once"
+    return f"{name} would be read once, {epochs:.0%} of it"
 
 
 def report(folders: list[str], mix: str, tokens: int) -> list[str]:
