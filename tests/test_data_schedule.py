@@ -106,3 +106,17 @@ def test_trainer_resumes_across_the_switch_and_logs_a_changed_schedule(tmp_path,
         "data.schedule: checkpoint from step 1: web 0.7, code 0.3; from step 3: books 0.5, web 0.5 → config "
         "from step 1: web 0.7, code 0.3; from step 4: books 0.5, web 0.5"), lines
     assert losses(changed)[3] != want[3]  # step 3 reads the first mixture now, as configured
+
+
+def test_data_path_with_an_anneal_is_a_source_named_data(sources):
+    data = data_section("", path=f"{sources['web']}/train", val_path=f"{sources['web']}/val",
+                        anneal_mix=f"books={sources['books']}/train:1", anneal_from_step=3)
+    run = build_run_data(data, 320, None, 2, 4, 0, 1, seed=2, pin_memory=False, validation=True)
+    assert run.names == ["data", "books"] and set(run.val) == {"data", "books"}  # books/train: val/ beside it
+    source, _ = run.plan.sources_and_uses(np.arange(4 * 4))
+    assert set(source[:8].tolist()) == {0} and set(source[8:].tolist()) == {1}
+    # Without a schedule, data.path reads the plain order of its windows.
+    plain = build_run_data(data_section("", path=f"{sources['web']}/train"), 320, None, 2, 4, 0, 1, seed=2,
+                           pin_memory=False, validation=True)
+    assert plain.names == ["data"] and not plain.mixed and not plain.val
+    assert plain.read_by_source() == {"tokens_by_source": {"data": 0}, "epochs_by_source": {"data": 0.0}}

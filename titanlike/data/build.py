@@ -63,7 +63,9 @@ def build_run_data(data: Any, vocab_size: int, tokenizer: tuple[int, str] | None
     sources = schedule.all_sources(data)
     mixed = schedule.is_mixture(data)
     if mixed:
-        splits = [s.splits(data.val_path if s.name == schedule.SINGLE else "") for s in sources]
+        # data.path in a schedule validates on data.val_path, as without one; a mixture's sources on their val/.
+        splits = [(s.splits()[0], data.val_path) if s.name == schedule.SINGLE and not data.mix else s.splits()
+                  for s in sources]
         what = [f"data source {s.name}" for s in sources]
     else:  # data.path as it always was: the embedded corpus when empty, data.val_path for validation
         splits, what = [resolve_paths(data.path, data.val_path)], ["data.path"]

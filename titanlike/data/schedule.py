@@ -44,13 +44,17 @@ class Source:
         return 0 if self.name == SINGLE else zlib.crc32(self.name.encode())
 
     def splits(self, val_path: str = "") -> tuple[str, str]:
-        """(training shards, validation shards or ""): a prepared folder's train/ and val/ (when val/
-        holds shards), else the path itself and `val_path`."""
-        train, val = os.path.join(self.path, "train"), os.path.join(self.path, "val")
-        if os.path.isdir(train):
-            has_val = os.path.isdir(val) and any(n.endswith(".bin") for n in os.listdir(val))
-            return train, val if has_val else ""
-        return self.path, val_path
+        """(training shards, validation shards or ""): a prepared folder's train/ and val/, or a train/
+        folder and the val/ beside it (val/ when it holds shards; `val_path` first, if given)."""
+        def shards_in(folder: str) -> bool:
+            return os.path.isdir(folder) and any(n.endswith(".bin") for n in os.listdir(folder))
+
+        path = os.path.normpath(self.path)
+        if os.path.isdir(os.path.join(path, "train")):
+            path = os.path.join(path, "train")
+        val = os.path.join(os.path.dirname(path), "val")
+        found = val if os.path.basename(path) == "train" and shards_in(val) else ""
+        return path, val_path or found
 
 
 @dataclass(frozen=True)
