@@ -113,3 +113,19 @@ def test_block_causal_needs_an_end_of_document_id(tmp_path):
     (tmp_path / "dataset.json").write_text(json.dumps({"vocab_size": 258, "tokenizer": "byte", "eos_id": 257}))
     check(load_config(["--data.path", str(shards), "--model.attn_mask", "block_causal"]), 1)
     check(load_config(["--model.attn_mask", "block_causal"]), 1)  # the embedded corpus: byte tokens
+
+
+@pytest.mark.slow
+def test_flex_attention_inside_compiled_blocks_matches_the_dense_mask():
+    """compile.enable puts flex attention inside each block's graph, fed by the RoPE kernel: its inputs
+    are pinned to a contiguous layout there (masks.py), without which torch 2.13's CPU template was wrong."""
+    model = small_model("block_causal")
+    tokens = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))
+    tokens[0, 50] = END
+    with torch.no_grad():
+        dense = model(tokens)
+        model.flex_attention = True
+        for block in model.layers:
+            block.compile(fullgraph=True)
+        compiled = model(tokens)
+    torch.testing.assert_close(compiled, dense, rtol=1e-4, atol=1e-4)
