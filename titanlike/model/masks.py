@@ -14,6 +14,9 @@ the distance between two positions, so a document's outputs are the same whateve
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 import torch.nn.functional as F
 
@@ -37,10 +40,17 @@ def document_mask(tokens: torch.Tensor, end_id: int, flex: bool | None = None):
         def same_document(b, h, q, kv):
             return (q >= kv) & (docs[b, q] == docs[b, kv])
 
-        # Compiled mask construction on a GPU: the eager form evaluates all seq² pairs in one go.
-        return create_block_mask(same_document, batch, None, seq, seq, device=tokens.device, _compile=tokens.is_cuda)
+        # Compiled mask construction on a GPU: the eager form evaluates all seq² pairs in one go. (A
+        # private argument since torch 2.5; passed only where this torch still takes it.)
+        compiled = {"_compile": True} if tokens.is_cuda and _takes_compile(create_block_mask) else {}
+        return create_block_mask(same_document, batch, None, seq, seq, device=tokens.device, **compiled)
     causal = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).tril()
     return (causal & (docs[:, :, None] == docs[:, None, :]))[:, None]
+
+
+@functools.cache
+def _takes_compile(create_block_mask) -> bool:
+    return "_compile" in inspect.signature(create_block_mask).parameters
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gqa: bool) -> torch.Tensor:
