@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from titanlike.data.loader import GlobalBatchSampler, TokenWindows, build_train_loader, open_dataset, validation_batches
+from titanlike.data.order import EpochOrder
 from titanlike.data.shards import HEADER, MAGIC, DataError, Shard, find_shards, write_shard
 from titanlike.data.tokenizer import ByteTokenizer
 
@@ -146,7 +147,7 @@ def step_samples(n, local, global_batch, world, steps, seed=0):
     """{step: [per-rank list of window indices]} from each rank's sampler."""
     out = {s: [] for s in range(steps)}
     for rank in range(world):
-        sampler = GlobalBatchSampler(n, local, global_batch, rank, world, seed)
+        sampler = GlobalBatchSampler(EpochOrder(n, seed), local, global_batch, rank, world)
         it = iter(sampler)
         accum = global_batch // (local * world)
         for s in range(steps):
@@ -175,28 +176,28 @@ def test_same_global_batch_whatever_the_world_size():
 
 def test_permutation_covers_every_window_each_epoch():
     for n in (97, 100, 1024):
-        sampler = GlobalBatchSampler(n, 4, 4, 0, 1, seed=5)
+        sampler = GlobalBatchSampler(EpochOrder(n, 5), 4, 4, 0, 1)
         epoch0 = [sampler.window(p) for p in range(n)]
         epoch1 = [sampler.window(p) for p in range(n, 2 * n)]
         assert sorted(epoch0) == list(range(n)) and sorted(epoch1) == list(range(n))
         assert epoch0 != epoch1  # a new order each epoch
         assert epoch0 != list(range(n))  # shuffled
     # Through the iterator, with the global batch dividing the corpus: one epoch = n / B steps.
-    it = iter(GlobalBatchSampler(96, 4, 8, 0, 1, seed=1))
+    it = iter(GlobalBatchSampler(EpochOrder(96, 1), 4, 8, 0, 1))
     seen = [w for _ in range(96 // 4) for w in next(it)]
     assert sorted(seen) == list(range(96))
 
 
 def test_seed_changes_the_order():
-    a = GlobalBatchSampler(500, 4, 4, 0, 1, seed=0)
-    b = GlobalBatchSampler(500, 4, 4, 0, 1, seed=1)
+    a = GlobalBatchSampler(EpochOrder(500, 0), 4, 4, 0, 1)
+    b = GlobalBatchSampler(EpochOrder(500, 1), 4, 4, 0, 1)
     assert [a.window(p) for p in range(50)] != [b.window(p) for p in range(50)]
 
 
 def test_start_step_skips_ahead():
-    full = iter(GlobalBatchSampler(300, 2, 4, 1, 2, seed=0))
+    full = iter(GlobalBatchSampler(EpochOrder(300, 0), 2, 4, 1, 2))
     batches = [next(full) for _ in range(10)]
-    resumed = iter(GlobalBatchSampler(300, 2, 4, 1, 2, seed=0, start_step=6))
+    resumed = iter(GlobalBatchSampler(EpochOrder(300, 0), 2, 4, 1, 2, start_step=6))
     assert [next(resumed) for _ in range(4)] == batches[6:]
 
 
@@ -236,7 +237,7 @@ def test_loader_seek_mid_epoch(tmp_path, num_workers):
     # And the resumed batches are not just a restart from the beginning.
     assert not all(torch.equal(a, b) for a, b in zip(head, again[:7]))
     # The batches are what the sampler prescribes (rank 1 of 2 of the global batch of 4).
-    sampler = iter(GlobalBatchSampler(20, 2, 4, 1, 2, seed=7))
+    sampler = iter(GlobalBatchSampler(EpochOrder(20, 7), 2, 4, 1, 2))
     expected = [next(sampler) for _ in range(16)]
     for batch, windows in zip(head + tail, expected):
         assert batch.shape == (2, 9)

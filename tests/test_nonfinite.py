@@ -57,6 +57,7 @@ def tensors(sd: dict) -> dict[str, torch.Tensor]:
 def batch_loss(sd: dict, corpus, step: int) -> float:
     """Loss of the checkpoint's weights on the global batch that step `step` of an uninterrupted run reads."""
     from titanlike.data.loader import GlobalBatchSampler, open_dataset
+    from titanlike.data.order import EpochOrder
     from titanlike.model.decoder import Transformer
     from titanlike.model.shape import model_args
     from titanlike.train import cross_entropy
@@ -65,7 +66,7 @@ def batch_loss(sd: dict, corpus, step: int) -> float:
     model.load_state_dict(sd["model"])
     model.init_rope(SEQ)
     data = open_dataset(corpus[0], SEQ, model.args.vocab_size, "data.path")
-    sampler = iter(GlobalBatchSampler(len(data), GLOBAL, GLOBAL, 0, 1, seed=0))
+    sampler = iter(GlobalBatchSampler(EpochOrder(len(data), 0), GLOBAL, GLOBAL, 0, 1))
     for _ in range(step):
         indices = next(sampler)
     batch = torch.stack([data[i] for i in indices])

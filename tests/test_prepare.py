@@ -221,8 +221,12 @@ def bad_inputs(root: Path) -> list[tuple[list[str], tuple[str, ...]]]:
         import pyarrow.parquet as pq
 
         pq.write_table(pa.table({"content": ["x"]}), root / "nocol.parquet")
-        cases.append(([str(root / "nocol.parquet")],
+        cases.append(([str(root / "nocol.parquet"), "--text-field", "text"],
                       ("nocol.parquet has no column 'text' (columns: content)", "--text-field")))
+        pq.write_table(pa.table({"words": ["x"]}), root / "unusual.parquet")
+        cases.append(([str(root / "unusual.parquet")],
+                      ("unusual.parquet has none of the usual text columns (text, content,", "its columns: words",
+                       "choose one with --text-field")))
     except ImportError:
         pass
     return cases

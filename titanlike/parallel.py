@@ -100,6 +100,8 @@ def _save_matmuls_policy():
             aten._scaled_dot_product_efficient_attention.default}
     if hasattr(aten, "_scaled_dot_product_cudnn_attention"):
         save.add(aten._scaled_dot_product_cudnn_attention.default)
+    if hasattr(torch.ops.higher_order, "flex_attention"):  # model.attn_mask = block_causal
+        save.add(torch.ops.higher_order.flex_attention)
 
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE

@@ -41,15 +41,19 @@ def checkpoint_folder(cfg: JobConfig) -> str:
 
 def check(cfg: JobConfig, world_size: int) -> ParallelDims:
     """The checks that need the world size but no GPU; returns the resolved degrees and batch plan."""
-    from titanlike.data.dataset_info import read_dataset_info
+    from titanlike.data import schedule
     from titanlike.data.shards import open_shards
 
     dims = parallel_dims(cfg, world_size)
     model = resolve_model(cfg)  # reads dataset.json / an hf config.json: a bad shape stops here
-    if cfg.data.path:  # shard headers only: cheap, and catches wrong files before any GPU is touched
-        info = read_dataset_info(cfg.data.path)
-        limit, source = ((info.vocab_size, f"its tokenizer ({info.path})") if info else
-                         (model.args.vocab_size, "the model's vocabulary"))
+    info = model.dataset  # data.path's dataset.json, or the one tokenizer of a mixture's sources
+    limit, source = ((info.vocab_size, f"its tokenizer ({info.path})") if info else
+                     (model.args.vocab_size, "the model's vocabulary"))
+    # Shard headers only: cheap, and catches wrong files before any GPU is touched.
+    if schedule.is_mixture(cfg.data):
+        for s in schedule.all_sources(cfg.data):
+            open_shards(s.splits()[0], cfg.data.seq_len, limit, source, f"data source {s.name}")
+    elif cfg.data.path:
         open_shards(cfg.data.path, cfg.data.seq_len, limit, source, "data.path")
     return dims
 

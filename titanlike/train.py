@@ -25,9 +25,10 @@ import torch.distributed as dist
 from titanlike import parallel
 from titanlike.checkpoint.manager import CheckpointManager, RunRecord
 from titanlike.checkpoint.states import ModelState, OptimizerState, SchedulerState, TrainState
-from titanlike.config import JobConfig, help_text, load_config, to_toml
+from titanlike.config import JobConfig, help_text, load_config, resumable_settings, to_toml
 from titanlike.config.resolve import resolve_model
-from titanlike.data.loader import build_train_loader, open_dataset, resolve_paths, validation_batches
+from titanlike.data.build import build_run_data
+from titanlike.data.loader import validation_batches
 from titanlike.data.tokenizer import record_tokenizer
 from titanlike.errors import UserError
 from titanlike.float8 import Float8Converter
@@ -45,16 +46,6 @@ from titanlike.run.progress import Progress, wants_terminal_line
 from titanlike.world import parallel_dims, world_from_env
 
 logger = logging.getLogger("titanlike")
-
-
-def resumable_settings(cfg: JobConfig) -> dict:
-    """The settings a resume may change (each change is logged; the configured value applies)."""
-    o, s = cfg.optimizer, cfg.lr_scheduler
-    return {"optimizer.lr": o.lr, "optimizer.weight_decay": o.weight_decay, "optimizer.betas": list(o.betas),
-            "optimizer.eps": o.eps, "lr_scheduler.warmup_steps": s.warmup_steps,
-            "lr_scheduler.decay_ratio": s.decay_ratio, "lr_scheduler.decay_type": s.decay_type,
-            "lr_scheduler.min_lr_factor": s.min_lr_factor, "training.steps": cfg.training.steps,
-            "fp8.recipe": cfg.fp8.recipe}
 
 
 class Trainer:
@@ -96,22 +87,21 @@ class Trainer:
         shape = resolve_model(cfg)
         self.margs = shape.args
         if self.is_main:
-            record_tokenizer(cfg.data.path, shape.dataset, cfg.job.dump_folder)  # what the export ships
+            record_tokenizer(cfg.data.path or cfg.data.mix, shape.dataset, cfg.job.dump_folder)  # what export ships
             for note in shape.notes:
                 logger.info(note)
-        train_path, val_path = resolve_paths(cfg.data.path, cfg.data.val_path)
         tokenizer = (shape.dataset.vocab_size, shape.dataset.path) if shape.dataset else None
-        self.train_data = open_dataset(train_path, cfg.data.seq_len, self.margs.vocab_size, "data.path", tokenizer)
-        self.val_data = (open_dataset(val_path, cfg.data.seq_len, self.margs.vocab_size, "data.val_path", tokenizer)
-                         if val_path and cfg.validation.enable else None)
         self.dp_rank = rank  # the mesh is (replicate, shard) in rank order, so DP rank = rank
-        self.loader = build_train_loader(self.train_data, t.local_batch_size, self.global_batch, self.dp_rank,
-                                         self.dims.dp, cfg.job.seed, cfg.data.num_workers,
-                                         pin_memory=self.device.type == "cuda")
+        # One source (data.path) or a mixture (data.mix): each source's windows, the plan of which
+        # source and window every global position reads, and the loader over it (data/build.py).
+        self.data = build_run_data(cfg.data, self.margs.vocab_size, tokenizer, t.local_batch_size, self.global_batch,
+                                   self.dp_rank, self.dims.dp, cfg.job.seed, pin_memory=self.device.type == "cuda",
+                                   validation=cfg.validation.enable)
+        self.loader = self.data.loader
 
         # ---- 3. Model: meta → float8 → AC → compile → FSDP → materialise → init ----------------------
         with torch.device("meta"):
-            model = Transformer(self.margs)
+            model = Transformer(self.margs, document_end=shape.document_end)  # block_causal splits documents there
         self.flops_per_token = flops_per_token(self.margs, cfg.data.seq_len)
         self.float8 = Float8Converter.from_config(cfg.fp8, self.dims.dp_shard)
         float8_report = self.float8.convert(model, device=self.device, batch=t.local_batch_size,
@@ -278,17 +268,26 @@ class Trainer:
         return {"batches_skipped": self.state.data_offset} if mode == "rollback" else {}
 
     @torch.no_grad()
-    def validate(self) -> None:
-        assert self.val_data is not None, "called only when there is held-out data"
+    def validation_loss(self, windows) -> float:
         micro_batches = self.cfg.validation.steps * self.accum_steps  # `steps` global batches
         total = torch.zeros((), device=self.device)
-        for batch in validation_batches(self.val_data, self.cfg.training.local_batch_size, self.dp_rank,
-                                        self.dims.dp, micro_batches):
+        for batch in validation_batches(windows, self.cfg.training.local_batch_size, self.dp_rank, self.dims.dp,
+                                        micro_batches):
             batch = batch.to(self.device)
             with self.autocast:
                 total += self.loss_fn(self.model, batch[:, :-1], batch[:, 1:]).float()
-        loss = self.global_mean(total / micro_batches).item()
-        self.metrics.log(self.state.step, {"loss": loss, "ppl": math.exp(min(loss, 50.0))}, prefix="val")
+        return self.global_mean(total / micro_batches).item()
+
+    def validate(self) -> None:
+        """The held-out loss; with a mixture, one record per source (quiet on the console) and their total
+        weighted as the current phase mixes them (docs/data.md)."""
+        losses = {name: self.validation_loss(windows) for name, windows in self.data.val.items()}
+        for name, loss in losses.items() if self.data.mixed else ():
+            self.metrics.log(self.state.step, {"source": name, "loss": loss, "ppl": math.exp(min(loss, 50.0))},
+                             prefix="val", console=False)
+        loss = sum(w * losses[name] for name, w in self.data.val_weights().items())
+        self.metrics.log(self.state.step, {"loss": loss, "ppl": math.exp(min(loss, 50.0))}, prefix="val",
+                         sources=losses if self.data.mixed else None)
 
     # ---- the loop -----------------------------------------------------------------------------------
 
@@ -323,12 +322,13 @@ class Trainer:
                 else:
                     record.update(tokens_seen=self.state.tokens_seen, **self.metrics.throughput(),
                                   float8_matmul_share=self.metrics.float8_share)
+                record.update(self.data.read_by_source())  # tokens and epochs per source (jsonl, TensorBoard)
                 self.metrics.log(step, {**record, **self.metrics.memory()}, total_steps=steps,
                                  eta_s=self.progress.eta_s())
                 self.progress.logged_loss(step, loss)
                 if step == first_step:
                     self.metrics.start_window()
-            if self.val_data is not None and (step % cfg.validation.freq == 0 or last):
+            if self.data.val and (step % cfg.validation.freq == 0 or last):
                 self.validate()
             # Saves when due (interval, last step), and on a stop request agreed by every rank.
             outcome = self.checkpoint.after_step(step, last=last, stop_request=stop_signals.request)

@@ -10,8 +10,10 @@ from __future__ import annotations
 from titanlike.config import loader
 from titanlike.config.loader import ConfigError, field_docs, to_toml
 from titanlike.config.schema import JobConfig, validate_across_sections
+from titanlike.data import schedule
 
-__all__ = ["ConfigError", "JobConfig", "field_docs", "help_text", "load_config", "sections", "to_toml", "validate"]
+__all__ = ["ConfigError", "JobConfig", "field_docs", "help_text", "load_config", "resumable_settings", "sections",
+           "to_toml", "validate"]
 
 USAGE = "usage: run_train.sh [--section.key value ...]   (TOML file via --job.config_file)"
 
@@ -36,3 +38,15 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
 
 def help_text() -> str:
     return loader.help_text(JobConfig, USAGE)
+
+
+def resumable_settings(cfg: JobConfig) -> dict:
+    """The settings a resume may change, by option name: a checkpoint records them, and a resume logs
+    one line for each that changed; the configured value applies."""
+    o, s = cfg.optimizer, cfg.lr_scheduler
+    return {"optimizer.lr": o.lr, "optimizer.weight_decay": o.weight_decay, "optimizer.betas": list(o.betas),
+            "optimizer.eps": o.eps, "lr_scheduler.warmup_steps": s.warmup_steps,
+            "lr_scheduler.decay_ratio": s.decay_ratio, "lr_scheduler.decay_type": s.decay_type,
+            "lr_scheduler.min_lr_factor": s.min_lr_factor, "training.steps": cfg.training.steps,
+            "fp8.recipe": cfg.fp8.recipe, "data.schedule": schedule.describe(cfg.data),
+            "model.attn_mask": cfg.model.attn_mask}

@@ -4,7 +4,9 @@ This module knows how options are spelled, coerced and printed, not which option
 (schema.py) hands it the root dataclass (one field per `[section]`, each a dataclass of
 typed fields with a docstring under each) and its validation. Precedence is dataclass default <
 TOML file < command line. Every mistake is one `ConfigError` line that names the key, the value and
-what would be valid.
+what would be valid. A section may accept another TOML spelling of a field (its `toml_forms`: field
+name -> a function from that TOML value to the field's value, raising ValueError), such as
+`[[data.mix]]` tables for the mix string.
 """
 
 from __future__ import annotations
@@ -179,6 +181,12 @@ def _set(cfg: object, section: str, key: str, raw: object, source: str) -> None:
         near = same_key or difflib.get_close_matches(f"{section}.{key}", everything, n=1, cutoff=0.6)
         hint = f"; did you mean {near[0]}?" if near else f"; valid: {', '.join(full)}"
         raise ConfigError(f"unknown config key {section}.{key} in {source}{hint}")
+    form = getattr(secs[section], "toml_forms", {}).get(key)
+    if form is not None and not isinstance(raw, str):  # a section's other TOML spelling of this field
+        try:
+            raw = form(raw)
+        except ValueError as e:
+            raise ConfigError(f"{section}.{key} in {source}: {e}") from None
     setattr(getattr(cfg, section), key, coerce(f"{section}.{key}", raw, types_[key]))
 
 

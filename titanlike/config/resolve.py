@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from titanlike.config.loader import ConfigError
 from titanlike.config.schema import JobConfig
-from titanlike.data.dataset_info import DatasetInfo, read_dataset_info
+from titanlike.data.dataset_info import BYTE_EOS_ID, DatasetInfo
+from titanlike.data.schedule import run_dataset_info
 from titanlike.hf.config import read_hf_config
 from titanlike.model.shape import PRESETS, ModelArgs, llama_ffn_dim, model_args, round_vocab
 
@@ -29,6 +30,8 @@ class ResolvedModel:
     """Lines to log once: values this resolution derived for the user."""
     dataset: DatasetInfo | None = None
     """The data's dataset.json, when it has one."""
+    document_end: int | None = None
+    """The end-of-document id that model.attn_mask = block_causal splits windows at (None: causal)."""
 
 
 def _changed(cfg: JobConfig) -> dict:
@@ -48,7 +51,7 @@ def resolve_model(cfg: JobConfig) -> ResolvedModel:
     m = cfg.model
     overrides = m.shape_overrides()
     notes: list[str] = []
-    info = read_dataset_info(cfg.data.path) if cfg.data.path else None
+    info = run_dataset_info(cfg.data)  # data.path's, or the one a mixture's sources share
     if m.flavor == "hf":
         folder = cfg.checkpoint.initial_load_path
         base = read_hf_config(folder)
@@ -80,13 +83,28 @@ def resolve_model(cfg: JobConfig) -> ResolvedModel:
         elif m.flavor == "hf" and base.vocab_size < info.vocab_size:
             raise ConfigError(f"{cfg.checkpoint.initial_load_path}/config.json has vocab_size {base.vocab_size}, "
                               f"fewer than the {info.vocab_size} ids of the data's tokenizer ({info.path})")
-    args = model_args(base, **overrides) if m.flavor != "hf" else model_args(base, max_seq_len=m.max_seq_len)
+    args = (model_args(base, **overrides) if m.flavor != "hf" else
+            model_args(base, max_seq_len=m.max_seq_len, attn_mask=m.attn_mask))
     problems = args.problems()
     if problems:
         raise ConfigError(f"model shape ({name} with the model.* overrides): {problems[0]}")
     if cfg.data.seq_len > args.max_seq_len:
         raise ConfigError(f"data.seq_len = {cfg.data.seq_len} exceeds the model's max_seq_len = {args.max_seq_len}")
-    return ResolvedModel(args, name, tuple(notes), info)
+    return ResolvedModel(args, name, tuple(notes), info, document_end(cfg, info))
+
+
+def document_end(cfg: JobConfig, info: DatasetInfo | None) -> int | None:
+    """The id that ends a document in the run's data, for model.attn_mask = block_causal (None for causal);
+    data that records none is one ConfigError line."""
+    if cfg.model.attn_mask == "causal":
+        return None
+    if not cfg.data.path and not cfg.data.mix:
+        return BYTE_EOS_ID  # the embedded corpus: byte tokens, each file ended by the byte tokenizer's eos
+    if info is None or info.eos_id is None:
+        where = f"{info.path} records no eos_id" if info else f"{cfg.data.path} has no dataset.json beside it"
+        raise ConfigError(f"model.attn_mask = block_causal splits windows at the end-of-document id, and {where}: "
+                          f"re-make the data with titanlike-prepare, or use --model.attn_mask causal")
+    return info.eos_id
 
 
 def resolve_model_args(cfg: JobConfig) -> ModelArgs:

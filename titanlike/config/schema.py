@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Literal
 
 from titanlike.config.loader import ConfigError
+from titanlike.data import schedule
 from titanlike.model.shape import PRESETS, model_args
 
 # data.num_workers: loader processes beyond a few per core only cost memory (each holds the dataset).
@@ -82,11 +84,16 @@ class Model:
     max_seq_len: int = 0
     """Longest sequence the model is meant for (config.json's max_position_embeddings); data.seq_len must not
     exceed it."""
+    attn_mask: Literal["causal", "block_causal"] = "causal"
+    """causal: every token attends to all earlier tokens of its window. block_causal: only to those of its
+    own document, split at the data's end-of-document id (dataset.json's eos_id; the byte tokenizer's for
+    the embedded corpus), with flex attention on a GPU; causal runs keep SDPA. At inference each prompt is
+    one document. A resume may change it (one log line)."""
 
     def shape_overrides(self) -> dict:
         """The fields that override a preset's shape (0 / None = keep the preset's)."""
         keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta", "norm_eps", "qk_norm",
-                "max_seq_len", "vocab_size", "tie_embeddings")
+                "max_seq_len", "vocab_size", "tie_embeddings", "attn_mask")
         return {k: getattr(self, k) for k in keys}
 
     def validate(self) -> None:
@@ -110,10 +117,31 @@ class Data:
     machine into ~/.cache/titanlike or $TITANLIKE_CACHE)."""
     val_path: str = ""
     """Validation shards ("" = none, except for the embedded corpus, which holds out its own)."""
+    mix: str = ""
+    """A weighted mixture of prepared datasets instead of data.path: "web=data/web:0.7,code=data/code:0.3",
+    each NAME=FOLDER:WEIGHT with FOLDER what titanlike-prepare wrote (dataset.json, train/, val/); in TOML
+    the same string or [[data.mix]] tables with name, path and weight. Weights are positive and
+    normalised; all sources share one tokenizer. Each sample's source is a function of (job.seed, its
+    position), so a mixture resumes exactly at any world size; a small source repeats (a new order each
+    epoch) while a large one goes on. Validation reads each source's val/ (docs/data.md)."""
+    anneal_mix: str = ""
+    """A second mixture (spelled as data.mix) that replaces the first from step data.anneal_from_step on,
+    e.g. to anneal on higher-quality data; a source named in both goes on where it stopped."""
+    anneal_from_step: int = 0
+    """The first step that reads data.anneal_mix (0 = no second mixture); in [2, training.steps]."""
+    phase: str = ""
+    """Any number of later mixtures, each from a step on: in TOML [[data.phase]] tables with from_step
+    and mix (a mix string, or [[data.phase.mix]] tables); on the command line "STEP:MIX;STEP:MIX". The
+    first mixture (data.mix or data.path) applies from step 1. A resume may change the schedule: one
+    log line says so, and the configured one applies at the saved position."""
     seq_len: int = 256
     """Tokens per sample (each sample reads seq_len + 1 tokens: inputs and shifted targets)."""
     num_workers: int = 0
     """Data-loader worker processes per rank (0 = load in the training process)."""
+
+    # TOML's other spellings of some fields, turned into the field's value as they are read (config/loader.py).
+    toml_forms = MappingProxyType({"mix": schedule.mix_from_tables, "anneal_mix": schedule.mix_from_tables,
+                                   "phase": schedule.phases_from_tables})
 
     def validate(self) -> None:
         need(self.seq_len >= 8, f"data.seq_len = {self.seq_len} must be at least 8")
@@ -125,6 +153,26 @@ class Data:
              f"({cores} cores here): use at most {MAX_WORKERS_PER_CORE * cores}")
         for key, path in (("data.path", self.path), ("data.val_path", self.val_path)):
             need(not path or os.path.exists(path), f"{key} = {path!r}: no such file or folder")
+        need(not (self.mix and (self.path or self.val_path)),
+             "data.mix names the training data and each source's val/ its validation data: leave data.path and "
+             "data.val_path unset (a mixture of one source is data.path)")
+        for key, text in (("data.mix", self.mix), ("data.anneal_mix", self.anneal_mix)):
+            problem = schedule.mix_problem(text) if text else None
+            need(problem is None, f"{key} = {text!r}: {problem}")
+        problem = schedule.phase_problem(self.phase) if self.phase else None
+        need(problem is None, f"data.phase = {self.phase!r}: {problem}")
+        need(self.anneal_from_step >= 0 and bool(self.anneal_mix) == bool(self.anneal_from_step),
+             f"data.anneal_mix and data.anneal_from_step go together: the second mixture and its first step "
+             f"(got {self.anneal_mix!r} from step {self.anneal_from_step})")
+        need(not (self.anneal_mix and self.phase),
+             "data.anneal_mix is one later mixture and data.phase a list of them: give one of the two")
+        need(not (self.anneal_mix or self.phase) or bool(self.mix or self.path),
+             "a schedule mixes prepared datasets: name the first mixture with data.mix (or data.path), not the "
+             "embedded corpus")
+        conflict = schedule.name_conflict(self)
+        need(conflict is None, str(conflict))
+        for source in schedule.all_sources(self) if schedule.is_mixture(self) else []:
+            need(os.path.exists(source.path), f"data source {source.name} = {source.path!r}: no such folder")
 
 
 @dataclass
@@ -451,6 +499,10 @@ def validate_across_sections(cfg: JobConfig) -> None:
         max_seq_len = model_args(m.flavor, **m.shape_overrides()).max_seq_len
         need(cfg.data.seq_len <= max_seq_len,
              f"data.seq_len = {cfg.data.seq_len} exceeds model.max_seq_len = {max_seq_len}")
+    for phase in schedule.phases(cfg.data)[1:]:
+        need(1 < phase.start_step <= cfg.training.steps,
+             f"{phase.option}: a mixture from step {phase.start_step} must start in [2, training.steps = "
+             f"{cfg.training.steps}] (the first applies from step 1; one past the last step is never read)")
     need(
         cfg.activation_checkpoint.mode != "budget" or cfg.compile.enable,
         "activation_checkpoint.mode = budget is carried out by torch.compile's partitioner: set --compile.enable",

@@ -25,6 +25,9 @@ from titanlike.errors import UserError
 
 DATASET_JSON = "dataset.json"
 DATASET_FORMAT = "titanlike-dataset/1"
+# The byte tokenizer's document markers (tokenizer.ByteTokenizer): the embedded corpus has no
+# dataset.json, and the preflight, which reads no tokenizer, needs its end-of-document id.
+BYTE_BOS_ID, BYTE_EOS_ID = 256, 257
 
 
 class DatasetError(UserError):

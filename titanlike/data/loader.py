@@ -2,24 +2,27 @@
 loader that resumes at any data position with any number of ranks and workers.
 
 Sampling is defined on the *global* sample sequence: optimizer step s consumes global positions
-[s·B, (s+1)·B) of a per-epoch pseudo-random permutation of all windows (B = global batch).
+[s·B, (s+1)·B) of a per-epoch pseudo-random permutation of all windows (B = global batch; the
+permutations are order.py's).
 Each data-parallel rank takes its own slice of every micro-batch. The samples of a step are
 therefore the same whatever the number of ranks, which is what lets a checkpoint resume at a
-different world size with the data order of the uninterrupted run. The loader's state is one
-number, the global batches read (`TrainLoader.state_dict`), which the checkpoint manager saves.
+different world size with the data order of the uninterrupted run. The loader's state is the
+number of global batches read and the kind of order (`TrainLoader.state_dict`), which the checkpoint
+manager saves.
 """
 
 from __future__ import annotations
 
-import math
 import signal
 from collections.abc import Iterator
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from titanlike import cache
 from titanlike.data.corpus import build_default_corpus
+from titanlike.data.order import AFFINE, ORDERS, EpochOrder
 from titanlike.data.shards import DataError, Shard, ShardFault, id_advice, open_shards
 
 # ---- datasets and sampling --------------------------------------------------------------------
@@ -56,42 +59,54 @@ class TokenWindows(torch.utils.data.Dataset):
         return torch.from_numpy(window.astype(np.int64))
 
 
+class MixedWindows(torch.utils.data.Dataset):
+    """The windows of a mixture's sources as one dataset: source s's windows are numbered from
+    offsets[s] (as mixture.MixturePlan numbers them)."""
+
+    def __init__(self, parts: list[TokenWindows]):
+        self.parts = parts
+        self.offsets = np.cumsum([0] + [len(p) for p in parts])
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        source = int(np.searchsorted(self.offsets, index, side="right")) - 1
+        return self.parts[source][index - int(self.offsets[source])]
+
+
+class SamplePlan(Protocol):
+    """Which window each global sample position reads: order.EpochOrder or mixture.MixturePlan."""
+
+    kind: str
+    """The kind of epoch order (order.ORDERS), which a checkpoint records."""
+
+    def windows(self, positions: np.ndarray) -> np.ndarray: ...
+
+
 class GlobalBatchSampler:
     """Yields this rank's micro-batches of window indices, forever, epoch after epoch.
 
-    Global position p maps to window perm_e(p mod N) with e = p div N; the permutation of an
-    epoch is the affine map i -> (a·i + c) mod N with a coprime to N, drawn from (seed, epoch):
-    O(1) memory for any corpus size, and neighbouring positions land far apart.
+    `plan` says which window each global sample position reads (`plan.windows(positions)`): one
+    source's epoch order (order.py), or a mixture of sources (mixture.py). Both are pure functions
+    of the position, so this rank's micro-batches follow from (step, rank, world size) alone.
     """
 
-    def __init__(self, num_windows: int, local_batch: int, global_batch: int, dp_rank: int,
-                 dp_world: int, seed: int, start_step: int = 0):
-        self.n, self.local, self.global_batch = num_windows, local_batch, global_batch
-        self.rank, self.world, self.seed, self.start_step = dp_rank, dp_world, seed, start_step
+    def __init__(self, plan: SamplePlan, local_batch: int, global_batch: int, dp_rank: int, dp_world: int,
+                 start_step: int = 0):
+        self.plan, self.local, self.global_batch = plan, local_batch, global_batch
+        self.rank, self.world, self.start_step = dp_rank, dp_world, start_step
         self.accum = global_batch // (local_batch * dp_world)
-        self._epoch_maps: dict[int, tuple[int, int]] = {}
-
-    def _affine(self, epoch: int) -> tuple[int, int]:
-        if epoch not in self._epoch_maps:
-            rng = np.random.default_rng([self.seed, epoch])
-            while True:
-                a = int(rng.integers(1, max(2, self.n)))
-                if math.gcd(a, self.n) == 1:
-                    break
-            self._epoch_maps = {epoch: (a, int(rng.integers(0, self.n)))}
-        return self._epoch_maps[epoch]
 
     def window(self, position: int) -> int:
-        epoch, i = divmod(position, self.n)
-        a, c = self._affine(epoch)
-        return (a * i + c) % self.n
+        return int(self.plan.windows(np.array([position]))[0])
 
     def __iter__(self) -> Iterator[list[int]]:
         step = self.start_step
         while True:
             for micro in range(self.accum):
                 base = step * self.global_batch + (micro * self.world + self.rank) * self.local
-                yield [self.window(base + j) for j in range(self.local)]
+                yield self.plan.windows(np.arange(base, base + self.local)).tolist()
             step += 1
 
 
@@ -117,10 +132,13 @@ def ignore_interrupts_in_loader_worker(worker_id: int) -> None:
 
 class TrainLoader:
     """This rank's training micro-batches, positioned by a number: the global batches read. Its state
-    (torch's Stateful protocol) is that number alone, since the sampler is a function of it; so a
-    resume works with any world size and any number of loader workers."""
+    (torch's Stateful protocol) is that number and the kind of epoch order (order.py) the run
+    started with, since the sampler is a function of both; so a resume works with any world size and
+    any number of loader workers. A state without the order kind was saved before there was a choice:
+    it means affine, so such a checkpoint resumes with the windows its run would have read."""
 
-    def __init__(self, dataset: TokenWindows, sampler: GlobalBatchSampler, num_workers: int, pin_memory: bool):
+    def __init__(self, dataset: torch.utils.data.Dataset, sampler: GlobalBatchSampler, num_workers: int,
+                 pin_memory: bool):
         self.sampler = sampler
         self.loader = torch.utils.data.DataLoader(
             dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
@@ -135,11 +153,16 @@ class TrainLoader:
         self._micro = 0
         self._batches = None
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, int | str]:
         assert self._micro == 0, "saved between steps, never inside a global batch"
-        return {"batches_read": self.batches_read}
+        return {"batches_read": self.batches_read, "order": self.sampler.plan.kind}
 
     def load_state_dict(self, state: dict) -> None:
+        kind = state.get("order", AFFINE)
+        if kind not in ORDERS:
+            raise DataError(f"the checkpoint's data order {kind!r} is unknown to this titanlike (known: "
+                            f"{', '.join(ORDERS)}); resume it with the titanlike that wrote it")
+        self.sampler.plan.kind = kind
         self.seek(int(state["batches_read"]))
 
     def __iter__(self) -> TrainLoader:
@@ -185,12 +208,15 @@ def open_dataset(path: str, seq_len: int, vocab_size: int, what: str, tokenizer:
     return TokenWindows(open_shards(path, seq_len, limit, source, what), seq_len, limit, source)
 
 
-def build_train_loader(dataset: TokenWindows, local_batch: int, global_batch: int, dp_rank: int,
-                       dp_world: int, seed: int, num_workers: int, pin_memory: bool) -> TrainLoader:
+def build_train_loader(dataset: TokenWindows | MixedWindows, local_batch: int, global_batch: int, dp_rank: int,
+                       dp_world: int, seed: int, num_workers: int, pin_memory: bool,
+                       plan: SamplePlan | None = None) -> TrainLoader:
+    """The loader over `dataset` in `plan`'s order (default: the dataset's own epoch order)."""
     if len(dataset) < global_batch:
         raise DataError(
             f"the training data has {len(dataset)} samples of data.seq_len + 1 tokens, fewer than one "
             f"global batch of {global_batch}; use more data, a shorter data.seq_len or a smaller batch"
         )
-    sampler = GlobalBatchSampler(len(dataset), local_batch, global_batch, dp_rank, dp_world, seed)
+    plan = plan if plan is not None else EpochOrder(len(dataset), seed)
+    sampler = GlobalBatchSampler(plan, local_batch, global_batch, dp_rank, dp_world)
     return TrainLoader(dataset, sampler, num_workers, pin_memory)

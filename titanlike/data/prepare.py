@@ -1,12 +1,16 @@
 """titanlike-prepare: turn text into the token shards that `--data.path` reads.
 
     titanlike-prepare OUT INPUT [INPUT ...] [--tokenizer tokenizer.json] [--workers N]
-        [--text-field text] [--val-fraction 0.01] [--shard-tokens 100000000] [--overwrite]
+        [--text-field FIELD ...] [--val-fraction 0.01] [--shard-tokens 100000000] [--overwrite]
+    titanlike-prepare --mix-report FOLDER [FOLDER ...] [--mix MIX --steps N --tokens-per-step T]
 
 INPUT is a file, a folder (its files of the formats below, recursively) or a glob ('data/*.parquet'):
   .txt .md .rst .py       one document per file
   .jsonl .jsonl.gz .jsonl.zst   one JSON object per line, the text in --text-field
   .parquet                one row per document, the text in column --text-field
+--text-field is given once (every input) or once per input; without it, each file's text is the
+first of text, content, raw_content, body, document, code that it has. With several inputs, the
+summary gives each one's documents and tokens (what a mixture's weights are set from).
 
 Every document becomes [BOS] tokens [EOS] (no BOS when the tokenizer has none). Every k-th document
 (k = 1 / --val-fraction) goes to OUT/val/, the others to OUT/train/. OUT/dataset.json records the
@@ -35,7 +39,7 @@ import numpy as np
 from titanlike import fs
 from titanlike.data.dataset_info import DATASET_FORMAT, DATASET_JSON
 from titanlike.data.shards import ShardWriter, token_dtype
-from titanlike.data.sources import ALL_SUFFIXES, Chunk, expand, plan, read_chunk
+from titanlike.data.sources import ALL_SUFFIXES, TEXT_FIELDS, Chunk, expand, plan, read_chunk
 from titanlike.errors import ArgumentParser, UserError
 
 # ---- the worker side: a chunk of input in, its documents' tokens out ----------------------------------
@@ -60,7 +64,8 @@ def tokenize_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, ChunkCounts]:
     assert tok is not None, "tokenize_chunk runs in a worker set up by _init_worker"
     read = read_chunk(chunk)
     docs = [d for d in read if d]  # an empty document would be a lone BOS/EOS pair: dropped, and counted
-    counts = ChunkCounts(chunk.input_bytes, sum(len(d.encode("utf-8")) for d in docs), len(read) - len(docs))
+    counts = ChunkCounts(chunk.input_bytes, sum(len(d.encode("utf-8")) for d in docs), len(read) - len(docs),
+                         chunk.source, chunk.text_field if chunk.kind != "text" else "")
     ids = tok.encode_batch(docs) if docs else []
     head = [tok.bos_id] if tok.bos_id is not None else []
     dtype = token_dtype(tok.vocab_size)
@@ -83,6 +88,8 @@ class ChunkCounts:
     input_bytes: int  # on disk (compressed, for compressed inputs): what the progress bar's ETA runs on
     text_bytes: int  # UTF-8 text of the documents kept: what the summary reports
     empty_documents: int  # dropped
+    source: int = 0  # the INPUT argument the chunk came from
+    text_field: str = ""  # the field (column) its text came from ("" for text files)
 
 
 # ---- the main side: shards, splits, progress ---------------------------------------------------------
@@ -164,10 +171,11 @@ def check_output(out: str, files: list[str], overwrite: bool) -> None:
                         f"only such a folder: choose another output folder")
 
 
-def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, text_field: str = "text",
+def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, text_field: str | list[str] = "",
             val_fraction: float = 0.01, shard_tokens: int = 100_000_000, overwrite: bool = False,
             bos_token: str = "", eos_token: str = "", progress: bool = False) -> dict:
-    """Tokenize `inputs` into OUT/train, OUT/val and OUT/dataset.json; returns the dataset.json record."""
+    """Tokenize `inputs` into OUT/train, OUT/val and OUT/dataset.json; returns the dataset.json record.
+    `text_field`: one for all inputs or one per input; "" = the first of sources.TEXT_FIELDS a file has."""
     from titanlike.data.tokenizer import load_tokenizer
 
     out = os.path.normpath(out)
@@ -175,7 +183,14 @@ def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, 
         raise UserError(f"--val-fraction {val_fraction} must be in [0, 1)")
     if shard_tokens < 1:
         raise UserError(f"--shard-tokens {shard_tokens} must be >= 1")
-    files = expand(inputs)
+    given = text_field if isinstance(text_field, list) else [text_field]
+    if len(given) not in (1, len(inputs)):
+        raise UserError(f"--text-field is given {len(given)} times for {len(inputs)} inputs: give it once (for "
+                        f"every input) or once per input, in their order")
+    per_input = [expand([i]) for i in inputs]
+    files = [f for group in per_input for f in group]
+    file_source = [n for n, group in enumerate(per_input) for _ in group]
+    file_field = [given[n] if len(given) > 1 else given[0] for n in file_source]
     check_output(out, files, overwrite)
     tok = load_tokenizer(tokenizer, bos_token, eos_token)  # a bad tokenizer.json stops here, before any work
     total_bytes = sum(os.path.getsize(f) for f in files)
@@ -193,14 +208,20 @@ def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, 
         bar = Progress(total_bytes, progress)
         start = time.perf_counter()
         n_docs = text_bytes = empty = 0
-        chunks = plan(files, text_field)
+        chunks = plan(files, file_field, file_source)
         spec = getattr(tok, "path", "byte")
+        sources: list[dict] = [{"input": os.path.abspath(i), "documents": 0, "tokens": 0, "text_fields": set()}
+                               for i in inputs]
         for tokens, lengths, counts in _tokenized(chunks, workers, spec, tok.bos_token or "", tok.eos_token or ""):
             _split(tokens, lengths, n_docs, every, splits)
             n_docs += lengths.size
             text_bytes += counts.text_bytes
             empty += counts.empty_documents
             bar.update(counts.input_bytes, int(lengths.size), int(tokens.size))
+            source = sources[counts.source]  # what each INPUT gave: a mixture's weights are set from these
+            source["documents"] += int(lengths.size)
+            source["tokens"] += int(tokens.size)
+            source["text_fields"] |= {counts.text_field} - {""}
         for w in splits.values():
             w.finish()
         bar.done()
@@ -222,10 +243,11 @@ def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, 
                        for name, w in splits.items()},
             "val_every": every,
             "inputs": [os.path.abspath(i) for i in inputs],
+            "sources": [{**s, "text_fields": sorted(s["text_fields"])} for s in sources],
             "files": len(files),
             "input_bytes": total_bytes,
             "text_bytes": text_bytes,
-            "text_field": text_field,
+            "text_field": ", ".join(sorted({f for s in sources for f in s["text_fields"]})),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
         fs.write_text(os.path.join(tmp, "tokenizer.json"), tok.to_json())
@@ -280,6 +302,11 @@ def _split(tokens: np.ndarray, lengths: np.ndarray, first_doc: int, every: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--mix-report" in argv:  # another command under the same name: what prepared folders hold
+        from titanlike.data import mix_report
+
+        return mix_report.main([a for a in argv if a != "--mix-report"])
     p = ArgumentParser(prog="titanlike-prepare", description=__doc__.split("\n\n")[0],
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -289,8 +316,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="'byte' (the built-in byte tokenizer, 258 ids) or a Hugging Face tokenizer.json "
                         "(or its folder)")
     p.add_argument("--workers", type=int, default=0, help="tokenizing processes (default: every core)")
-    p.add_argument("--text-field", default="text",
-                   help="the JSON field / parquet column holding the text (default text)")
+    p.add_argument("--text-field", action="append", default=None,
+                   help="the JSON field / parquet column holding the text: once for every input, or once per "
+                        f"input in their order (default: the first of {', '.join(TEXT_FIELDS)} a file has)")
     p.add_argument("--val-fraction", type=float, default=0.01,
                    help="share of documents held out for validation: every round(1/f)-th (default 0.01; 0 = none)")
     p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard file (default 1e8)")
@@ -302,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.workers < 0:
         p.error(f"--workers {a.workers} must be >= 0")
     try:
-        info = prepare(a.out, a.inputs, a.tokenizer, a.workers, a.text_field, a.val_fraction, a.shard_tokens,
+        info = prepare(a.out, a.inputs, a.tokenizer, a.workers, a.text_field or "", a.val_fraction, a.shard_tokens,
                        a.overwrite, a.bos_token, a.eos_token, progress=sys.stderr.isatty())
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -318,6 +346,11 @@ def main(argv: list[str] | None = None) -> int:
           f"({rate:,.0f} tok/s) | train {tr['tokens']:,} tokens in {tr['shards']} shard(s) | "
           f"val {va['tokens']:,} tokens in {va['shards']} shard(s) | "
           f"{info['tokenizer']['kind']} tokenizer, vocabulary {info['vocab_size']}")
+    total = max(1, tr["tokens"] + va["tokens"])
+    for source, given in zip(info["sources"], a.inputs) if len(a.inputs) > 1 else ():
+        field = f", text from {'/'.join(source['text_fields'])}" if source["text_fields"] else ""
+        print(f"  {given}: {source['documents']:,} documents, {source['tokens']:,} tokens "
+              f"({source['tokens'] / total:.1%}){field}")
     if va["tokens"]:
         print(f"train with: --data.path {a.out}/train --data.val_path {a.out}/val")
     else:

@@ -6,7 +6,9 @@ has a format we read, and yields `Chunk`s of about CHUNK_BYTES of input each. Th
 on the input files, never on the number of workers, and `read_chunk()` turns a chunk into its
 documents in file order, so the documents in chunk order are the same sequence for any N.
 Compressed JSON lines cannot be read from the middle: the main process decompresses them and hands
-the raw lines over; everything else a worker reads itself.
+the raw lines over; everything else a worker reads itself. The text of a JSON line or parquet row is
+in the field --text-field names (one for every input, or one per input), or else in the first of
+TEXT_FIELDS that the file's first record (or its columns) has.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from pathlib import Path
 from titanlike.errors import UserError
 
 CHUNK_BYTES = 1 << 20  # about 250k tokens: small enough to balance workers, large enough to amortise a hand-off
+# Without --text-field, the first of these that a file's records (or columns) have holds the text.
+TEXT_FIELDS = ("text", "content", "raw_content", "body", "document", "code")
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")  # one file is one document
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")  # one JSON object per line, the text in --text-field
 PARQUET_SUFFIXES = (".parquet",)  # one row per document, the text in column --text-field
@@ -47,6 +51,7 @@ class Chunk:
     data: bytes = b""  # lines: the decompressed lines
     input_bytes: int = 0  # bytes of input (compressed, for compressed files) this chunk accounts for
     text_field: str = "text"
+    source: int = 0  # which INPUT argument the files came from (a chunk never spans two)
     extra: dict = field(default_factory=dict)
 
 
@@ -85,43 +90,75 @@ def _open_compressed(path: str):
     return io.BufferedReader(zstd.ZstdDecompressor().stream_reader(raw)), raw
 
 
-def plan(files: list[str], text_field: str) -> Iterator[Chunk]:
-    """The work, in order. Lazy: compressed files are decompressed as the workers ask for more."""
+def plan(files: list[str], text_field: str | list[str] = "", sources: list[int] | None = None) -> Iterator[Chunk]:
+    """The work, in order. Lazy: compressed files are decompressed as the workers ask for more.
+
+    `text_field`: the JSON field / parquet column of every file, or one per file; "" = the first of
+    TEXT_FIELDS the file has. `sources`: each file's INPUT argument (chunks carry it, for counts)."""
+    fields = text_field if isinstance(text_field, list) else [text_field] * len(files)
     pending: list[str] = []
     pending_bytes = 0
-    for path in files:
+    pending_source = 0
+    for path, name, source in zip(files, fields, sources or [0] * len(files)):
         kind = suffix_of(path)
         try:
             size = os.path.getsize(path)
         except OSError as e:
             raise InputError(f"{path}: cannot read ({e.strerror})") from None
+        if pending and (kind not in TEXT_SUFFIXES or source != pending_source):
+            yield Chunk("text", pending, input_bytes=pending_bytes, source=pending_source)
+            pending, pending_bytes = [], 0
         if kind in TEXT_SUFFIXES:
             pending.append(path)
             pending_bytes += size
+            pending_source = source
             if pending_bytes >= CHUNK_BYTES:
-                yield Chunk("text", pending, input_bytes=pending_bytes)
+                yield Chunk("text", pending, input_bytes=pending_bytes, source=source)
                 pending, pending_bytes = [], 0
             continue
-        if pending:
-            yield Chunk("text", pending, input_bytes=pending_bytes)
-            pending, pending_bytes = [], 0
         try:
             if kind == ".jsonl":
-                yield from _plan_jsonl(path, size, text_field)
+                chunks = _plan_jsonl(path, size, name)
             elif kind in (".jsonl.gz", ".jsonl.zst"):
-                yield from _plan_compressed(path, text_field)
+                chunks = _plan_compressed(path, name)
             else:
-                yield from _plan_parquet(path, size, text_field)
+                chunks = _plan_parquet(path, size, name)
+            for chunk in chunks:
+                chunk.source = source
+                yield chunk
         except OSError as e:
             raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
         except EOFError:
             raise InputError(f"{path}: the compressed stream ends early (truncated file?)") from None
     if pending:
-        yield Chunk("text", pending, input_bytes=pending_bytes)
+        yield Chunk("text", pending, input_bytes=pending_bytes, source=pending_source)
+
+
+def pick_field(path: str, names: list[str], what: str) -> str:
+    """The first of TEXT_FIELDS among a file's field (or column) names; one line if none is there."""
+    found = next((f for f in TEXT_FIELDS if f in names), None)
+    if found is None:
+        raise InputError(f"{path} has none of the usual text {what}s ({', '.join(TEXT_FIELDS)}; its {what}s: "
+                         f"{', '.join(names) or 'none'}); choose one with --text-field")
+    return found
+
+
+def _first_record_keys(lines: bytes) -> list[str]:
+    """The keys of the first JSON object among `lines` (none if it is no JSON object: the worker says so)."""
+    for line in lines.split(b"\n"):
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                return ["text"]  # a broken first line: reading it reports it, with its line number
+            return list(record) if isinstance(record, dict) else ["text"]
+    return ["text"]
 
 
 def _plan_jsonl(path: str, size: int, text_field: str) -> Iterator[Chunk]:
     with open(path, "rb") as f:
+        if not text_field:
+            text_field = pick_field(path, _first_record_keys(f.read(CHUNK_BYTES)), "field")
         start = 0
         while start < size:
             f.seek(min(start + CHUNK_BYTES, size))
@@ -144,6 +181,8 @@ def _plan_compressed(path: str, text_field: str) -> Iterator[Chunk]:
                 raise InputError(f"{path}: cannot decompress ({type(e).__name__}: {e})") from None
             if not block:
                 break
+            if not text_field:
+                text_field = pick_field(path, _first_record_keys(block), "field")
             pos = raw.tell()
             yield Chunk("lines", [path], line_no, data=block, input_bytes=pos - done, text_field=text_field)
             done = pos
@@ -162,6 +201,7 @@ def _plan_parquet(path: str, size: int, text_field: str) -> Iterator[Chunk]:
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise InputError(f"{path}: not a parquet file ({why})") from None
     names = meta.schema_arrow.names
+    text_field = text_field or pick_field(path, names, "column")
     if text_field not in names:
         raise InputError(f"{path} has no column {text_field!r} (columns: {', '.join(names)}); "
                          f"choose one with --text-field")

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from titanlike import fs
-from titanlike.data.dataset_info import DatasetInfo
+from titanlike.data.dataset_info import BYTE_BOS_ID, BYTE_EOS_ID, DatasetInfo
 from titanlike.errors import UserError
 
 BYTE_BOS, BYTE_EOS = "<|begin_of_text|>", "<|end_of_text|>"
@@ -80,7 +80,7 @@ def byte_tokenizer_json() -> dict:
 class ByteTokenizer:
     """UTF-8 bytes are tokens 0..255; 256 begins and 257 ends a document. Needs no download."""
 
-    kind, bos_id, eos_id, vocab_size = "byte", 256, 257, 258
+    kind, bos_id, eos_id, vocab_size = "byte", BYTE_BOS_ID, BYTE_EOS_ID, 258
     bos_token, eos_token = BYTE_BOS, BYTE_EOS
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:

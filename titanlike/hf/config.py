@@ -16,6 +16,7 @@ from titanlike.errors import UserError
 from titanlike.model.shape import ModelArgs
 
 CONFIG = "config.json"
+ATTN_MASK_KEY = "titanlike_attn_mask"
 
 
 def hf_config(a: ModelArgs, dtype_name: str, bos_id: int | None = None, eos_id: int | None = None) -> dict:
@@ -48,6 +49,10 @@ def hf_config(a: ModelArgs, dtype_name: str, bos_id: int | None = None, eos_id: 
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=a.n_layers)
     else:
         config["mlp_bias"] = False
+    if a.attn_mask != "causal":
+        # What it trained with (transformers keeps the key and ignores it): plain causal attention over one
+        # prompt is the same thing, as long as the prompt is one document.
+        config[ATTN_MASK_KEY] = a.attn_mask
     return config
 
 
@@ -100,7 +105,8 @@ def args_from_hf_config(config: object, where: str) -> ModelArgs:
                          rope_theta=float(_rope_theta(config) or 10000.0),
                          norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                          tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-                         max_seq_len=int(config.get("max_position_embeddings") or 131072), qk_norm=kind == "qwen3")
+                         max_seq_len=int(config.get("max_position_embeddings") or 131072), qk_norm=kind == "qwen3",
+                         attn_mask=str(config.get(ATTN_MASK_KEY, "causal")))
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"{where} lacks a usable {e.args[0] if isinstance(e, KeyError) else 'value'} "
                         f"({type(e).__name__}: {e})") from None

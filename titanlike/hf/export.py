@@ -113,7 +113,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"exported {a.checkpoint} to {a.out} ({a.dtype}, {arch}): {', '.join(files)}")
+    note = inference_note(a.out)
+    if note:
+        print(note)
     return 0
+
+
+def inference_note(folder: str) -> str:
+    """What a model trained with document masks means at inference (config.json records the mask), or ""."""
+    from titanlike.hf.config import read_hf_config
+
+    if read_hf_config(folder).attn_mask != "block_causal":
+        return ""
+    return ("note: trained with model.attn_mask = block_causal (attention within each document); at inference each "
+            "prompt is one document, and plain causal attention over it, as transformers runs it, is the same")
 
 
 def cli() -> None:

@@ -253,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(a.prompt + text + "\n")
     print(f"{len(new)} new tokens in {seconds:.2f}s ({len(new) / max(seconds, 1e-9):,.1f} tok/s) on {device.type}",
           file=sys.stderr)
+    if model.args.attn_mask == "block_causal":
+        print("the model trained with attention within each document (model.attn_mask = block_causal): the prompt "
+              "and its continuation are read as one document", file=sys.stderr)
     return 0
 
 

@@ -20,6 +20,9 @@ class ModelArgs:
     tie_embeddings: bool = False
     max_seq_len: int = 131072
     qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (as Qwen3, OLMo 2)
+    # causal, or block_causal: a token attends only to its own document within the window (not a
+    # shape: the same weights run either way, and at inference one prompt is one document).
+    attn_mask: str = "causal"
 
     @property
     def head_dim(self) -> int:
@@ -43,6 +46,8 @@ class ModelArgs:
             out.append(f"rope_theta = {self.rope_theta} must be a finite number > 0")
         if not 0 < self.norm_eps < 1:
             out.append(f"norm_eps = {self.norm_eps} must be in (0, 1)")
+        if self.attn_mask not in ATTN_MASKS:
+            out.append(f"attn_mask = {self.attn_mask!r} must be one of {', '.join(ATTN_MASKS)}")
         return out
 
     @property
@@ -51,6 +56,8 @@ class ModelArgs:
         its output so; Hugging Face export and import split and stack the weight so)."""
         return [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim]
 
+
+ATTN_MASKS = ("causal", "block_causal")
 
 PRESETS: dict[str, ModelArgs] = {
     # A few million parameters: trains visibly in a minute on a laptop CPU. Its vocabulary
@@ -68,7 +75,7 @@ PRESETS: dict[str, ModelArgs] = {
 
 # The shape fields a config may override (0 / None keeps the preset's value).
 SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "rope_theta", "norm_eps",
-                "qk_norm", "max_seq_len", "tie_embeddings")
+                "qk_norm", "max_seq_len", "tie_embeddings", "attn_mask")
 
 # Vocabulary rows are padded to a multiple of this: matmul tiles like it, and a tokenizer's odd
 # size (50257, 32001) would otherwise give the output layer a ragged last tile.
@@ -130,8 +137,8 @@ def shape_difference(saved: dict, ours: ModelArgs) -> str | None:
     for f in dataclasses.fields(ModelArgs):
         theirs = saved.get(f.name, defaults.get(f.name))
         mine = getattr(ours, f.name)
-        if f.name == "max_seq_len":
-            continue  # a limit, not a weight: a longer or shorter context trains the same tensors
+        if f.name in ("max_seq_len", "attn_mask"):
+            continue  # a limit and a mask, not weights: either way the same tensors train
         if theirs != mine and not (isinstance(mine, float) and isinstance(theirs, (int, float))
                                    and float(theirs) == mine):
             return f"{f.name} is {theirs!r} there, {mine!r} here"
@@ -149,7 +156,7 @@ def args_from_json(record: object, where: str) -> ModelArgs:
     values = {}
     for name, value in record.items():
         want = known[name].type
-        ok = (isinstance(value, bool) if want == "bool" else
+        ok = (isinstance(value, bool) if want == "bool" else isinstance(value, str) if want == "str" else
               isinstance(value, int) and not isinstance(value, bool) if want == "int" else
               isinstance(value, (int, float)) and not isinstance(value, bool))
         if not ok:
@@ -169,5 +176,6 @@ def describe(args: ModelArgs) -> str:
     """One phrase for logs: 12 layers, dim 768, 12 heads (3 kv) × 64, ffn 2048, vocab 32768, qk-norm."""
     extra = ", qk-norm" if args.qk_norm else ""
     extra += ", tied embeddings" if args.tie_embeddings else ""
+    extra += ", attention within each document" if args.attn_mask == "block_causal" else ""
     return (f"{args.n_layers} layers, dim {args.dim}, {args.n_heads} heads ({args.n_kv_heads} kv) × {args.head_dim}, "
             f"ffn {args.ffn_dim}, vocab {args.vocab_size}{extra}")

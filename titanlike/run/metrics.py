@@ -165,9 +165,11 @@ class MetricsLogger:
     # ---- output ---------------------------------------------------------------------------
 
     def log(self, step: int, record: dict, prefix: str = "train", *, total_steps: int | None = None,
-            eta_s: float | None = None) -> None:
-        """Write one record (console, jsonl, TensorBoard); only the writer rank does. `total_steps` and
-        `eta_s` (progress.py) go on the console line only."""
+            eta_s: float | None = None, console: bool = True, sources: dict[str, float] | None = None) -> None:
+        """Write one record (console, jsonl, TensorBoard); only the writer rank does. `total_steps`,
+        `eta_s` (progress.py) and `sources` (each source's loss, after the total's) go on the console
+        line only; `console=False` writes no line. A record of one data source ("source": NAME) goes to
+        TensorBoard as <prefix>/NAME/<key>; a dict of numbers (tokens_by_source) as <prefix>/<key>/<name>."""
         if not self.is_writer:
             return
         record = {"step": step, **record}
@@ -178,13 +180,19 @@ class MetricsLogger:
             clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
             self.jsonl.write_line(json.dumps({"kind": prefix, **clean}))
         if self.tb:
+            tag = f"{prefix}/{record['source']}" if "source" in record else prefix
             for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and v is not None:
-                    self.tb.add_scalar(f"{prefix}/{k}", v, step)
+                values = v if isinstance(v, dict) else {"": v}
+                for name, x in values.items():
+                    if k != "step" and isinstance(x, (int, float)) and x is not None:
+                        self.tb.add_scalar(f"{tag}/{k}/{name}" if name else f"{tag}/{k}", x, step)
+        if not console:
+            return
         if self.device.type != "cuda":
             # A CPU has no bf16 peak (no MFU), and its TFLOPS would print as 0.0: the jsonl keeps them.
             record = {k: v for k, v in record.items() if k not in ("tflops", "mfu")}
-        logger.info(format_line(prefix, record, total_steps, eta_s))
+        line = format_line(prefix, record, total_steps, eta_s)
+        logger.info(line + "".join(f" | {name} {loss:.4f}" for name, loss in (sources or {}).items()))
 
     def note(self, values: dict) -> None:
         """Values for the next train record (metrics.jsonl only), from a component that measured them."""

@@ -1,0 +1,128 @@
+"""What mixtures and document masks cost: tokens/s of the real trainer, one run after the other.
+
+    python scripts/bench_data.py                          # 124m and 1b on one GPU
+    python scripts/bench_data.py --models 124m --steps 50
+    python scripts/bench_data.py --device cpu --models debug --steps 3    # a smoke run, no GPU
+
+For each model, three runs of `torchrun run_train.sh` (scripts/bench_train.py's runner), in bf16 with
+the model's config (train_configs/rtx5090_124m.toml, llama3_1b.toml: compiled, their batch and
+seq_len), on data prepared here from this Python's standard library:
+
+    one source    --data.path all/train                         (causal attention: the baseline)
+    3 sources     --data.mix "a=..:0.5,b=..:0.3,c=..:0.2"        the same files dealt into three folders
+    block_causal  --data.path all/train --model.attn_mask block_causal
+
+Each is trained --steps steps; tokens/s per GPU is the median over the logged windows after the first
+two (the first step compiles). The model's vocabulary is kept at the preset's (byte tokens would
+shrink it to 320 and the output layer with it). The table comes last; a speed ratio is against the
+one-source run of the same model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+CONFIGS = {"124m": "train_configs/rtx5090_124m.toml", "1b": "train_configs/llama3_1b.toml",
+           "debug": "train_configs/debug_model.toml"}
+WEIGHTS = {"a": 0.5, "b": 0.3, "c": 0.2}
+
+
+def _bench_train():
+    spec = importlib.util.spec_from_file_location("bench_train", ROOT / "scripts" / "bench_train.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def prepare_sources(folder: Path, limit: int = 0) -> dict[str, str]:
+    """The standard library's .py files as one prepared folder ("all") and dealt round-robin into three
+    ("a", "b", "c"): the same text, as one source or as a mixture. `limit`: that many files (0 = all)."""
+    from titanlike.data.corpus import stdlib_files
+    from titanlike.data.prepare import prepare
+
+    files = [str(f) for f in stdlib_files()]
+    files = files[:limit] if limit else files
+    out = {}
+    for name, part in (("all", files), *((n, files[i::3]) for i, n in enumerate(WEIGHTS))):
+        target = folder / name
+        if not (target / "dataset.json").exists():
+            prepare(str(target), part, val_fraction=0.01)
+        out[name] = str(target)
+    return out
+
+
+def variants(data: dict[str, str]) -> dict[str, list[str]]:
+    mix = ",".join(f"{n}={data[n]}:{w}" for n, w in WEIGHTS.items())
+    one = ["--data.path", f"{data['all']}/train"]
+    return {"one source": one, "3 sources": ["--data.mix", mix],
+            "block_causal": [*one, "--model.attn_mask", "block_causal"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="124m,1b", help=f"comma-separated, of: {', '.join(CONFIGS)}")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run of the script")
+    p.add_argument("--steps", type=int, default=30, help="steps per run (tokens/s: median after the first 2 windows)")
+    p.add_argument("--log-freq", type=int, default=0, help="log every this many steps (default: steps / 6)")
+    p.add_argument("--workdir", default="", help="keep the prepared data, run folders and logs here")
+    p.add_argument("--out", default="", help="write the results as JSON here")
+    a = p.parse_args(argv)
+    models = [m for m in a.models.split(",") if m]
+    unknown = [m for m in models if m not in CONFIGS]
+    if unknown:
+        p.error(f"--models {','.join(unknown)}: not one of {', '.join(CONFIGS)}")
+    from titanlike.model.shape import PRESETS
+
+    workdir = Path(a.workdir or tempfile.mkdtemp(prefix="bench_data_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    cpu = a.device == "cpu"
+    data = prepare_sources(workdir / "data", limit=300 if cpu else 0)
+    print(f"data: {', '.join(f'{n} {f}' for n, f in data.items())}", flush=True)
+    bench = _bench_train()
+    log_freq = a.log_freq or max(1, a.steps // 6)
+    results = []
+    for model in models:
+        common = ["--fp8.recipe", "none", "--model.vocab_size", str(PRESETS[model].vocab_size)]
+        if cpu:
+            common += ["--training.device", "cpu", "--data.seq_len", "128", "--training.local_batch_size", "4"]
+        args = argparse.Namespace(config=str(ROOT / CONFIGS[model]), steps=a.steps, log_freq=log_freq, ngpu=1,
+                                  corpus="", common=common)
+        for name, overrides in variants(data).items():
+            result = bench.run_variant(f"{model}-{name.replace(' ', '_')}", overrides, args, workdir, {})
+            result.update(model=model, variant=name)
+            results.append(result)
+            shown = f"{result['tps']:,.0f} tok/s" if result.get("tps") else f"failed: {result.get('error', '')}"
+            print(f"{model} {name}: {shown}", flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps({"device": a.device, "steps": a.steps, "results": results}, indent=1))
+    print()
+    print(table(results))
+    return 0 if all(r.get("tps") for r in results) else 1
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| model | data | attention | tok/s/GPU | vs one source | loss at the end |",
+             "|---|---|---|---:|---:|---:|"]
+    base = {r["model"]: r.get("tps") for r in results if r["variant"] == "one source"}
+    for r in results:
+        data = "3 sources (0.5/0.3/0.2)" if r["variant"] == "3 sources" else "one source"
+        attention = "block_causal" if r["variant"] == "block_causal" else "causal"
+        if not r.get("tps"):
+            lines.append(f"| {r['model']} | {data} | {attention} | failed: {r.get('error', '')} | | |")
+            continue
+        ratio = f"{r['tps'] / base[r['model']]:.3f}×" if base.get(r["model"]) else "-"
+        lines.append(f"| {r['model']} | {data} | {attention} | {r['tps']:,.0f} | {ratio} | {r['loss']:.3f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""model.attn_mask = block_causal: attention within each document of a window (titanlike/model/masks.py),
+refused where the data records no end-of-document id, and named in what leaves the run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import metrics, train_here
+from test_data_mixture import prepared
+from titanlike.config import ConfigError, load_config
+from titanlike.data.shards import write_shard
+from titanlike.model.decoder import Transformer
+from titanlike.model.masks import document_ids, document_mask
+from titanlike.model.shape import model_args
+from titanlike.preflight import check
+
+END = 257
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+def small_model(attn_mask: str, document_end: int | None = END) -> Transformer:
+    args = dataclasses.replace(model_args("debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128),
+                               attn_mask=attn_mask)
+    model = Transformer(args, document_end=document_end)
+    model.init_weights(seed=3, seq_len=64)
+    return model.eval()
+
+
+def test_document_ids_count_the_ends_before_each_token():
+    tokens = torch.tensor([[5, 6, END, 7, END, END, 8]])
+    assert document_ids(tokens, END).tolist() == [[0, 0, 0, 1, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("flex", [False, True])
+def test_a_documents_logits_do_not_depend_on_what_precedes_it(flex):
+    """The same document after another one or alone in the window: the same logits (RoPE is relative,
+    and the mask hides the first document)."""
+    model = small_model("block_causal")
+    model.flex_attention = flex  # flex attention runs forward-only on a CPU: enough for this check
+    gen = torch.Generator().manual_seed(0)
+    first = torch.cat([torch.randint(0, 256, (1, 20), generator=gen), torch.tensor([[END]])], dim=1)
+    doc = torch.randint(0, 256, (1, 30), generator=gen)
+    with torch.no_grad():
+        alone = model(doc)
+        after = model(torch.cat([first, doc], dim=1))[:, first.shape[1]:]
+        causal = small_model("causal")(torch.cat([first, doc], dim=1))[:, first.shape[1]:]
+    torch.testing.assert_close(after, alone, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(causal, alone, rtol=1e-3, atol=1e-3)  # plain causal attention sees the first
+
+
+def test_flex_and_dense_masks_agree_and_causal_is_untouched():
+    tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    tokens[0, [5, 17, 30]] = END
+    tokens[1, 40] = END
+    model = small_model("block_causal")
+    with torch.no_grad():
+        dense = model(tokens)
+        model.flex_attention = True
+        flex = model(tokens)
+        plain = small_model("causal")(tokens)
+        without_end = small_model("block_causal", document_end=None)(tokens)  # inference: one document
+    torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-4)
+    assert torch.equal(plain, without_end)
+    assert document_mask(tokens, END).shape == (2, 1, 48, 48)
+
+
+def test_block_causal_trains_on_a_cpu(tmp_path):
+    """Backward through the dense mask: a short run on short documents (several in a window), whose
+    losses differ from a causal run's on the same windows."""
+    data = prepared(tmp_path, "short", 40, "a short document")
+    run = ("--training.steps", "2", "--data.seq_len", "64", "--training.local_batch_size", "2",
+           "--metrics.log_freq", "1", "--validation.enable", "false", "--metrics.enable_tensorboard", "false",
+           "--data.path", f"{data}/train")
+    proc = train_here(tmp_path / "block", *run, "--model.attn_mask", "block_causal")
+    train_here(tmp_path / "causal", *run)
+    block, causal = metrics(tmp_path / "block"), metrics(tmp_path / "causal")
+    assert [r["step"] for r in block] == [1, 2] and block[0]["loss"] != causal[0]["loss"]
+    assert "attention within each document" in proc.stderr  # the model line says what it trains
+
+
+def test_the_export_records_the_mask_and_says_what_it_means_at_inference(tmp_path):
+    from titanlike.hf.config import args_from_hf_config, hf_config
+    from titanlike.hf.export import inference_note
+
+    args = dataclasses.replace(model_args("debug"), attn_mask="block_causal")
+    config = hf_config(args, "bfloat16")
+    assert config["titanlike_attn_mask"] == "block_causal" and "titanlike_attn_mask" not in hf_config(
+        model_args("debug"), "bfloat16")
+    assert args_from_hf_config(config, "config.json").attn_mask == "block_causal"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert "at inference each prompt is one document" in inference_note(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(model_args("debug"), "bfloat16")))
+    assert inference_note(str(tmp_path)) == ""
+
+
+def test_block_causal_needs_an_end_of_document_id(tmp_path):
+    shards = tmp_path / "raw"
+    shards.mkdir()
+    write_shard(shards / "a.bin", np.arange(2000) % 250)
+    with pytest.raises(ConfigError) as e:
+        check(load_config(["--data.path", str(shards), "--model.attn_mask", "block_causal"]), 1)
+    assert str(e.value) == (f"model.attn_mask = block_causal splits windows at the end-of-document id, and {shards} "
+                            f"has no dataset.json beside it: re-make the data with titanlike-prepare, or use "
+                            f"--model.attn_mask causal")
+    (tmp_path / "dataset.json").write_text(json.dumps({"vocab_size": 258, "tokenizer": "byte"}))  # an old record
+    with pytest.raises(ConfigError, match=r"and .*dataset.json records no eos_id: re-make the data"):
+        check(load_config(["--data.path", str(shards), "--model.attn_mask", "block_causal"]), 1)
+    (tmp_path / "dataset.json").write_text(json.dumps({"vocab_size": 258, "tokenizer": "byte", "eos_id": 257}))
+    check(load_config(["--data.path", str(shards), "--model.attn_mask", "block_causal"]), 1)
+    check(load_config(["--model.attn_mask", "block_causal"]), 1)  # the embedded corpus: byte tokens
+
+
+@pytest.mark.slow
+def test_flex_attention_inside_compiled_blocks_matches_the_dense_mask():
+    """compile.enable puts flex attention inside each block's graph, fed by the RoPE kernel: its inputs
+    are pinned to a contiguous layout there (masks.py), without which torch 2.13's CPU template was wrong."""
+    model = small_model("block_causal")
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    tokens[0, 30] = END
+    with torch.no_grad():
+        dense = model(tokens)
+        model.flex_attention = True
+        for block in model.layers:
+            block.compile(fullgraph=True)
+        compiled = model(tokens)
+    torch.testing.assert_close(compiled, dense, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,259 @@
+"""What a run trains on, as the config names it: one source (`data.path`) or a weighted mixture of
+prepared datasets (`data.mix`), and the mixture that applies from each step on (phases).
+
+Plain Python (no numpy, no torch): the config schema validates these strings, and the preflight
+reads the sources' dataset.json files, before any worker starts. Which window each sample position
+reads is mixture.py's; this module only says what the sources and phases are.
+
+A mixture is spelled `NAME=FOLDER:WEIGHT,NAME=FOLDER:WEIGHT`, e.g. `web=data/web:0.7,code=data/code:0.3`:
+FOLDER is what `titanlike-prepare` wrote (dataset.json, train/, val/), or its train/ folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from titanlike.data.dataset_info import DatasetError, DatasetInfo, read_dataset_info
+
+SINGLE = "data"
+"""The name of `data.path`'s one source (in tokens_by_source and the like)."""
+MIN_SHARE = 1e-6
+"""The smallest share of a source in a mixture: below it a block of positions (mixture.py) would
+have to be longer than 2^20 to give the source one slot."""
+_NAME = re.compile(r"[A-Za-z0-9_.-]+\Z")  # names become metrics keys and TensorBoard tags
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str
+    path: str
+    """A prepared dataset's folder (or its train/ folder, or a shard file for data.path)."""
+    weight: float
+    """As given; mixture.py normalises the weights of a phase."""
+
+    @property
+    def salt(self) -> int:
+        """Keys this source's epoch orders apart from other sources' (0 for data.path's source, whose
+        order is then the one a run without a mixture always had)."""
+        return 0 if self.name == SINGLE else zlib.crc32(self.name.encode())
+
+    def splits(self, val_path: str = "") -> tuple[str, str]:
+        """(training shards, validation shards or ""): a prepared folder's train/ and val/, or a train/
+        folder and the val/ beside it (val/ when it holds shards; `val_path` first, if given)."""
+        def shards_in(folder: str) -> bool:
+            return os.path.isdir(folder) and any(n.endswith(".bin") for n in os.listdir(folder))
+
+        path = os.path.normpath(self.path)
+        if os.path.isdir(os.path.join(path, "train")):
+            path = os.path.join(path, "train")
+        val = os.path.join(os.path.dirname(path), "val")
+        found = val if os.path.basename(path) == "train" and shards_in(val) else ""
+        return path, val_path or found
+
+
+@dataclass(frozen=True)
+class Phase:
+    start_step: int
+    """The first optimizer step (numbered from 1, as the logs number them) that reads this mixture."""
+    sources: tuple[Source, ...]
+    option: str = "data.mix"
+    """The option that names it, for messages."""
+
+
+def parse_mix(text: str) -> list[Source]:
+    """The sources of a mix string; a ValueError with the first problem, as one phrase."""
+    if not text.strip():
+        raise ValueError("names no source")
+    sources: list[Source] = []
+    for item in (t.strip() for t in text.split(",")):
+        name, eq, rest = item.partition("=")
+        path, colon, weight_text = rest.rpartition(":")
+        name, path, weight_text = name.strip(), path.strip(), weight_text.strip()
+        if not eq or not colon:
+            raise ValueError(f"{item!r} is not NAME=FOLDER:WEIGHT")
+        if not _NAME.match(name):
+            raise ValueError(f"source name {name!r} must be letters, digits, '_', '.' or '-'")
+        if not path:
+            raise ValueError(f"source {name} names no folder")
+        try:
+            weight = float(weight_text)
+        except ValueError:
+            raise ValueError(f"source {name}'s weight {weight_text!r} is not a number") from None
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError(f"source {name}'s weight {weight_text} must be a finite number > 0")
+        if any(s.name == name for s in sources):
+            raise ValueError(f"source name {name} appears twice")
+        sources.append(Source(name, path, weight))
+    total = sum(s.weight for s in sources)
+    small = min(sources, key=lambda s: s.weight)
+    if small.weight / total < MIN_SHARE:
+        raise ValueError(f"source {small.name}'s share {small.weight / total:.2g} is below {MIN_SHARE:g}: "
+                         f"drop it or raise its weight")
+    return sources
+
+
+def mix_problem(text: str) -> str | None:
+    """What is wrong with a mix string, or None."""
+    try:
+        parse_mix(text)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def mix_from_tables(value: Any) -> str:
+    """`[[data.mix]]` tables (name, path, weight) in TOML, as the mix string the option holds."""
+    if not isinstance(value, list) or not value or not all(isinstance(t, dict) for t in value):
+        raise ValueError("must be a mix string or [[data.mix]] tables with name, path and weight")
+    items = []
+    for t in value:
+        keys = {"name", "path", "weight"}
+        if set(t) != keys:
+            wrong = sorted(set(t) ^ keys)
+            raise ValueError(f"a [[data.mix]] table has keys name, path and weight (not {', '.join(wrong)})")
+        if not isinstance(t["name"], str) or not isinstance(t["path"], str):
+            raise ValueError("a [[data.mix]] table's name and path are strings")
+        if "," in t["path"]:
+            raise ValueError(f"source {t['name']}'s path {t['path']!r} holds a comma, which the mix string cannot")
+        if isinstance(t["weight"], bool) or not isinstance(t["weight"], (int, float)):
+            raise ValueError(f"source {t['name']}'s weight {t['weight']!r} is not a number")
+        items.append(f"{t['name']}={t['path']}:{t['weight']!r}")
+    return ",".join(items)
+
+
+def parse_phases(text: str) -> list[tuple[int, list[Source]]]:
+    """The phases of a data.phase string, "STEP:MIX;STEP:MIX"; a ValueError with the first problem."""
+    out: list[tuple[int, list[Source]]] = []
+    for item in (t.strip() for t in text.split(";")):
+        step_text, colon, mix = item.partition(":")
+        if not colon:
+            raise ValueError(f"{item!r} is not STEP:MIX")
+        try:
+            step = int(step_text.strip())
+        except ValueError:
+            raise ValueError(f"phase step {step_text.strip()!r} is not a whole number") from None
+        try:
+            out.append((step, parse_mix(mix)))
+        except ValueError as e:
+            raise ValueError(f"the phase from step {step}: {e}") from None
+    steps = [step for step, _ in out]
+    if steps != sorted(set(steps)):
+        raise ValueError(f"phase steps {', '.join(map(str, steps))} must increase")
+    return out
+
+
+def phase_problem(text: str) -> str | None:
+    try:
+        parse_phases(text)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def phases_from_tables(value: Any) -> str:
+    """`[[data.phase]]` tables (from_step, and mix: a mix string or [[data.phase.mix]] tables) in TOML,
+    as the phase string the option holds."""
+    if not isinstance(value, list) or not value or not all(isinstance(t, dict) for t in value):
+        raise ValueError("must be a phase string or [[data.phase]] tables with from_step and mix")
+    items = []
+    for t in value:
+        if set(t) != {"from_step", "mix"}:
+            raise ValueError(f"a [[data.phase]] table has keys from_step and mix (not {', '.join(sorted(t))})")
+        if isinstance(t["from_step"], bool) or not isinstance(t["from_step"], int):
+            raise ValueError(f"a [[data.phase]] table's from_step {t['from_step']!r} is not a whole number")
+        items.append(f"{t['from_step']}:{t['mix'] if isinstance(t['mix'], str) else mix_from_tables(t['mix'])}")
+    return ";".join(items)
+
+
+def phases(data: Any) -> list[Phase]:
+    """The run's mixtures in step order (`data` is the config's [data] section): data.mix or data.path
+    from step 1, then data.anneal_mix from data.anneal_from_step, or each of data.phase."""
+    first = tuple(parse_mix(data.mix)) if data.mix else (Source(SINGLE, data.path, 1.0),)
+    out = [Phase(1, first, "data.mix" if data.mix else "data.path")]
+    if data.anneal_mix:
+        out.append(Phase(data.anneal_from_step, tuple(parse_mix(data.anneal_mix)), "data.anneal_from_step"))
+    elif data.phase:
+        out += [Phase(step, tuple(sources), "data.phase") for step, sources in parse_phases(data.phase)]
+    return out
+
+
+def name_conflict(data: Any) -> str | None:
+    """A source name that two phases give different folders, as a problem line (a source is one
+    dataset across the schedule: it goes on where it stopped)."""
+    seen: dict[str, tuple[str, str]] = {}
+    for phase in phases(data):
+        for s in phase.sources:
+            path, option = seen.setdefault(s.name, (s.path, phase.option))
+            if path != s.path:
+                return (f"data source {s.name} is {path!r} in {option} but {s.path!r} in {phase.option}: a name is "
+                        f"one dataset over the whole schedule (name the other one differently)")
+    return None
+
+
+def is_mixture(data: Any) -> bool:
+    """Named by data.mix or by phases: sources read from prepared folders, validated one by one."""
+    return bool(data.mix) or len(phases(data)) > 1
+
+
+def all_sources(data: Any) -> list[Source]:
+    """Every source of every phase, once each (by name), in order of appearance."""
+    out: dict[str, Source] = {}
+    for phase in phases(data):
+        for s in phase.sources:
+            out.setdefault(s.name, s)
+    return list(out.values())
+
+
+def describe(data: Any) -> str:
+    """The schedule in one line, as a resume compares it with the checkpoint's: each phase's first step,
+    sources and weights (not the folders, which a user may move)."""
+    return "; ".join(f"from step {p.start_step}: " + ", ".join(f"{s.name} {s.weight:g}" for s in p.sources)
+                     for p in phases(data))
+
+
+# ---- the sources' dataset.json files --------------------------------------------------------------
+
+
+def _tokenizer_of(info: DatasetInfo) -> tuple:
+    digest = ""
+    if info.tokenizer_file is not None:
+        with open(info.tokenizer_file, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()[:12]
+    return info.tokenizer_kind, info.vocab_size, info.bos_id, info.eos_id, digest
+
+
+def _words(info: DatasetInfo, sig: tuple) -> str:
+    file = f", tokenizer.json {sig[4]}" if sig[4] else ""
+    return f"{info.path}: {info.tokenizer_kind} tokenizer, {info.vocab_size} ids, eos {info.eos_id}{file}"
+
+
+def run_dataset_info(data: Any) -> DatasetInfo | None:
+    """The dataset.json that describes the run's data: data.path's (if any), or that of every source of a
+    mixture, which must all exist and name one tokenizer (a DatasetError line otherwise)."""
+    if not is_mixture(data):
+        return read_dataset_info(data.path) if data.path else None
+    return shared_dataset_info(all_sources(data))
+
+
+def shared_dataset_info(sources: list[Source]) -> DatasetInfo | None:
+    """The dataset.json of the first source, once every source has one and all name one tokenizer."""
+    first: tuple[Source, DatasetInfo, tuple] | None = None
+    for s in sources:
+        info = read_dataset_info(s.path)
+        if info is None:
+            raise DatasetError(f"data source {s.name}: {s.path} has no dataset.json; a mixture's sources are folders "
+                               f"titanlike-prepare wrote (each records its tokenizer)")
+        sig = _tokenizer_of(info)
+        if first is None:
+            first = (s, info, sig)
+        elif sig != first[2]:
+            raise DatasetError(f"data sources {first[0].name} ({_words(first[1], first[2])}) and {s.name} "
+                               f"({_words(info, sig)}) were tokenized differently; a mixture needs one tokenizer: "
+                               f"re-make one with the other's (titanlike-prepare --tokenizer)")
+    return first[1] if first else None
