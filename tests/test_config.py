@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, _env
-from titanlike.config import ConfigError, JobConfig, field_docs, load_config, schema, sections, to_toml
+from titanlike.config import ConfigError, JobConfig, field_docs, load_config, schema, sections, speed, to_toml
 from titanlike.data.shards import DataError, write_shard
 from titanlike.preflight import check, resolved
 from titanlike.world import resolve_dims
@@ -316,13 +316,18 @@ def test_validation_rejects(argv, expected):
     assert expected in error_of(argv)
 
 
-def _need_call_lines() -> list[range]:
-    """Line ranges of every need(...) call in the schema (titanlike/config/schema.py): each section's
-    validate() and the rules across sections alike, so a rule added anywhere in the schema is found."""
-    tree = ast.parse(Path(schema.__file__).read_text())
-    return [range(n.lineno, n.end_lineno + 1)
-            for n in ast.walk(tree)
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "need"]
+SCHEMA_FILES = (schema.__file__, speed.__file__)  # the modules whose need(...) calls are the rules
+
+
+def _need_call_lines() -> list[tuple[str, range]]:
+    """(file, line range) of every need(...) call in the schema's modules: each section's validate()
+    and the rules across sections alike, so a rule added anywhere in the schema is found."""
+    calls = []
+    for file in SCHEMA_FILES:
+        tree = ast.parse(Path(file).read_text())
+        calls += [(file, range(n.lineno, n.end_lineno + 1)) for n in ast.walk(tree)
+                  if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "need"]
+    return calls
 
 
 def test_every_validation_is_exercised():
@@ -334,16 +339,16 @@ def test_every_validation_is_exercised():
         with pytest.raises(ConfigError) as e:
             load_config(argv)
         tb = traceback.extract_tb(e.value.__traceback__)
-        if not any(f.filename == schema.__file__ for f in tb):
+        if not any(f.filename in SCHEMA_FILES for f in tb):
             continue  # a parse-time error (loader.py), not a validation (none expected, checked below)
-        # The innermost frame in schema.py outside need() itself is the rule that failed.
-        frames = [f for f in tb if f.filename == schema.__file__ and f.name != "need"]
-        line = frames[-1].lineno
-        owner = [i for i, r in enumerate(calls) if line in r]
-        assert owner, f"{argv} raised from schema.py line {line} ({frames[-1].name}), outside any need(...)"
+        # The innermost frame in the schema outside need() itself is the rule that failed.
+        frames = [f for f in tb if f.filename in SCHEMA_FILES and f.name != "need"]
+        where = frames[-1]
+        owner = [i for i, (file, r) in enumerate(calls) if file == where.filename and where.lineno in r]
+        assert owner, f"{argv} raised from {where.filename} line {where.lineno} ({where.name}), outside any need(...)"
         hit.add(owner[0])
-    missed = [calls[i].start for i in range(len(calls)) if i not in hit]
-    assert not missed, f"need(...) calls at lines {missed} of schema.py have no failing case in INVALID"
+    missed = [f"{Path(calls[i][0]).name}:{calls[i][1].start}" for i in range(len(calls)) if i not in hit]
+    assert not missed, f"need(...) calls at {missed} have no failing case in INVALID"
 
 
 def test_every_section_validates_itself():

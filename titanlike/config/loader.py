@@ -39,6 +39,13 @@ class ConfigError(UserError):
     same_on_all_ranks = True
 
 
+def need(ok: bool, msg: str) -> None:
+    """A validation rule of the schema: raise `msg` as a ConfigError unless `ok`. tests/test_config.py
+    finds every call in the schema's modules and checks that some invalid config trips it."""
+    if not ok:
+        raise ConfigError(msg)
+
+
 # ---------------------------------------------------------------------------------------------
 # Introspection: sections, fields, their types and docstrings.
 

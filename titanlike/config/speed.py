@@ -1,0 +1,123 @@
+"""The config sections of how a step runs fast: sharding (parallel), float8 (fp8), torch.compile
+(compile) and recomputation (activation_checkpoint). Part of the schema (schema.py): the same
+dataclass-and-docstring form, the same `need` rules, checked by the same config meta-test."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from titanlike.config.loader import need
+
+
+@dataclass
+class Parallel:
+    dp_shard: int = -1
+    """FSDP degree (shards within a replica); -1 = all ranks not used by dp_replicate."""
+    dp_replicate: int = 1
+    """Replicas of the sharded model (HSDP); ranks = dp_replicate × dp_shard; -1 = ranks / dp_shard."""
+    reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """Free gathered parameters after forward: default = yes except for the root module and the
+    output layer, and for none of them when all weights in bf16 take at most 1/16 of a GPU's memory."""
+    backend_timeout_s: int = 600
+    """Seconds a collective may wait for another rank before the run fails with its name."""
+
+    def validate(self) -> None:
+        """Checks without a world size; those with one are parallel.resolve_dims and train.preflight."""
+        need(self.dp_shard == -1 or self.dp_shard >= 1,
+             f"parallel.dp_shard = {self.dp_shard} must be -1 (all ranks) or >= 1")
+        need(self.dp_replicate == -1 or self.dp_replicate >= 1,
+             f"parallel.dp_replicate = {self.dp_replicate} must be -1 (the rest) or >= 1")
+        need(1 <= self.backend_timeout_s <= 10**6,
+             f"parallel.backend_timeout_s = {self.backend_timeout_s} must be in [1, 1000000] (about 11 days)")
+
+
+@dataclass
+class Fp8:
+    recipe: Literal["none", "tensorwise", "rowwise", "rowwise_with_gw_hp"] = "none"
+    """torchao float8 training recipe for the Linear layers (none = bf16)."""
+    enable_fsdp_float8_all_gather: bool | None = None
+    """All-gather weights in float8 (tensorwise only); unset = on when tensorwise and dp_shard > 1."""
+    precompute_float8_dynamic_scale_for_fsdp: bool | None = None
+    """One all-reduce after each optimizer step computes every weight's scale; unset = on with float8 all-gather."""
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    """Linear layers whose name contains one of these stay in high precision."""
+    auto_filter: Literal["true", "false", "measure"] = "true"
+    """Which Linears convert: true = those large enough to pay (by a size rule); measure = at start-up
+    on this GPU, time one whole compiled block forward + backward at the run's micro-batch with no,
+    the feed-forward's or every Linear in float8 and convert what was fastest (within 2 %, the more
+    precise choice if it keeps no more memory for backward; cached; the size rule without a GPU; the
+    output layer stays high precision); false = all (dimensions not multiples of 16 always stay high
+    precision)."""
+    scaling: Literal["dynamic", "delayed"] = "dynamic"
+    """How tensorwise scales each Linear's input, weight and output gradient: dynamic = from the
+    tensor's own amax (a read of the whole tensor before the cast); delayed = from the amaxes of the
+    last amax_history measurements, taken during the casts: faster (titanlike/float8/delayed.py).
+    Weights that FSDP all-gathers in float8 keep their precomputed dynamic scales either way.
+    Ignored with recipe = none; rowwise recipes need dynamic."""
+    amax_history: int = 16
+    """Measurements of the largest magnitudes that delayed scaling takes the maximum of."""
+    amax_every: int = 1
+    """Delayed scaling measures the largest magnitudes on every this-many-th step only (1 = every
+    step): the steps between skip the measuring and run faster; a value that grew since the last
+    measurement saturates until the next."""
+    emulate: bool = False
+    """Emulate float8 matmuls in high precision (CPU tests, GPUs without float8)."""
+    health_log_freq: int = 10
+    """Log float8 weight health at every this-many-th log step (every metrics.log_freq × health_log_freq steps;
+    0 = off): per converted Linear, the weight amax and the shares of values that would saturate or flush to
+    zero when cast to float8; per layer in TensorBoard (fp8/<layer>/...), the worst layer in metrics.jsonl."""
+
+    def validate(self) -> None:
+        need(
+            not (self.enable_fsdp_float8_all_gather and self.recipe != "tensorwise"),
+            f"fp8.enable_fsdp_float8_all_gather needs fp8.recipe = tensorwise (got {self.recipe!r}): rowwise "
+            f"scales are per row of each matmul input, so a weight cannot be gathered in float8 once for all uses",
+        )
+        # With float8 off the scaling means nothing: `--fp8.recipe none` turns off a config that
+        # sets delayed scaling (train_configs/rtx5090_124m.toml) without a second flag.
+        need(
+            self.scaling == "dynamic" or self.recipe in ("tensorwise", "none"),
+            f"fp8.scaling = delayed needs fp8.recipe = tensorwise (got {self.recipe!r}): rowwise scales are per "
+            f"row of each tensor, which changes from step to step",
+        )
+        need(self.amax_history >= 1, f"fp8.amax_history = {self.amax_history} must be >= 1")
+        need(self.amax_every >= 1, f"fp8.amax_every = {self.amax_every} must be >= 1")
+        need(
+            not (self.precompute_float8_dynamic_scale_for_fsdp and self.enable_fsdp_float8_all_gather is False),
+            "fp8.precompute_float8_dynamic_scale_for_fsdp needs fp8.enable_fsdp_float8_all_gather",
+        )
+        need(self.health_log_freq >= 0, f"fp8.health_log_freq = {self.health_log_freq} must be >= 0 (0 = off)")
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile each transformer block and the loss."""
+
+    def validate(self) -> None:
+        pass  # a boolean: every value is valid
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective", "budget"] = "none"
+    """Recompute activations in backward: none, full (every block), selective (see option), or
+    budget (compiled blocks keep memory_budget of their activations; needs compile.enable)."""
+    selective_ac_option: str = "op"
+    """With mode = selective: "op" saves matmul outputs and float8 amax reductions and recomputes
+    the rest; an integer k checkpoints every k-th block fully."""
+    memory_budget: float = 0.5
+    """With mode = budget: the share (0, 1] of its activations each compiled graph keeps for
+    backward; compile's partitioner recomputes the rest, cheapest to recompute first (elementwise
+    ops before matmuls). 1 keeps what compile keeps anyway, as mode = none."""
+
+    def validate(self) -> None:
+        need(0 < self.memory_budget <= 1,
+             f"activation_checkpoint.memory_budget = {self.memory_budget} must be in (0, 1]")
+        option = self.selective_ac_option
+        if self.mode == "selective":  # the option means nothing in the other modes
+            need(
+                option == "op" or (option.isascii() and option.isdigit() and int(option) >= 1),
+                f"activation_checkpoint.selective_ac_option = {option!r} must be 'op' or a positive integer",
+            )
