@@ -6,7 +6,8 @@
 
 For each model, three runs of `torchrun run_train.sh` (scripts/bench_train.py's runner), in bf16 with
 the model's config (train_configs/rtx5090_124m.toml, llama3_1b.toml: compiled, their batch and
-seq_len), on data prepared here from this Python's standard library:
+seq_len), on data prepared here from this Python's standard library, cut into documents of about --doc-bytes
+bytes (1,500 by default: byte tokens, so about 1,500-token documents):
 
     one source    --data.path all/train                         (causal attention: the baseline)
     3 sources     --data.mix "a=..:0.5,b=..:0.3,c=..:0.2"        the same files dealt into three folders
@@ -43,19 +44,46 @@ def _bench_train():
     return module
 
 
-def prepare_sources(folder: Path, limit: int = 0) -> dict[str, str]:
+def documents(files: list[str], doc_bytes: int) -> list[str]:
+    """The files' text cut into documents of about `doc_bytes` bytes (whole lines; byte tokens, so about
+    as many tokens), the length that decides what block_causal masks; 0 = a file is a document."""
+    docs: list[str] = []
+    for f in files:
+        text = Path(f).read_text(encoding="utf-8", errors="replace")
+        if not doc_bytes:
+            docs.append(text)
+            continue
+        piece: list[str] = []
+        size = 0
+        for line in text.splitlines(keepends=True):
+            piece.append(line)
+            size += len(line)
+            if size >= doc_bytes:
+                docs.append("".join(piece))
+                piece, size = [], 0
+        if piece:
+            docs.append("".join(piece))
+    return docs
+
+
+def prepare_sources(folder: Path, limit: int = 0, doc_bytes: int = 0) -> dict[str, str]:
     """The standard library's .py files as one prepared folder ("all") and dealt round-robin into three
-    ("a", "b", "c"): the same text, as one source or as a mixture. `limit`: that many files (0 = all)."""
+    ("a", "b", "c"): the same text, as one source or as a mixture. `limit`: that many files (0 = all);
+    `doc_bytes`: documents of about that many bytes (0 = a file is a document)."""
     from titanlike.data.corpus import stdlib_files
     from titanlike.data.prepare import prepare
 
     files = [str(f) for f in stdlib_files()]
     files = files[:limit] if limit else files
+    docs = documents(files, doc_bytes)
     out = {}
-    for name, part in (("all", files), *((n, files[i::3]) for i, n in enumerate(WEIGHTS))):
+    for name, part in (("all", docs), *((n, docs[i::3]) for i, n in enumerate(WEIGHTS))):
         target = folder / name
         if not (target / "dataset.json").exists():
-            prepare(str(target), part, val_fraction=0.01)
+            jsonl = folder / f"{name}.jsonl"
+            folder.mkdir(parents=True, exist_ok=True)
+            jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in part))
+            prepare(str(target), [str(jsonl)], val_fraction=0.01)
         out[name] = str(target)
     return out
 
@@ -73,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run of the script")
     p.add_argument("--steps", type=int, default=30, help="steps per run (tokens/s: median after the first 2 windows)")
     p.add_argument("--log-freq", type=int, default=0, help="log every this many steps (default: steps / 6)")
+    p.add_argument("--doc-bytes", type=int, default=1500,
+                   help="cut the text into documents of about this many bytes = byte tokens (0 = a file each)")
     p.add_argument("--workdir", default="", help="keep the prepared data, run folders and logs here")
     p.add_argument("--out", default="", help="write the results as JSON here")
     a = p.parse_args(argv)
@@ -85,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(a.workdir or tempfile.mkdtemp(prefix="bench_data_"))
     workdir.mkdir(parents=True, exist_ok=True)
     cpu = a.device == "cpu"
-    data = prepare_sources(workdir / "data", limit=300 if cpu else 0)
+    data = prepare_sources(workdir / "data", limit=300 if cpu else 0, doc_bytes=a.doc_bytes)
     print(f"data: {', '.join(f'{n} {f}' for n, f in data.items())}", flush=True)
     bench = _bench_train()
     log_freq = a.log_freq or max(1, a.steps // 6)
@@ -103,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             shown = f"{result['tps']:,.0f} tok/s" if result.get("tps") else f"failed: {result.get('error', '')}"
             print(f"{model} {name}: {shown}", flush=True)
     if a.out:
-        Path(a.out).write_text(json.dumps({"device": a.device, "steps": a.steps, "results": results}, indent=1))
+        Path(a.out).write_text(json.dumps({"device": a.device, "steps": a.steps, "doc_bytes": a.doc_bytes,
+                                           "results": results}, indent=1))
     print()
     print(table(results))
     return 0 if all(r.get("tps") for r in results) else 1
