@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Resume checks on one GPU (issue 16): a resume after a changed LR, and after a damaged newest step.
+# Resume checks on one GPU: a resume after a changed LR, and after a damaged newest step.
 #
 #   scripts/gpu_resume_check.sh                       # debug model, 40 steps (about a minute)
 #   CONFIG=train_configs/llama3_1b.toml STEPS=40 SEQ=2048 scripts/gpu_resume_check.sh

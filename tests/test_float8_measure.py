@@ -1,6 +1,6 @@
 """fp8.auto_filter = measure: the decision from whole-block timings (pure, tested here on CPU), the
 conversion it leads to, and the CPU fallback to the size rule. The timing itself needs a GPU
-(scripts/bench_train.py runs it; the command is in docs/float8.md)."""
+(the GPU tier runs it: tests/test_gpu.py, and test_kept_bytes_on_the_gpu below)."""
 
 from __future__ import annotations
 

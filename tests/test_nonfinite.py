@@ -1,6 +1,6 @@
 """A non-finite loss or gradient norm: training.nonfinite = abort (test_train.py), skip, or rollback.
 
-NaNs are injected deterministically with TITANLIKE_NAN_BATCHES (titanlike/faults.py): the loss of
+NaNs are injected deterministically with TITANLIKE_NAN_BATCHES (titanlike/run/faults.py): the loss of
 the listed global batches becomes NaN on data-parallel rank 0 only, so these runs also show that
 the other rank, whose own loss is finite, takes the same decision (through the global gradient norm).
 """

@@ -52,7 +52,7 @@ class Job:
 @dataclass
 class Model:
     flavor: str = "debug"
-    """Model preset: debug, 124m, 1b, 3b, 8b, 70b (titanlike/model.py), or hf: the whole shape from
+    """Model preset: debug, 124m, 1b, 3b, 8b, 70b (titanlike/model/shape.py), or hf: the whole shape from
     checkpoint.initial_load_path's config.json (a Hugging Face Llama or Qwen3 folder). The fields below
     override the preset's shape; 0 or unset keeps the preset's value."""
     vocab_size: int = 0
@@ -100,7 +100,7 @@ class Model:
         need(self.vocab_size <= 2**24, f"model.vocab_size = {self.vocab_size} is too large: at most 2^24 = {2**24}")
         for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta", "norm_eps", "max_seq_len"):
             need(getattr(self, key) >= 0, f"model.{key} = {getattr(self, key)} must be >= 0 (0 = the preset's)")
-        if self.flavor != "hf":  # an hf shape is checked once its config.json is read (titanlike/model_shape.py)
+        if self.flavor != "hf":  # an hf shape is checked once its config.json is read (titanlike/config/resolve.py)
             for problem in model_args(self.flavor, **self.shape_overrides()).problems():
                 need(False, f"model shape ({self.flavor} with the model.* overrides): {problem}")
 
@@ -193,7 +193,7 @@ class Training:
     (tokens × vocab) logits never exist (0 = off: whole logits). On one process each chunk's
     gradients are computed in forward (no extra matmul); under FSDP or with a float8 output layer
     each chunk's logits are recomputed in backward. Same loss and gradients; saves memory with
-    large vocabularies (titanlike/loss.py)."""
+    large vocabularies (titanlike/model/loss.py)."""
     mixed_precision: Literal["bf16", "fp32"] = "bf16"
     """Compute dtype on GPU (params stay fp32, gradients reduce in fp32). CPU always runs fp32."""
     nonfinite: Literal["abort", "skip", "rollback"] = "abort"

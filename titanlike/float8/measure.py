@@ -11,7 +11,7 @@ The output layer is no candidate: measure keeps it in high precision. Timed alon
 loss) it looked faster in float8 on `124m`, but while the trainer ran it outside the compiled blocks
 whole runs with it in float8 were far slower than bf16
 (docs/benchmarks/2026-11-23-one-gpu-124m-float8-choices.md). Since one process compiles the final
-norm, the output layer and the loss as one graph (titanlike/loss.py) a float8 output layer no longer
+norm, the output layer and the loss as one graph (titanlike/model/loss.py) a float8 output layer no longer
 loses, but gains within noise (+0.9 %) for 8 GiB more memory on `124m`
 (docs/benchmarks/2026-11-23-one-gpu-124m-compiled-head-1b-32gb.md): not worth a default. To force
 it into float8: fp8.auto_filter = false with fp8.filter_fqns = [].

@@ -130,7 +130,7 @@ def inference_note(folder: str) -> str:
 
 
 def cli() -> None:
-    """The `titanlike-export` console script: same as `python -m titanlike.export`."""
+    """The `titanlike-export` console script: same as `python -m titanlike.hf.export`."""
     sys.exit(main())
 
 

@@ -104,7 +104,7 @@ class CudaGraphDecoder:
 
     Eager decoding launches each layer's dozens of small kernels from Python, and on a GPU that,
     not reading the weights, bounds a token's time whatever the model's size; a replay launches
-    them all at once (measured before and after: docs/benchmarks/2026-11-23-one-gpu-call2-generate-resume-1b.md).
+    them all at once (measured before and after: docs/benchmarks/2026-11-23-one-gpu-generate-cuda-graph-resume-1b.md).
     """
 
     def __init__(self, model: Transformer, cache: KVCache):
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli() -> None:
-    """The `titanlike-generate` console script: same as `python -m titanlike.generate`."""
+    """The `titanlike-generate` console script: same as `python -m titanlike.hf.generate`."""
     sys.exit(main())
 
 

@@ -167,7 +167,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, head=None) -> torch.Tensor:
         """The logits (batch, seq, vocab); or, given `head`, what `head(self.norm, self.output, h)`
-        returns for the last block's output h: the loss (titanlike/loss.py) runs the final norm, the
+        returns for the last block's output h: the loss (titanlike/model/loss.py) runs the final norm, the
         output layer and the cross-entropy itself, compiled as one graph or chunk by chunk so the
         whole logits never exist. Through this forward either way, so that FSDP's hooks on the model
         run."""
