@@ -15,7 +15,7 @@ from test_data_mixture import prepared
 from titanlike.config import ConfigError, load_config
 from titanlike.data.shards import write_shard
 from titanlike.model.decoder import Transformer
-from titanlike.model.masks import document_ids, document_mask
+from titanlike.model.masks import BLOCK_SIZE, document_ids, document_mask, masked_attention
 from titanlike.model.shape import model_args
 from titanlike.preflight import check
 
@@ -67,6 +67,131 @@ def test_flex_and_dense_masks_agree_and_causal_is_untouched():
     torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-4)
     assert torch.equal(plain, without_end)
     assert document_mask(tokens, END).shape == (2, 1, 48, 48)
+
+
+def windows(seq: int, layout: str, seed: int) -> torch.Tensor:
+    """Three windows of `seq` random tokens cut into documents of 1 to 600 tokens, the middle one
+    laid out by `layout`: random like the others, no end id at all, ends at its first and last
+    positions, or ends on both sides of block boundaries."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 256, (3, seq), generator=gen)
+    for row in range(3):
+        if row == 1 and layout != "random":
+            continue
+        ends = torch.randint(1, 601, (seq,), generator=gen).cumsum(0) - 1 - torch.randint(0, 600, (), generator=gen)
+        tokens[row, ends[(ends >= 0) & (ends < seq)]] = END
+    if layout == "edges":
+        tokens[1, [0, seq // 2, seq - 1]] = END
+    elif layout == "boundaries":
+        tokens[1, [BLOCK_SIZE - 1, BLOCK_SIZE, 3 * BLOCK_SIZE - 1, 3 * BLOCK_SIZE + 1]] = END
+    return tokens
+
+
+def listed_blocks(num: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """(batch, heads, rows, columns) bool, the blocks a BlockMask's counts and index lists name, whose
+    listed blocks come first, ascending."""
+    listed = torch.arange(indices.shape[-1]) < num[..., None]
+    ascending = torch.where(listed[..., 1:], indices[..., 1:] > indices[..., :-1], True)
+    assert ascending.all()
+    dense = torch.zeros(*indices.shape[:-1], indices.shape[-1] + 1, dtype=torch.bool)
+    return dense.scatter_(-1, torch.where(listed, indices, indices.shape[-1]).long(), True)[..., :-1]
+
+
+@pytest.mark.parametrize("seq", [512, 1024])
+@pytest.mark.parametrize("layout", ["random", "no_end", "edges", "boundaries"])
+def test_blocks_built_from_document_ranges_match_the_mask_evaluated_on_every_pair(seq, layout):
+    """The BlockMask built from each block's document-id range: the same partial and full blocks as
+    create_block_mask's (key blocks by query block, and query blocks by key block for the backward),
+    what a kernel reads of it (full blocks, partial ones under the mask_mod) is the dense mask, and
+    flex attention under it gives SDPA's outputs under the dense mask."""
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+
+    tokens = windows(seq, layout, seed=seq + len(layout))
+    mask = document_mask(tokens, END, flex=True)
+    dense = document_mask(tokens, END, flex=False)
+    reference = create_block_mask(mask.mask_mod, 3, None, seq, seq, device="cpu")
+    blocks = {}
+    for side in ["kv", "full_kv", "q", "full_q"]:
+        blocks[side] = listed_blocks(getattr(mask, f"{side}_num_blocks"), getattr(mask, f"{side}_indices"))
+        assert torch.equal(blocks[side], listed_blocks(getattr(reference, f"{side}_num_blocks"),
+                                                       getattr(reference, f"{side}_indices"))), side
+    partial, full = blocks["kv"], blocks["full_kv"]
+    assert mask.kv_indices.shape == (3, 1, seq // BLOCK_SIZE, seq // BLOCK_SIZE) and mask.shape == (3, 1, seq, seq)
+    assert torch.equal(mask.to_dense(), reference.to_dense())
+    if layout == "no_end":  # one document: the diagonal partial, every block below it full
+        ones = torch.ones(seq // BLOCK_SIZE, seq // BLOCK_SIZE, dtype=torch.bool)
+        assert torch.equal(partial[1, 0], ones.diag().diag()) and torch.equal(full[1, 0], ones.tril(-1))
+
+    def tokens_of(blocks):
+        return blocks.repeat_interleave(BLOCK_SIZE, dim=-2).repeat_interleave(BLOCK_SIZE, dim=-1)
+
+    read = tokens_of(full) | (tokens_of(partial) & create_mask(mask.mask_mod, 3, 1, seq, seq, device="cpu"))
+    assert torch.equal(read, dense)
+
+    gen = torch.Generator().manual_seed(seq)
+    q, k, v = (torch.randn(3, 2, seq, 16, generator=gen) for _ in range(3))
+    with torch.no_grad():
+        torch.testing.assert_close(flex_attention(q, k, v, block_mask=mask),
+                                   torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seq", [48, 200])
+def test_a_window_off_the_block_size_falls_back_to_the_mask_on_every_pair(seq):
+    """A window whose length is no multiple of the block size: create_block_mask's BlockMask, right."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    tokens = windows(seq, "edges", seed=seq)
+    mask = document_mask(tokens, END, flex=True)
+    dense = document_mask(tokens, END, flex=False)
+    assert mask.shape == (3, 1, seq, seq)
+    gen = torch.Generator().manual_seed(seq)
+    q, k, v = (torch.randn(3, 2, seq, 16, generator=gen) for _ in range(3))
+    with torch.no_grad():
+        torch.testing.assert_close(flex_attention(q, k, v, block_mask=mask),
+                                   torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_flex_attention_reads_the_blocks_built_from_document_ranges():
+    """Eager flex attention applies the mask_mod everywhere; the compiled CPU kernel reads the block
+    lists (skips empty blocks, runs full ones unmasked): under them too, SDPA's outputs under the dense mask."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    compiled = torch.compile(flex_attention)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 1024, 16, generator=gen) for _ in range(3))
+    for layout in ["random", "no_end", "edges", "boundaries"]:
+        tokens = windows(1024, layout, seed=len(layout))
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(q, k, v, block_mask=document_mask(tokens, END, flex=True)),
+                                       torch.nn.functional.scaled_dot_product_attention(
+                                           q, k, v, attn_mask=document_mask(tokens, END, flex=False)),
+                                       rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_blocks_built_from_document_ranges_give_the_dense_masks_gradients():
+    """The CUDA path: the same blocks as create_block_mask's, and compiled flex attention's outputs and
+    gradients (whose pass reads the query-side blocks) those of SDPA under the dense mask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    tokens = windows(1024, "random", seed=1).cuda()
+    mask = document_mask(tokens, END)
+    reference = create_block_mask(mask.mask_mod, 3, None, 1024, 1024, device="cuda")
+    for side in ["kv", "full_kv", "q", "full_q"]:
+        assert torch.equal(getattr(mask, f"{side}_num_blocks"), getattr(reference, f"{side}_num_blocks")), side
+        assert torch.equal(getattr(mask, f"{side}_indices"), getattr(reference, f"{side}_indices")), side
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    inputs = [torch.randn(3, 4, 1024, 64, device="cuda", generator=gen, requires_grad=True) for _ in range(3)]
+    grad = torch.randn(3, 4, 1024, 64, device="cuda", generator=gen)
+    results = []
+    for attn_mask in [mask, document_mask(tokens, END, flex=False)]:
+        out = masked_attention(*inputs, attn_mask, gqa=False)
+        results.append((out, *torch.autograd.grad(out, inputs, grad)))
+    for flex, dense in zip(*results):
+        torch.testing.assert_close(flex, dense, rtol=2e-3, atol=2e-3)
 
 
 def test_block_causal_trains_on_a_cpu(tmp_path):
