@@ -22,7 +22,6 @@ one-source run of the same model.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import tempfile
@@ -30,18 +29,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))  # bench_readme's loader of bench_train, the runner
 
 CONFIGS = {"124m": "train_configs/rtx5090_124m.toml", "1b": "train_configs/llama3_1b.toml",
            "debug": "train_configs/debug_model.toml"}
 WEIGHTS = {"a": 0.5, "b": 0.3, "c": 0.2}
-
-
-def _bench_train():
-    spec = importlib.util.spec_from_file_location("bench_train", ROOT / "scripts" / "bench_train.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def documents(files: list[str], doc_bytes: int) -> list[str]:
@@ -117,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     cpu = a.device == "cpu"
     data = prepare_sources(workdir / "data", limit=300 if cpu else 0, doc_bytes=a.doc_bytes)
     print(f"data: {', '.join(f'{n} {f}' for n, f in data.items())}", flush=True)
+    from bench_readme import _bench_train
+
     bench = _bench_train()
     log_freq = a.log_freq or max(1, a.steps // 6)
     results = []

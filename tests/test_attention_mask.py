@@ -97,6 +97,18 @@ def listed_blocks(num: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return dense.scatter_(-1, torch.where(listed, indices, indices.shape[-1]).long(), True)[..., :-1]
 
 
+def assert_flex_equals_sdpa(mask, dense: torch.Tensor, seq: int) -> None:
+    """Eager flex attention under `mask` gives SDPA's outputs under the dense mask (3 rows, 2 heads)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    gen = torch.Generator().manual_seed(seq)
+    q, k, v = (torch.randn(3, 2, seq, 16, generator=gen) for _ in range(3))
+    with torch.no_grad():
+        torch.testing.assert_close(flex_attention(q, k, v, block_mask=mask),
+                                   torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense),
+                                   rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("seq", [512, 1024])
 @pytest.mark.parametrize("layout", ["random", "no_end", "edges", "boundaries"])
 def test_blocks_built_from_document_ranges_match_the_mask_evaluated_on_every_pair(seq, layout):
@@ -104,7 +116,7 @@ def test_blocks_built_from_document_ranges_match_the_mask_evaluated_on_every_pai
     create_block_mask's (key blocks by query block, and query blocks by key block for the backward),
     what a kernel reads of it (full blocks, partial ones under the mask_mod) is the dense mask, and
     flex attention under it gives SDPA's outputs under the dense mask."""
-    from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
     tokens = windows(seq, layout, seed=seq + len(layout))
     mask = document_mask(tokens, END, flex=True)
@@ -128,29 +140,17 @@ def test_blocks_built_from_document_ranges_match_the_mask_evaluated_on_every_pai
     read = tokens_of(full) | (tokens_of(partial) & create_mask(mask.mask_mod, 3, 1, seq, seq, device="cpu"))
     assert torch.equal(read, dense)
 
-    gen = torch.Generator().manual_seed(seq)
-    q, k, v = (torch.randn(3, 2, seq, 16, generator=gen) for _ in range(3))
-    with torch.no_grad():
-        torch.testing.assert_close(flex_attention(q, k, v, block_mask=mask),
-                                   torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense),
-                                   rtol=1e-5, atol=1e-5)
+    assert_flex_equals_sdpa(mask, dense, seq)
 
 
 @pytest.mark.parametrize("seq", [48, 200])
 def test_a_window_off_the_block_size_falls_back_to_the_mask_on_every_pair(seq):
     """A window whose length is no multiple of the block size: create_block_mask's BlockMask, right."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     tokens = windows(seq, "edges", seed=seq)
     mask = document_mask(tokens, END, flex=True)
     dense = document_mask(tokens, END, flex=False)
     assert mask.shape == (3, 1, seq, seq)
-    gen = torch.Generator().manual_seed(seq)
-    q, k, v = (torch.randn(3, 2, seq, 16, generator=gen) for _ in range(3))
-    with torch.no_grad():
-        torch.testing.assert_close(flex_attention(q, k, v, block_mask=mask),
-                                   torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense),
-                                   rtol=1e-5, atol=1e-5)
+    assert_flex_equals_sdpa(mask, dense, seq)
 
 
 @pytest.mark.slow

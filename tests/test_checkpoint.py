@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, _env, metrics, run_python, run_train
+from conftest import ROOT, _env, error_lines, metrics, run_python, run_train
 from titanlike.checkpoint.manifest import seal
 
 STEPS = 12
@@ -62,10 +62,6 @@ def folders(dump: Path) -> list[str]:
 def copy_step(src_dump: Path, step: int, dst_dump: Path) -> None:
     """A new run folder holding only the step-N checkpoint of another run (as if it stopped there)."""
     shutil.copytree(ckpt(src_dump) / f"step-{step}", ckpt(dst_dump) / f"step-{step}")
-
-
-def error_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("error:")]
 
 
 def children(pid: int) -> list[int]:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, _env, metrics, run_python, train_here
-from test_checkpoint import error_lines, logged_steps, output, start, wait_for
+from conftest import ROOT, _env, error_lines, metrics, run_python, train_here
+from test_checkpoint import logged_steps, output, start, wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -152,9 +152,9 @@ class Data:
              "data.mix names the training data and each source's val/ its validation data: leave data.path and "
              "data.val_path unset (a mixture of one source is data.path)")
         for key, text in (("data.mix", self.mix), ("data.anneal_mix", self.anneal_mix)):
-            problem = schedule.mix_problem(text) if text else None
+            problem = schedule.problem(schedule.parse_mix, text) if text else None
             need(problem is None, f"{key} = {text!r}: {problem}")
-        problem = schedule.phase_problem(self.phase) if self.phase else None
+        problem = schedule.problem(schedule.parse_phases, self.phase) if self.phase else None
         need(problem is None, f"data.phase = {self.phase!r}: {problem}")
         need(self.anneal_from_step >= 0 and bool(self.anneal_mix) == bool(self.anneal_from_step),
              f"data.anneal_mix and data.anneal_from_step go together: the second mixture and its first step "

@@ -16,6 +16,7 @@ import math
 import os
 import re
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,10 +99,10 @@ def parse_mix(text: str) -> list[Source]:
     return sources
 
 
-def mix_problem(text: str) -> str | None:
-    """What is wrong with a mix string, or None."""
+def problem(parse: Callable[[str], Any], text: str) -> str | None:
+    """What `parse` (parse_mix, parse_phases) finds wrong with `text`, or None."""
     try:
-        parse_mix(text)
+        parse(text)
     except ValueError as e:
         return str(e)
     return None
@@ -146,14 +147,6 @@ def parse_phases(text: str) -> list[tuple[int, list[Source]]]:
     if steps != sorted(set(steps)):
         raise ValueError(f"phase steps {', '.join(map(str, steps))} must increase")
     return out
-
-
-def phase_problem(text: str) -> str | None:
-    try:
-        parse_phases(text)
-    except ValueError as e:
-        return str(e)
-    return None
 
 
 def phases_from_tables(value: Any) -> str:
