@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -96,12 +97,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--doc-bytes", type=int, default=1500,
                    help="cut the text into documents of about this many bytes = byte tokens (0 = a file each)")
     p.add_argument("--workdir", default="", help="keep the prepared data, run folders and logs here")
+    p.add_argument("--variants", default="", help="comma-separated, of: one source, 3 sources, block_causal "
+                   "(default: all; a variant may repeat, to see the noise)")
     p.add_argument("--out", default="", help="write the results as JSON here")
     a = p.parse_args(argv)
     models = [m for m in a.models.split(",") if m]
     unknown = [m for m in models if m not in CONFIGS]
     if unknown:
         p.error(f"--models {','.join(unknown)}: not one of {', '.join(CONFIGS)}")
+    names = ("one source", "3 sources", "block_causal")
+    wrong = [n for n in a.variants.split(",") if n.strip() and n.strip() not in names]
+    if wrong:
+        p.error(f"--variants {','.join(wrong)}: not one of {', '.join(names)}")
     from titanlike.model.shape import PRESETS
 
     workdir = Path(a.workdir or tempfile.mkdtemp(prefix="bench_data_"))
@@ -120,8 +127,11 @@ def main(argv: list[str] | None = None) -> int:
             common += ["--training.device", "cpu", "--data.seq_len", "128", "--training.local_batch_size", "4"]
         args = argparse.Namespace(config=str(ROOT / CONFIGS[model]), steps=a.steps, log_freq=log_freq, ngpu=1,
                                   corpus="", common=common)
-        for name, overrides in variants(data).items():
-            result = bench.run_variant(f"{model}-{name.replace(' ', '_')}", overrides, args, workdir, {})
+        runs = variants(data)
+        chosen = [n.strip() for n in a.variants.split(",") if n.strip()] or list(runs)
+        for i, name in enumerate(chosen):
+            overrides = runs[name]
+            result = bench.run_variant(f"{model}-{name.replace(' ', '_')}-{i}", overrides, args, workdir, {})
             result.update(model=model, variant=name)
             results.append(result)
             shown = f"{result['tps']:,.0f} tok/s" if result.get("tps") else f"failed: {result.get('error', '')}"
@@ -137,7 +147,12 @@ def main(argv: list[str] | None = None) -> int:
 def table(results: list[dict]) -> str:
     lines = ["| model | data | attention | tok/s/GPU | vs one source | loss at the end |",
              "|---|---|---|---:|---:|---:|"]
-    base = {r["model"]: r.get("tps") for r in results if r["variant"] == "one source"}
+    # The baseline: the mean of the model's one-source runs (--variants may repeat it, to see the noise).
+    ones: dict[str, list[float]] = {}
+    for r in results:
+        if r["variant"] == "one source" and r.get("tps"):
+            ones.setdefault(r["model"], []).append(r["tps"])
+    base = {model: statistics.fmean(tps) for model, tps in ones.items()}
     for r in results:
         data = "3 sources (0.5/0.3/0.2)" if r["variant"] == "3 sources" else "one source"
         attention = "block_causal" if r["variant"] == "block_causal" else "causal"

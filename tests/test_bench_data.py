@@ -32,7 +32,14 @@ def test_variants_and_table():
     assert table[2] == "| 1b | one source | causal | 1,000 | 1.000× | 3.000 |"
     assert table[3] == "| 1b | 3 sources (0.5/0.3/0.2) | causal | 990 | 0.990× | 3.100 |"
     assert table[4].startswith("| 1b | one source | block_causal | failed: boom")
+    # Repeated one-source runs: the ratio is against their mean.
+    table = bench.table([{"model": "1b", "variant": "one source", "tps": 1000.0, "loss": 3.0},
+                         {"model": "1b", "variant": "block_causal", "tps": 1010.0, "loss": 3.0},
+                         {"model": "1b", "variant": "one source", "tps": 1020.0, "loss": 3.0}]).splitlines()
+    assert [line.split(" | ")[4] for line in table[2:]] == ["0.990×", "1.000×", "1.010×"]
     assert run_python("scripts/bench_data.py", "--help").returncode == 0
+    wrong = run_python("scripts/bench_data.py", "--variants", "one source,blockcausal")
+    assert wrong.returncode == 2 and "--variants blockcausal: not one of" in wrong.stderr
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,18 @@ _compiled_flex = None
 # Flex attention's default block size (create_block_mask's BLOCK_SIZE): the tile its kernels skip,
 # run unmasked (a full block) or run with the mask applied (a partial one).
 BLOCK_SIZE = 128
+
+# Flex attention kernel options measured faster than torch's defaults, by (compute capability,
+# head_dim), for bf16; elsewhere torch's own. On an H100 at the 124m shape (24 x 2048, 12/3 heads of
+# 64, documents of about 1,500 tokens) the forward kernel with 128 x 64 tiles and 4 stages took
+# 0.56 ms against the default's 0.76 (cuDNN's causal forward: 0.43); the backward's defaults were
+# already the fastest tried (scripts/bench_doc_attention.py, docs/benchmarks/2026-11-25-flex-kernel-options.md).
+KERNEL_OPTIONS: dict[tuple[tuple[int, int], int], dict] = {
+    ((9, 0), 64): {"BLOCK_M": 128, "BLOCK_N": 64, "fwd_num_stages": 4, "fwd_num_warps": 4},
+}
+# Each CUDA device's compute capability, read by document_mask outside any compiled region, so that
+# masked_attention can look its options up while being traced.
+_capability: dict[int, tuple[int, int]] = {}
 
 
 def document_ids(tokens: torch.Tensor, end_id: int) -> torch.Tensor:
@@ -50,6 +63,8 @@ def document_mask(tokens: torch.Tensor, end_id: int, flex: bool | None = None):
     default: on CUDA), else a dense boolean mask for SDPA."""
     docs = document_ids(tokens, end_id)
     batch, seq = tokens.shape
+    if tokens.is_cuda and tokens.device.index not in _capability:
+        _capability[tokens.device.index] = torch.cuda.get_device_capability(tokens.device)
     if flex if flex is not None else tokens.is_cuda:
         from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
@@ -109,15 +124,25 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gq
     from torch.nn.attention.flex_attention import flex_attention
 
     global _compiled_flex
+    options = kernel_options(q)
     if torch.compiler.is_compiling():
         # Inside a compiled block (compile.enable) the block's graph compiles it. Its inputs are
         # pinned to (batch, heads, seq, head_dim) layout, which the RoPE kernel then writes directly:
         # fed a transposed RoPE output, torch 2.13's CPU flex template computed wrong outputs
         # (0.7 off in a test where the same inputs given contiguous matched SDPA exactly).
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa, kernel_options=options)
     if not q.is_cuda:  # inference and tests only: flex attention has no CPU backward
         return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention)
-    return _compiled_flex(q, k, v, block_mask=mask, enable_gqa=gqa)
+    return _compiled_flex(q, k, v, block_mask=mask, enable_gqa=gqa, kernel_options=options)
+
+
+def kernel_options(q: torch.Tensor) -> Any:
+    """The measured KERNEL_OPTIONS for q's device and head_dim, or None (torch's defaults). (Any: the
+    FlexKernelOptions type is torch's, and not in every torch this runs on.)"""
+    if not q.is_cuda or q.dtype != torch.bfloat16:
+        return None
+    options = KERNEL_OPTIONS.get((_capability.get(q.device.index, (0, 0)), q.shape[-1]))
+    return dict(options) if options else None
