@@ -37,39 +37,34 @@ END = 257  # the byte tokenizer's end-of-document id
 # prefixes send an option to one kernel only; BLOCK_M/BLOCK_N tile the forward kernel, BLOCK_M1/N1
 # (dK, dV) and BLOCK_M2/N2 (dQ) the backward one. ROWS_GUARANTEED_SAFE: every query row attends to
 # at least one key (true here: a token sees itself), which drops a guard in the kernels.
+
+
+def forward(block_m: int, block_n: int, stages: int, warps: int, **more) -> dict:
+    """Options of the forward kernel alone: its tile and pipeline (the backward keeps torch's)."""
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "fwd_num_stages": stages, "fwd_num_warps": warps, **more}
+
+
+def backward(block_m1: int, block_n1: int, stages: int, warps: int) -> dict:
+    """Options of the backward kernel alone: the dK/dV tile (M1 x N1), the dQ tile its transpose."""
+    return {"BLOCK_M1": block_m1, "BLOCK_N1": block_n1, "BLOCK_M2": block_n1, "BLOCK_N2": block_m1,
+            "bwd_num_stages": stages, "bwd_num_warps": warps}
+
+
 VARIANTS: dict[str, dict] = {
     "default": {},
     "rows_safe": {"ROWS_GUARANTEED_SAFE": True},
-    "fwd 128x64 s3 w4": {"BLOCK_M": 128, "BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 4},
-    "fwd 128x128 s2 w8": {"BLOCK_M": 128, "BLOCK_N": 128, "fwd_num_stages": 2, "fwd_num_warps": 8},
-    "fwd 128x64 s4 w4": {"BLOCK_M": 128, "BLOCK_N": 64, "fwd_num_stages": 4, "fwd_num_warps": 4},
-    "fwd 128x64 s3 w8": {"BLOCK_M": 128, "BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 8},
-    "fwd 64x128 s3 w4": {"BLOCK_M": 64, "BLOCK_N": 128, "fwd_num_stages": 3, "fwd_num_warps": 4},
-    "fwd 128x128 s3 w8": {"BLOCK_M": 128, "BLOCK_N": 128, "fwd_num_stages": 3, "fwd_num_warps": 8},
+    **{f"fwd {m}x{n} s{s} w{w}": forward(m, n, s, w)
+       for m, n, s, w in [(128, 64, 3, 4), (128, 128, 2, 8), (128, 64, 4, 4), (128, 64, 3, 8), (64, 128, 3, 4),
+                          (128, 128, 3, 8)]},
     "fwd tma": {"USE_TMA": True},
-    "fwd 128x64 s5 w4": {"BLOCK_M": 128, "BLOCK_N": 64, "fwd_num_stages": 5, "fwd_num_warps": 4},
-    "fwd 128x32 s4 w4": {"BLOCK_M": 128, "BLOCK_N": 32, "fwd_num_stages": 4, "fwd_num_warps": 4},
-    "fwd 64x64 s4 w4": {"BLOCK_M": 64, "BLOCK_N": 64, "fwd_num_stages": 4, "fwd_num_warps": 4},
-    "fwd 128x64 s4 w4 prescale": {"BLOCK_M": 128, "BLOCK_N": 64, "fwd_num_stages": 4, "fwd_num_warps": 4,
-                                  "PRESCALE_QK": True},
-    "fwd 128x64 s4 w4 ws": {"BLOCK_M": 128, "BLOCK_N": 64, "fwd_num_stages": 4, "fwd_num_warps": 4,
-                            "num_consumer_groups": 2, "num_buffers_warp_spec": 3},
-    "bwd 64/128 s3 w4": {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64,
-                         "bwd_num_stages": 3, "bwd_num_warps": 4},
-    "bwd 64/128 s2 w8": {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64,
-                         "bwd_num_stages": 2, "bwd_num_warps": 8},
-    "bwd 64/128 s4 w8": {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64,
-                         "bwd_num_stages": 4, "bwd_num_warps": 8},
-    "bwd 32/128 s3 w4": {"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32,
-                         "bwd_num_stages": 3, "bwd_num_warps": 4},
-    "bwd 64/64 s3 w4": {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64,
-                        "bwd_num_stages": 3, "bwd_num_warps": 4},
-    "bwd 32/64 s3 w4": {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32,
-                        "bwd_num_stages": 3, "bwd_num_warps": 4},
-    "bwd 128/128 s2 w8": {"BLOCK_M1": 128, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 128,
-                          "bwd_num_stages": 2, "bwd_num_warps": 8},
+    **{f"fwd {m}x{n} s{s} w{w}": forward(m, n, s, w) for m, n, s, w in [(128, 64, 5, 4), (128, 32, 4, 4),
+                                                                        (64, 64, 4, 4)]},
+    "fwd 128x64 s4 w4 prescale": forward(128, 64, 4, 4, PRESCALE_QK=True),
+    "fwd 128x64 s4 w4 ws": forward(128, 64, 4, 4, num_consumer_groups=2, num_buffers_warp_spec=3),
+    **{f"bwd {m}/{n} s{s} w{w}": backward(m, n, s, w)
+       for m, n, s, w in [(64, 128, 3, 4), (64, 128, 2, 8), (64, 128, 4, 8), (32, 128, 3, 4), (64, 64, 3, 4),
+                          (32, 64, 3, 4), (128, 128, 2, 8)]},
 }
-
 
 def document_tokens(batch: int, seq: int, doc_bytes: int) -> torch.Tensor:
     """(batch, seq) tokens whose end ids fall where the stdlib's documents of about `doc_bytes` bytes
@@ -81,7 +76,7 @@ def document_tokens(batch: int, seq: int, doc_bytes: int) -> torch.Tensor:
     lengths: list[int] = []
     for doc in documents([str(f) for f in stdlib_files()[:400]], doc_bytes):
         lengths.append(len(doc.encode("utf-8")) + 1)
-        if sum(lengths) > batch * seq:
+        if sum(lengths) > batch * seq:  # some tens of documents
             break
     tokens = torch.zeros(batch * seq, dtype=torch.long)
     ends = torch.tensor(lengths).cumsum(0) - 1
