@@ -36,6 +36,15 @@ CONFIG_HOME = tempfile.mkdtemp(prefix="titanlike-test-config-")
 os.environ["XDG_CONFIG_HOME"] = CONFIG_HOME
 
 
+# Test-only NaN injection (TITANLIKE_NAN_BATCHES): in this process now, in the processes tests start
+# through the sitecustomize.py of this folder (_env puts it on their PYTHONPATH).
+PROBE_SITE = ROOT / "tests" / "probes" / "site"
+sys.path.insert(0, str(PROBE_SITE))
+import nan_batches  # noqa: E402
+
+nan_batches.install()
+
+
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(CACHE, ignore_errors=True)
     shutil.rmtree(CONFIG_HOME, ignore_errors=True)
@@ -65,7 +74,7 @@ def pytest_collection_modifyitems(config, items):
 def _env() -> dict:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(PROBE_SITE), env.get("PYTHONPATH", "")])
     env["PYTHONUNBUFFERED"] = "1"
     # A warm inductor cache makes repeated compile tests ~10 s instead of ~40 s.
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "titanlike-inductor"))

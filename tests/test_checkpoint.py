@@ -385,7 +385,7 @@ def plain_model(step_dir: Path):
 def load_in_process(model, path: Path, trust: bool = False) -> None:
     """The trainer's own loader for `--checkpoint.initial_load_path` (no process group, one rank);
     trust = --checkpoint.trust_pickled_dcp, for the synthetic checkpoints written here by plain DCP."""
-    from titanlike.checkpoint.weights import load_initial_weights
+    from titanlike.hf.initial import load_initial_weights
 
     load_initial_weights(model, model.args, str(path), trust_pickled_dcp=trust)
 

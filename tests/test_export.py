@@ -51,7 +51,7 @@ def export(step_dir: Path, out: Path, *extra: str):
 
 def load_ours(folder: Path, like: Transformer) -> Transformer:
     """The export read back through --checkpoint.initial_load_path's loader."""
-    from titanlike.checkpoint.weights import load_initial_weights
+    from titanlike.hf.initial import load_initial_weights
 
     model = Transformer(like.args)
     model.init_weights(seed=99, seq_len=64)

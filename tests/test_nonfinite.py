@@ -1,6 +1,6 @@
 """A non-finite loss or gradient norm: training.nonfinite = abort (test_train.py), skip, or rollback.
 
-NaNs are injected deterministically with TITANLIKE_NAN_BATCHES (titanlike/run/faults.py): the loss of
+NaNs are injected deterministically with TITANLIKE_NAN_BATCHES (tests/probes/site/nan_batches.py): the loss of
 the listed global batches becomes NaN on data-parallel rank 0 only, so these runs also show that
 the other rank, whose own loss is finite, takes the same decision (through the global gradient norm).
 """
@@ -16,9 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import ROOT, metrics, run_python, run_train
+from conftest import ROOT, metrics, nan_batches, run_python, run_train
 from titanlike.optim import clip_and_step, lr_factor
-from titanlike.run import faults
 from titanlike.run.nonfinite import MAX_IN_A_ROW, NonFiniteLoss, NonFinitePolicy
 
 SEQ, GLOBAL = 64, 8
@@ -185,20 +184,21 @@ def test_policy_rollback_to_the_newest_earlier_checkpoint_at_most_three_times():
         policy("rollback", checkpoints=(4, 8)).judge([(NAN, OK, 0)], first_step=4)
 
 
-def test_nan_injection_wraps_the_loss_function_only_when_asked(monkeypatch):
+def test_nan_injection_poisons_listed_training_batches_only(monkeypatch):
     def loss_fn(x):
         return x.sum()
 
-    batch = [1]
-    monkeypatch.delenv(faults.NAN_BATCHES_ENV, raising=False)
-    assert faults.with_nan_batches(loss_fn, lambda: batch[0], dp_rank=0) is loss_fn
-    monkeypatch.setenv(faults.NAN_BATCHES_ENV, "2,4")
-    assert faults.with_nan_batches(loss_fn, lambda: batch[0], dp_rank=1) is loss_fn  # rank 0 only
-    poisoned = faults.with_nan_batches(loss_fn, lambda: batch[0], dp_rank=0)
+    reading = {"batch": 1}
+    poisoned = nan_batches.poisoned(loss_fn, reading)
+    monkeypatch.delenv(nan_batches.ENV, raising=False)
+    assert not math.isnan(poisoned(torch.ones(3)).item())
+    monkeypatch.setenv(nan_batches.ENV, "2,4")
     seen = []
-    for batch[0] in range(1, 6):
+    for reading["batch"] in range(1, 6):
         seen.append(math.isnan(poisoned(torch.ones(3)).item()))
     assert seen == [False, True, False, True, False]
+    with torch.no_grad():  # validation's losses stay finite
+        assert not math.isnan(poisoned(torch.ones(3)).item())
 
 
 # ---- skip -----------------------------------------------------------------------------------------------

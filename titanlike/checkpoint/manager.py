@@ -1,19 +1,21 @@
-"""The checkpoint manager: built with the run's states, it decides when to save, saves, publishes,
-verifies, resumes, falls back and owns its folder. The trainer calls it at four points:
+"""The checkpoint manager: built in one call from the parts of a run, it decides when to save, saves,
+publishes, verifies, resumes, falls back and owns its folder. The trainer calls it at a few points:
 
-    manager = CheckpointManager(cfg.checkpoint, dump_folder, states={...}, run=RunRecord(...), ...)
-    manager.load_or_start()        resume from the newest intact step (or checkpoint.load_step), or
-                                   start from checkpoint.initial_load_path's weights, or afresh
-    manager.after_step(step, ...)  every step: agree on a stop request over ranks, publish background
-                                   saves that landed, save when due (interval, last step, stop)
-    manager.restore(step)          a rollback (training.nonfinite): that step's weights, optimizer and
-                                   schedule; the data position stays
+    manager = CheckpointManager(cfg, folder, ..., model=, optimizer=, scheduler=, loader=, float8=, counters=)
+    manager.load_or_start()        resume from the newest intact step (or checkpoint.load_step, or a
+                                   stopped run's save); None if there is nothing to resume
+    manager.before_update()        before each optimizer step: a background save's copy of the tensors
+                                   the update overwrites is complete
+    manager.due(step, ...)         every step: agree on a stop request over ranks, publish background
+                                   saves that landed; whether this step saves and whether the run stops
+    manager.save(step, due)        save step-N (in the foreground or the background)
+    manager.restore(step)          a rollback (training.nonfinite): that step's weights, optimizer,
+                                   schedule and counters; the data position stays
     manager.close(...)             publish what is in flight, remove a consumed preemption save, unlock
 
 A save writes into step-N.tmp and becomes step-N by one rename after every rank has written and the
 signed manifest (manifest.py) is complete, so a step-N folder is always whole. A load passes the
-manifest gate before anything is unpickled. Before each optimizer step a background save's copy of
-the tensors must be complete: the manager registers that wait on the optimizer itself.
+manifest gate before anything is unpickled.
 
 What is trusted, and the layout of a step folder: docs/checkpointing.md.
 """
@@ -25,7 +27,6 @@ import logging
 import os
 import shutil
 import warnings
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
@@ -37,9 +38,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from titanlike import fs
 from titanlike.checkpoint.folder import StepFolders
 from titanlike.checkpoint.manifest import ensure_signing_key, inspect, read_manifest
-from titanlike.checkpoint.states import holds_tensors, set_rng_state
-from titanlike.checkpoint.weights import MODEL_ARGS, CheckpointMismatch, check_model_shape, load_initial_weights
+from titanlike.checkpoint.states import ModelState, OptimizerState, SchedulerState, holds_tensors, set_rng_state
+from titanlike.checkpoint.weights import MODEL_ARGS, CheckpointMismatch, check_model_shape
 from titanlike.checkpoint.writer import RNG_FILE, CheckpointError, StepWriter
+from titanlike.config import resumable_settings
 from titanlike.errors import UserError
 
 logger = logging.getLogger("titanlike")
@@ -72,11 +74,15 @@ class RunRecord:
                 "load_step": self.load_step}
 
 
-class StepOutcome(NamedTuple):
+class Due(NamedTuple):
+    """What a step ends with, the same on every rank."""
+
+    save: bool
+    """This step is saved: at the interval, at the last step, or on a stop request."""
     stop: int
     """The stop request all ranks agreed on (NONE: train on)."""
-    saved: str | None
-    """The step folder this call saved (or started to save), if any."""
+    last: bool
+    """The last step of training."""
 
 
 def _from_earlier_layout(record: dict, step: int) -> dict:
@@ -90,17 +96,22 @@ def _from_earlier_layout(record: dict, step: int) -> dict:
 
 
 class CheckpointManager:
-    def __init__(self, cfg, dump_folder: str, *, states: dict[str, Any], run: RunRecord, is_main: bool,
-                 cuda: bool, backend_timeout_s: int, optimizer: torch.optim.Optimizer | None = None,
-                 before_save: Callable[[], bool] | None = None):
-        """`states`: every Stateful piece of the run, loaded in this order (weights before what is
-        derived from them). `optimizer`: waits for a background save's copy before each update.
-        `before_save`: asked before each save; False skips it (the run just rolled back)."""
-        self.cfg, self.states, self.run, self.is_main, self.cuda = cfg, states, run, is_main, cuda
-        self.folder = cfg.folder if os.path.isabs(cfg.folder) else os.path.join(dump_folder, cfg.folder)
+    def __init__(self, cfg, folder: str, *, model_args, global_batch: int, dp_world: int, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, scheduler, loader, float8, counters, is_main: bool, cuda: bool):
+        """`cfg`: the job's config (its [checkpoint] section, and what a resume compares); `folder`: the
+        checkpoint folder. The parts of the run it saves and restores, in the order a load restores them
+        (weights before what is derived from them: float8's scales): `model`, `optimizer`, `scheduler`
+        (the LR schedule), `loader` (the data position), `counters` (the step, tokens, ...) and `float8`."""
+        self.cfg, self.is_main, self.cuda = cfg.checkpoint, is_main, cuda
+        self.states: dict[str, Any] = {
+            "model": ModelState(model), "optimizer": OptimizerState(model, optimizer),
+            "lr_scheduler": SchedulerState(scheduler), "dataloader": loader, "train_state": counters,
+            "float8": float8}
+        self.run = RunRecord(model_args, global_batch, dp_world, cfg.job.seed, cfg.optimizer.state_dtype,
+                             resumable_settings(cfg))
+        self.folder = folder
         fs.check_path_text(self.folder, "checkpoint.folder")
         self.steps = StepFolders(self.folder, is_main)
-        self.before_save = before_save
         self.sharded = dist.is_initialized()
         self.rank = dist.get_rank() if self.sharded else 0
         self.world = dist.get_world_size() if self.sharded else 1
@@ -113,18 +124,18 @@ class CheckpointManager:
         # collectives would pair up in a different order on different ranks, and the run would hang.
         self.cpu_group = self.save_group = None
         if self.sharded:
-            timeout = datetime.timedelta(seconds=backend_timeout_s)
+            timeout = datetime.timedelta(seconds=cfg.parallel.backend_timeout_s)
             self.cpu_group = dist.new_group(backend="gloo", timeout=timeout)
-            if cfg.async_mode != "disabled":  # every rank has the same config: groups are made in step
+            if self.cfg.async_mode != "disabled":  # every rank has the same config: groups are made in step
                 self.save_group = dist.new_group(backend="gloo", timeout=timeout)
-        self.writer = StepWriter(self.steps, cfg, rank=self.rank, world=self.world, group=self.cpu_group,
-                                 save_group=self.save_group, cuda=cuda, eight_bit=run.optimizer_state_dtype == "8bit")
+        self.writer = StepWriter(self.steps, keep_latest_k=self.cfg.keep_latest_k,
+                                 pinned=self.cfg.async_mode == "async_with_pinned_mem", rank=self.rank,
+                                 world=self.world, group=self.cpu_group, save_group=self.save_group, cuda=cuda,
+                                 eight_bit=self.run.optimizer_state_dtype == "8bit")
         if is_main:
             ensure_signing_key()  # before step 1: a save must be able to sign its manifest
-            if cfg.enable or os.path.isdir(self.folder):
+            if self.cfg.enable or os.path.isdir(self.folder):
                 self._own_folder()
-        if optimizer is not None and cfg.async_mode != "disabled":
-            optimizer.register_step_pre_hook(lambda *_: self.writer.wait_for_staging())
 
     def _own_folder(self) -> None:
         """Rank 0 locks the folder (one run per checkpoint folder) and checks that it is writable."""
@@ -150,10 +161,10 @@ class CheckpointManager:
 
     # ---- resuming ------------------------------------------------------------------------------------
 
-    def load_or_start(self, initial_load_path: str = "", trust_pickled_dcp: bool = False) -> int | None:
-        """Resume from the newest intact checkpoint (or checkpoint.load_step, once); else load
-        initial_load_path's weights, if set; else nothing. Without checkpoint.enable only a stop's save
-        is resumed from. Returns the step resumed from, or None."""
+    def load_or_start(self) -> int | None:
+        """Resume from the newest intact checkpoint (or checkpoint.load_step, once). Without
+        checkpoint.enable only a stop's save is resumed from. Returns the step resumed from, or None:
+        then the run starts afresh (or from checkpoint.initial_load_path's weights: the trainer's)."""
         for step in self.steps.incomplete():
             if self.is_main:
                 logger.warning(f"ignoring {self.step_dir(step)}.tmp: a save that never completed")
@@ -165,8 +176,6 @@ class CheckpointManager:
                 if self.is_main:
                     logger.info(f"{self.step_dir(steps[-1])} is the save of a stopped run: resumed from it (once "
                                 f"this run completes it is removed; to start over instead, remove it)")
-            elif initial_load_path:
-                self._load_weights(initial_load_path, trust_pickled_dcp)
             return self.resumed_from
         if not steps and self.steps.damaged():
             raise CheckpointError(
@@ -191,8 +200,6 @@ class CheckpointManager:
                 self._resume([load_step])
         elif steps:
             self._resume(steps[::-1])
-        elif initial_load_path:
-            self._load_weights(initial_load_path, trust_pickled_dcp)
         return self.resumed_from
 
     def _verify(self, step: int) -> tuple[str, str]:
@@ -329,12 +336,6 @@ class CheckpointManager:
                 if before != now:
                     logger.info(f"{key}: checkpoint {before} → config {now}")
 
-    def _load_weights(self, path: str, trust: bool) -> None:
-        load_initial_weights(self.states["model"].model, self.run.model_args, path, trust_pickled_dcp=trust,
-                             process_group=self.cpu_group)
-        if self.is_main:
-            logger.info(f"initial weights loaded from {path}")
-
     def restore(self, step: int) -> str:
         """A rollback: step-N's weights, optimizer and schedule; the data position (and RNG) stay where
         they are. Returns the folder."""
@@ -347,25 +348,31 @@ class CheckpointManager:
 
     # ---- saving ---------------------------------------------------------------------------------------
 
-    def after_step(self, step: int, *, last: bool, stop_request: int) -> StepOutcome:
+    def before_update(self) -> None:
+        """Before each optimizer step: a background save's copy of the tensors the update overwrites
+        must be complete (a no-op without one in flight)."""
+        self.writer.wait_for_staging()
+
+    def due(self, step: int, *, last: bool, stop_request: int) -> Due:
         """After each training step, on every rank: the largest stop request of any rank (all must stop
-        after the same step), a background save that every rank finished is published, and a save is
-        made when due, on a stop request, and at the last step (one small all-reduce per step)."""
+        after the same step), and a background save that every rank finished is published (one small
+        all-reduce per step). A save is due at the interval, at the last step and on a stop request."""
         flags = torch.tensor([stop_request, int(self.writer.writing)])
         if self.sharded:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.cpu_group)
         if not flags[1]:
             self.writer.wait_and_publish()  # every rank has finished writing: publish at the same step
         stop = int(flags[0])
-        due = self.cfg.enable and (step % self.cfg.interval == 0 or last)
-        if not (due or stop):
-            return StepOutcome(NONE, None)
-        if self.before_save is not None and not self.before_save():
-            return StepOutcome(NONE, None)  # rolled back: never save the weights of a diverged run
-        self._save(step, final=last or bool(stop), preemption=bool(stop))
-        if stop and not last:
+        save = bool(stop) or (self.cfg.enable and (step % self.cfg.interval == 0 or last))
+        return Due(save, stop, last)
+
+    def save(self, step: int, due: Due) -> str:
+        """Save step-N as `due` says (a stop's save, and the last step's, in the foreground); returns
+        its folder. A stopping run's save is published before this returns."""
+        self._save(step, final=due.last or bool(due.stop), preemption=bool(due.stop))
+        if due.stop and not due.last:
             self.writer.wait_and_publish()
-        return StepOutcome(stop, self.step_dir(step))
+        return self.step_dir(step)
 
     def _save(self, step: int, final: bool, preemption: bool) -> None:
         if self.is_main:

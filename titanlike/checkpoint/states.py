@@ -1,17 +1,16 @@
 """The pieces a checkpoint holds, each speaking torch's Stateful protocol (state_dict, load_state_dict).
 
-The trainer hands the checkpoint manager a dict of these (plus any other Stateful, such as the data
-loader and the float8 converter). A state whose state_dict() holds tensors is saved with DCP
-(sharded: each rank writes its shards, and a load reshards to any world size); one that holds only
-numbers is saved as JSON in trainer_state.json. This rank's random number generators are saved per
-rank as JSON (rng-rank{R}.json).
+The checkpoint manager wraps the model, optimizer and LR schedule in these, and takes the other
+Stateful parts of a run as they are (the data loader, the float8 converter, the run's counters). A
+state whose state_dict() holds tensors is saved with DCP (sharded: each rank writes its shards, and a
+load reshards to any world size); one that holds only numbers is saved as JSON in trainer_state.json.
+This rank's random number generators are saved per rank as JSON (rng-rank{R}.json).
 """
 
 from __future__ import annotations
 
 import base64
 import random
-from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -23,21 +22,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
-
-
-@dataclass
-class TrainState:
-    step: int = 0
-    tokens_seen: int = 0
-    data_offset: int = 0  # global batches the data is ahead of `step`: those rollbacks did not replay
-    skipped_steps: int = 0  # updates skipped for a non-finite gradient (training.nonfinite = skip)
-
-    def state_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for f in fields(self):  # a field a checkpoint predates keeps its default
-            setattr(self, f.name, int(state.get(f.name, f.default)))
 
 
 def plain_tensors(sd: dict) -> dict:

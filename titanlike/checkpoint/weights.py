@@ -1,5 +1,6 @@
 """Model weights out of a checkpoint step folder, for a new run (`checkpoint.initial_load_path`), the
-export and generation; and the check that a step folder holds this run's model.
+export and generation; and the check that a step folder holds this run's model. This is the one
+reader of step folders outside the checkpoint manager.
 
 Every path opens the folder through the manifest gate first (manifest.inspect / check_readable):
 nothing of a folder is unpickled before its manifest and bytes pass.
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from titanlike import fs
 from titanlike.checkpoint.manifest import TRUST_FLAG, check_readable
@@ -77,21 +78,15 @@ def is_dcp_folder(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ".metadata")) or os.path.isfile(os.path.join(path, "manifest.json"))
 
 
-def load_initial_weights(model: torch.nn.Module, margs: ModelArgs, path: str, *, trust_pickled_dcp: bool = False,
-                         process_group=None) -> None:
-    """Model weights only, for a new run: a safetensors (Hugging Face) folder, or a DCP step folder
-    that passes the gate (manifest.check_readable)."""
-    if is_dcp_folder(path):
-        check_readable(path, trust_pickled_dcp)
-        check_model_shape(model, margs, path)
-        state: dict[str, Any] = {"model": ModelState(model).state_dict()}
-        dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=not dist.is_initialized())
-        set_model_state_dict(model, state["model"])
-    else:
-        from titanlike.hf.interchange import read_hf_folder
-
-        full: dict[str, Any] = read_hf_folder(path, margs)
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+def load_step_weights(model: torch.nn.Module, margs: ModelArgs, path: str, *, trust_pickled_dcp: bool = False,
+                      process_group=None) -> None:
+    """Model weights only, for a new run, from a DCP step folder that passes the gate
+    (manifest.check_readable); resharded to this run's ranks."""
+    check_readable(path, trust_pickled_dcp)
+    check_model_shape(model, margs, path)
+    state: dict[str, Any] = {"model": ModelState(model).state_dict()}
+    dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=not dist.is_initialized())
+    set_model_state_dict(model, state["model"])
 
 
 def step_folder_problem(step_dir: str) -> str | None:

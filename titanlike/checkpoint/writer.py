@@ -36,11 +36,12 @@ class CheckpointError(UserError):
 
 class StepWriter:
     """Writes step folders into `steps`; one background save in flight at a time. Collectives run on
-    `group` (the main thread's) and `save_group` (a background save's own)."""
+    `group` (the main thread's) and `save_group` (a background save's own). `keep_latest_k`: the
+    complete steps kept (0: all); `pinned`: background saves copy to pinned host buffers of ours."""
 
-    def __init__(self, steps: StepFolders, cfg, *, rank: int, world: int, group, save_group, cuda: bool,
-                 eight_bit: bool):
-        self.steps, self.cfg, self.rank, self.world = steps, cfg, rank, world
+    def __init__(self, steps: StepFolders, *, keep_latest_k: int, pinned: bool, rank: int, world: int, group,
+                 save_group, cuda: bool, eight_bit: bool):
+        self.steps, self.keep_latest_k, self.pinned, self.rank, self.world = steps, keep_latest_k, pinned, rank, world
         self.group, self.save_group, self.cuda, self.eight_bit = group, save_group, cuda, eight_bit
         self.is_main, self.sharded = rank == 0, world > 1
         self.pending: tuple[int, Future] | None = None  # (step, upload future) of a background save
@@ -64,8 +65,8 @@ class StepWriter:
         tmp = self.steps.step_dir(step) + ".tmp"
         try:
             if self.is_main:
-                if self.cfg.keep_latest_k:  # room for the new one first (0 keeps every checkpoint)
-                    self.steps.prune(keep=self.cfg.keep_latest_k - 1, below=step)
+                if self.keep_latest_k:  # room for the new one first (0 keeps every checkpoint)
+                    self.steps.prune(keep=self.keep_latest_k - 1, below=step)
                 shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt at this step that died
                 os.makedirs(tmp)
                 for name, value in files.items():
@@ -87,7 +88,7 @@ class StepWriter:
     def _async_save(self, state: dict, tmp: str) -> Future:
         """Start a background save; returns the future of the upload (the files written)."""
         kwargs: dict = {"checkpoint_id": tmp, "process_group": self.save_group, "no_dist": not self.sharded}
-        pinned = self.cuda and self.cfg.async_mode == "async_with_pinned_mem"
+        pinned = self.cuda and self.pinned
         if pinned or self.eight_bit:
             # titanlike's stager (staging.py): pinned buffers kept between saves, copied on a side
             # stream while training goes on; and torchao's 8-bit state, which DCP cannot copy.
@@ -148,8 +149,8 @@ class StepWriter:
                 if os.path.exists(final):
                     shutil.rmtree(final)
                 os.replace(tmp, final)
-                if self.cfg.keep_latest_k:
-                    self.steps.prune(keep=self.cfg.keep_latest_k, below=step + 1)
+                if self.keep_latest_k:
+                    self.steps.prune(keep=self.keep_latest_k, below=step + 1)
             except (OSError, UserError) as e:
                 failed = e
         flag = torch.tensor([int(failed is not None)])
@@ -165,7 +166,7 @@ class StepWriter:
         kept = (f"the previous checkpoint {self.steps.step_dir(previous[-1])} is intact" if previous
                 else "no earlier checkpoint exists")
         size = self.steps.size_mb(previous[-1]) if previous else 0.0
-        cause = failure_cause(e, self.steps.folder, self.cfg.keep_latest_k, size)
+        cause = failure_cause(e, self.steps.folder, self.keep_latest_k, size)
         raise CheckpointError(f"saving the checkpoint of step {step} to {self.steps.folder} failed: {cause}; "
                               f"{kept}") from None
 

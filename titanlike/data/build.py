@@ -54,6 +54,10 @@ class RunData:
         total = sum(shares[n] for n in self.val)
         return {n: shares[n] / total if total else 1 / len(self.val) for n in self.val}
 
+    def val_total(self, losses: dict[str, float]) -> float:
+        """Validation's total: each source's loss weighted by val_weights() (docs/data.md)."""
+        return sum(w * losses[name] for name, w in self.val_weights().items())
+
 
 def build_run_data(data: Any, vocab_size: int, tokenizer: tuple[int, str] | None, local_batch: int,
                    global_batch: int, dp_rank: int, dp_world: int, seed: int, pin_memory: bool,

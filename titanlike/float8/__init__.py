@@ -34,6 +34,12 @@ from titanlike.float8.options import Float8Options, inductor_options
 __all__ = ["Float8Converter", "Float8Options", "Float8Report", "health_summary", "inductor_options", "weight_health"]
 
 
+class StepCounter(Protocol):
+    """The run's counters: `step` is the steps completed (a rollback sets it back)."""
+
+    step: int
+
+
 class MetricsSink(Protocol):
     """Where weight health goes: per-layer values to TensorBoard, the worst layers to the next record."""
 
@@ -53,7 +59,7 @@ class Float8Converter:
         self.options = options
         self.report = Float8Report()
         self.model: nn.Module | None = None
-        self._steps_done: Callable[[], int] | None = None
+        self._counters: StepCounter | None = None
         self._loaded = False
         # The delayed-scaling module when fp8.scaling = delayed, else None; imported only then, as
         # it imports torchao at once.
@@ -96,14 +102,15 @@ class Float8Converter:
             all_gather.fuse_all_gather_cast()
         return inductor_options(self.options.recipe) if self.enabled else {}
 
-    def attach(self, optimizer: torch.optim.Optimizer, *, steps_done: Callable[[], int], metrics: MetricsSink,
+    def attach(self, optimizer: torch.optim.Optimizer, *, counters: StepCounter, metrics: MetricsSink,
                log_freq: int) -> None:
         """Once the weights are set (initialised, or loaded by a resume): register the hook that runs
-        after each update. `steps_done()` counts the steps completed before the update in flight;
-        weight health goes to `metrics` every log_freq × fp8.health_log_freq steps."""
+        after each update. `counters.step` counts the steps completed before the update in flight (the
+        run's counters, which a rollback sets back); weight health goes to `metrics` every
+        log_freq × fp8.health_log_freq steps."""
         if not self.enabled or self.model is None:
             return
-        self._steps_done = steps_done
+        self._counters = counters
         if self._delayed and not self._loaded:
             self._delayed.reset(self.model)  # materialised just now: no history yet
         self._after_weights_set()
@@ -112,7 +119,7 @@ class Float8Converter:
         model = self.model
 
         def after_update(opt, args, kwargs) -> None:
-            step = steps_done() + 1  # the step whose update just ran
+            step = counters.step + 1  # the step whose update just ran
             if self._delayed:
                 # Its amaxes into the history (one all-reduce for all layers); the next step measures or not.
                 self._delayed.update_scales(model)
@@ -132,8 +139,8 @@ class Float8Converter:
         assert self.model is not None
         if self.options.precompute_scales:
             all_gather.precompute_scales(self.model)
-        if self._delayed and self._steps_done is not None:
-            self._delayed.set_recording(self.model, self._steps_done() + 1, self.options.amax_every)
+        if self._delayed and self._counters is not None:
+            self._delayed.set_recording(self.model, self._counters.step + 1, self.options.amax_every)
 
     # ---- the checkpoint (torch's Stateful protocol) -------------------------------------------------
 

@@ -1,6 +1,5 @@
-"""Faults a run meets, turned into clear answers: running out of GPU memory, a collective that
-failed because another rank did, and the test-only hook that makes a step's loss non-finite on
-purpose.
+"""Faults a run meets, turned into clear answers: running out of GPU memory, and a collective that
+failed because another rank did.
 
 What a non-finite loss then does (training.nonfinite: abort, skip, rollback) is nonfinite.py's
 decision; skipping an update without a host sync is optim.clip_and_step.
@@ -8,7 +7,6 @@ decision; skipping an update without a host sync is optim.clip_and_step.
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 from collections.abc import Callable
@@ -16,35 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from titanlike import parallel
-
-# ---- fault injection, for tests only -------------------------------------------------------------
-# TITANLIKE_NAN_BATCHES="7,9": the loss that data-parallel rank 0 computes on these global batches
-# becomes NaN, as a diverging step's would (its gradients, and so the global gradient norm, follow).
-# Batches are numbered from 1 in data order: batch s feeds step s until a rollback skips some.
-# Unset, which is always the case outside tests, nothing happens.
-NAN_BATCHES_ENV = "TITANLIKE_NAN_BATCHES"
-
-
-def injected_nan_batches() -> frozenset[int]:
-    raw = os.environ.get(NAN_BATCHES_ENV, "")
-    return frozenset(int(b) for b in raw.split(",") if b.strip())
-
-
-def with_nan_batches(loss_fn: Callable, batch_number: Callable[[], int], dp_rank: int) -> Callable:
-    """The training loss function, poisoned on the batches TITANLIKE_NAN_BATCHES lists (on
-    data-parallel rank 0, for the batch `batch_number()` says is being read); `loss_fn` itself,
-    untouched, when the variable is unset or on other ranks."""
-    batches = injected_nan_batches()
-    if not batches or dp_rank != 0:
-        return loss_fn
-
-    def loss_with_injected_nans(*args, **kwargs) -> torch.Tensor:
-        loss = loss_fn(*args, **kwargs)
-        return loss * float("nan") if batch_number() in batches else loss
-
-    return loss_with_injected_nans
-
+from titanlike.parallel.device import allocator_settings
 
 # ---- a collective failed ---------------------------------------------------------------------------
 
@@ -122,7 +92,7 @@ def oom_message(cfg, world_size: int, rank: int, step: int | None, memory: dict 
                      f"from 64 to 53 GiB on one GPU")
     if world_size > 1 and cfg.parallel.reshard_after_forward != "always":
         knobs.append("--parallel.reshard_after_forward always (frees every gathered weight after forward)")
-    allocator = parallel.allocator_settings() or ""
+    allocator = allocator_settings() or ""
     fragmented = memory and memory["reserved"] > 1.2 * memory["allocated"] + 1
     if fragmented and "expandable_segments:true" not in allocator.lower():
         knobs.append("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (reserved far above allocated: fragmentation)")
@@ -131,16 +101,20 @@ def oom_message(cfg, world_size: int, rank: int, step: int | None, memory: dict 
             f"{d.seq_len}; to use less: {', '.join(knobs)}{seen}")
 
 
-def explain(e: RuntimeError, cfg, trainer, world_size: int, rank: int) -> tuple[int, str] | None:
+def explain(e: RuntimeError, cfg, world_size: int, rank: int, *, step: int | None = None,
+            device: torch.device | None = None, oom_snapshot: Callable[[int], str | None] | None = None
+            ) -> tuple[int, str] | None:
     """(exit code, the one line to print) for a failure a user can act on: out of GPU or host memory,
-    a peer rank or the network gone; None for anything else (the traceback is the report)."""
+    a peer rank or the network gone; None for anything else (the traceback is the report). `step`:
+    the steps completed (None: the run was still being built); `device`: the run's; `oom_snapshot(step)`
+    writes the allocator's history and returns where."""
     if isinstance(e, torch.OutOfMemoryError):
         if cfg is None:
             return None
-        snapshot = trainer.profiler.oom_snapshot(trainer.state.step) if trainer is not None else None
-        gpu = torch.cuda.is_available() and cfg.training.device != "cpu"
-        device = trainer.device if trainer is not None else torch.device("cuda" if gpu else "cpu")
-        step = trainer.state.step if trainer is not None else None
+        snapshot = oom_snapshot(step) if oom_snapshot is not None and step is not None else None
+        if device is None:
+            gpu = torch.cuda.is_available() and cfg.training.device != "cpu"
+            device = torch.device("cuda" if gpu else "cpu")
         return 2, oom_message(cfg, world_size, rank, step, gpu_memory(device), snapshot)
     if "can't allocate memory" in str(e):  # the CPU allocator: a model or batch too large for this machine
         want = next((w for w in str(e).split("allocate ")[1:] if w[:1].isdigit()), "").split(" bytes")[0]

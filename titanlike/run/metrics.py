@@ -118,6 +118,8 @@ class MetricsLogger:
         self._window_tokens = 0
         self._window_data_s = 0.0
         self.start_time = time.perf_counter()
+        self._loop_start = self.start_time
+        self._first_logged = False
 
     # ---- accounting called from the training loop ----------------------------------------
 
@@ -161,6 +163,40 @@ class MetricsLogger:
             "mem_pct": 100 * stats.get("reserved_bytes.all.peak", 0)
             / torch.cuda.get_device_properties(self.device).total_memory,
         }
+
+    # ---- the records of a training run ------------------------------------------------------
+
+    def begin(self) -> None:
+        """The training loop starts now: the first train record reports the time from here to its step
+        (compilation and warm-up), and throughput is measured from that step on."""
+        self._loop_start = time.perf_counter()
+        self._first_logged = False
+
+    def log_train(self, step: int, record: dict, *, tokens_seen: int, by_source: dict, total_steps: int,
+                  eta_s: float | None) -> None:
+        """A train record: `record` (loss, grad_norm, lr, ...), then the first step's time or the
+        throughput since the last record, what was read from each source, and GPU memory. Every rank
+        calls it (the throughput's device sync); the writer writes."""
+        first = not self._first_logged
+        if first:
+            record["first_step_s"] = time.perf_counter() - self._loop_start
+        else:
+            record.update(tokens_seen=tokens_seen, **self.throughput(), float8_matmul_share=self.float8_share)
+        record.update(by_source)
+        self.log(step, {**record, **self.memory()}, total_steps=total_steps, eta_s=eta_s)
+        if first:
+            # The first step paid for compilation and warm-up: throughput is timed from here.
+            self._first_logged = True
+            self.start_window()
+
+    def log_validation(self, step: int, losses: dict[str, float], total: float, per_source: bool) -> None:
+        """The held-out loss: with `per_source` (a mixture), one record per source (quiet on the console)
+        before the total, which the console line follows with each source's loss."""
+        for name, loss in losses.items() if per_source else ():
+            self.log(step, {"source": name, "loss": loss, "ppl": math.exp(min(loss, 50.0))}, prefix="val",
+                     console=False)
+        self.log(step, {"loss": total, "ppl": math.exp(min(total, 50.0))}, prefix="val",
+                 sources=losses if per_source else None)
 
     # ---- output ---------------------------------------------------------------------------
 

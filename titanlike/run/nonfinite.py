@@ -11,8 +11,12 @@ reduced over ranks (so every rank reaches the same verdict), and gets a Verdict 
 
 Skipping stops once MAX_IN_A_ROW consecutive steps had their update skipped (the weights
 themselves have diverged: skipping more batches cannot help); rolling back stops once it has
-rolled back MAX_IN_A_ROW times to the same checkpoint and meets a non-finite value again. How a
-rollback is carried out (reload, keep the data position) is the trainer's.
+rolled back MAX_IN_A_ROW times to the same checkpoint and meets a non-finite value again.
+
+`NonFiniteGuard` carries the verdict out: it counts skipped updates in the run's counters, and a
+rollback reloads the checkpoint (weights, optimizer, schedule, step) while the data reads on, so
+the batches read since that checkpoint, the offending one among them, are never replayed. The
+trainer asks it before it logs or saves a step, so the weights of a diverged run are never saved.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from titanlike.errors import UserError
 
@@ -48,6 +53,18 @@ class Verdict:
     """(step, "loss" or "gradient norm", value) of the first non-finite value, for a rollback's log."""
     in_a_row: int = 0
     """With a rollback: how many times in a row it went back to this checkpoint, this one included."""
+    not_replayed: int = 0
+    """With a rollback carried out: the batches read since that checkpoint, which are not read again."""
+
+    @property
+    def bad_step(self) -> int:
+        """The step of the first non-finite value (a verdict that names a cause)."""
+        assert self.cause is not None, "only a rollback verdict names a step"
+        return self.cause[0]
+
+    def rollback_record(self) -> dict:
+        """The metrics record of a rollback (kind "rollback")."""
+        return {"to_step": self.rollback_to, "not_replayed": self.not_replayed, "in_a_row": self.in_a_row}
 
     @property
     def kind(self) -> str:
@@ -119,3 +136,39 @@ class NonFinitePolicy:
         self._rollbacks = (target, times)
         self.skips_in_a_row = 0
         return Verdict(rollback_to=target, cause=(step, what, value), in_a_row=times)
+
+
+class NonFiniteGuard:
+    """training.nonfinite, carried out. `checkpoint` lists and restores complete steps (complete_steps,
+    step_dir, restore); `counters` are the run's (step, data_offset, skipped_steps)."""
+
+    def __init__(self, mode: str, checkpoint: Any, counters: Any, is_main: bool = True):
+        self.mode, self.checkpoint, self.counters, self.is_main = mode, checkpoint, counters, is_main
+        self.policy = NonFinitePolicy(mode, checkpoint.complete_steps, checkpoint.step_dir, is_main=is_main)
+
+    def check(self, rows: Sequence[Sequence[float]]) -> Verdict:
+        """`rows`: (loss, gradient norm, skipped) of the steps since the last check, ending at the
+        counters' step, reduced over ranks. Raises NonFiniteLoss to abort; a rollback verdict has been
+        carried out when this returns."""
+        c = self.counters
+        verdict = self.policy.judge(rows, c.step - len(rows) + 1, c.skipped_steps)
+        c.skipped_steps += verdict.skipped
+        if verdict.rollback_to is None:
+            return verdict
+        assert verdict.cause is not None, "a rollback verdict names its cause"
+        target, (step, what, value) = verdict.rollback_to, verdict.cause
+        read = c.batches_read  # global batches read so far; the data goes on from there
+        where = self.checkpoint.restore(target)  # weights, optimizer, schedule and counters of step `target`
+        c.data_offset = read - target
+        if self.is_main:
+            logger.warning(
+                f"{what} became {value} at step {step}: rolled back to {where} ({verdict.in_a_row} of at most "
+                f"{MAX_IN_A_ROW} in a row); training goes on with batch {read + 1}: the {read - target} batches "
+                f"read since step {target} are not replayed")
+        return replace(verdict, not_replayed=read - target)
+
+    def counts(self) -> dict:
+        """For the log record: updates skipped, or batches left behind by rollbacks, so far."""
+        if self.mode == "skip":
+            return {"skipped_steps": self.counters.skipped_steps}
+        return {"batches_skipped": self.counters.data_offset} if self.mode == "rollback" else {}

@@ -11,7 +11,7 @@ Ctrl-C exits 130 as any interrupted command does (128 + SIGINT), yet keeps what 
 checkpoint is saved even without checkpoint.enable; the same command resumes from it.
 
 The handlers only record the request; the training loop acts on it between steps, after every rank
-has agreed on it (CheckpointManager.after_step), so all ranks stop after the same step. A second
+has agreed on it (CheckpointManager.due), so all ranks stop after the same step. A second
 Ctrl-C restores the default action of SIGINT, which ends the process even while it waits inside a
 long native call (a collective, a save). Under torchrun the workers run in process groups of their
 own and get their signals from torchrun; titanlike.run.launch passes a second Ctrl-C on to them.
@@ -19,8 +19,15 @@ own and get their signals from torchrun; titanlike.run.launch passes a second Ct
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+
+logger = logging.getLogger("titanlike")
+
+# run_train.sh names a file here; a worker that stopped for a preemption creates it, so that the
+# launcher reports a clean stop (exit 0) even though torchrun exits 128 + signal after forwarding one.
+PREEMPTED_MARKER_ENV = "TITANLIKE_PREEMPTED_MARKER"
 
 NONE, PREEMPTED, INTERRUPTED = 0, 1, 2
 EXIT_CODE = {NONE: 0, PREEMPTED: 0, INTERRUPTED: 128 + signal.SIGINT}
@@ -66,3 +73,14 @@ def stopped_line(request: int, step: int, checkpoint: str) -> str:
     checkpoint.enable (the checkpoint manager resumes from a stop's save either way)."""
     what = "preempted" if request == PREEMPTED else "interrupted"
     return f"{what}: stopped after step {step}; checkpoint at {checkpoint}; run the same command to resume"
+
+
+def stopped(request: int, step: int, checkpoint: str | None, *, local_rank: int, is_main: bool) -> int:
+    """A run that stopped on `request` after `step`, its save in `checkpoint`: tell the launcher of a
+    clean preemption (the first rank of each node), say it in one line; returns the exit code."""
+    marker = os.environ.get(PREEMPTED_MARKER_ENV)
+    if request == PREEMPTED and marker and local_rank == 0:
+        open(marker, "w").close()
+    if is_main:
+        logger.info(stopped_line(request, step, checkpoint or "(none)"))
+    return EXIT_CODE[request]

@@ -1,0 +1,33 @@
+"""How a run spreads over devices, and the model transforms that make it fast, applied in this order:
+
+    float8 conversion (titanlike/float8/) → activation checkpointing → per-block torch.compile → FSDP2
+
+Float8 comes first so compile sees the float8 casts and fuses them; AC before compile so the
+recomputation is part of each compiled block; FSDP last so it shards the final modules. With one
+rank no FSDP is applied: the plain model trains under bf16 autocast (single-GPU mode).
+
+    device.py                 which device, the CUDA allocator's settings, a memory cap, deterministic kernels
+    mesh.py                   the process group, the DeviceMesh, means over ranks
+    activation_checkpoint.py  what each block keeps for backward (activation_checkpoint.mode)
+    compile.py                per-block torch.compile
+    fsdp.py                   FSDP2 and its mixed precision, or autocast on one rank
+
+The degrees themselves (dp_replicate × dp_shard, micro-batches) are plain arithmetic on the config,
+resolved once before any worker starts (titanlike/config/).
+"""
+
+from titanlike.parallel.activation_checkpoint import apply_activation_checkpointing
+from titanlike.parallel.compile import apply_compile
+from titanlike.parallel.device import (
+    allocator_settings,
+    configure_device,
+    default_allocator_settings,
+    device_memory_bytes,
+    pick_device,
+)
+from titanlike.parallel.fsdp import apply_fsdp, resolve_reshard, shard_model
+from titanlike.parallel.mesh import destroy_process_group, init_distributed, mean_over_ranks
+
+__all__ = ["allocator_settings", "apply_activation_checkpointing", "apply_compile", "apply_fsdp", "configure_device",
+           "default_allocator_settings", "destroy_process_group", "device_memory_bytes", "init_distributed",
+           "mean_over_ranks", "pick_device", "resolve_reshard", "shard_model"]

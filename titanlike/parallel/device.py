@@ -1,0 +1,64 @@
+"""The device a rank trains on and how it is set up: the CUDA caching allocator's settings, a cap on
+the GPU memory a run may use (training.gpu_memory_limit_gib), and deterministic kernels
+(training.deterministic)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from titanlike.config import ConfigError
+
+# The CUDA caching allocator's settings, unless the user chose their own. Expandable segments let
+# a block grow in place instead of reserving a new one, so activations of changing sizes (compile's
+# buffers, float8 casts, the 128K-vocabulary logits) fragment memory far less; every benchmark in
+# docs/benchmarks/ ran with it.
+ALLOCATOR_DEFAULT = "expandable_segments:True"
+
+
+def allocator_settings(environ=os.environ) -> str | None:
+    """The allocator settings the user chose: PYTORCH_ALLOC_CONF, or its older name
+    PYTORCH_CUDA_ALLOC_CONF; None if neither is set."""
+    return environ.get("PYTORCH_ALLOC_CONF", environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+
+
+def default_allocator_settings(environ=os.environ) -> None:
+    """Set PYTORCH_CUDA_ALLOC_CONF when the user chose no allocator settings. Read when CUDA
+    allocates first, so call this before anything touches the GPU."""
+    if allocator_settings(environ) is None:
+        environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_DEFAULT
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("training.device = cuda but no CUDA GPU is visible; use --training.device cpu or auto")
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible; "
+                f"lower --nproc_per_node / NGPU"
+            )
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def configure_device(device: torch.device, memory_limit_gib: float, deterministic: bool) -> None:
+    """training.gpu_memory_limit_gib (a cap below the card's memory, to train as a smaller card would)
+    and training.deterministic (the same bits from the same seed, at some cost in speed)."""
+    if memory_limit_gib and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, memory_limit_gib * 2**30 / total), device)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+
+
+def device_memory_bytes(device: torch.device, cap_gib: float) -> int | None:
+    """What one GPU may use: its memory, or training.gpu_memory_limit_gib if lower; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    return min(total, int(cap_gib * 2**30)) if cap_gib else total
