@@ -172,6 +172,7 @@ def test_the_converter_checkpoints_one_stateful_item_under_the_old_key():
     have always had (so old ones load), and its load_state_dict() restores a run's scales; without
     delayed scaling it holds nothing."""
     from titanlike.float8 import Float8Converter, Float8Options
+    from titanlike.run.state import TrainState
 
     class Sink:
         def scalars(self, step, values):
@@ -186,15 +187,15 @@ def test_the_converter_checkpoints_one_stateful_item_under_the_old_key():
         fp8 = Float8Converter(Float8Options(recipe="tensorwise", emulate=True, scaling="delayed", amax_history=4))
         assert fp8.convert(model, device=torch.device("cpu")).converted == ["0", "2"]
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-        fp8.attach(optimizer, steps_done=lambda: done[0], metrics=Sink(), log_freq=1)
+        fp8.attach(optimizer, counters=counters, metrics=Sink(), log_freq=1)
         return fp8, model, optimizer
 
-    done = [0]
+    counters = TrainState()  # the run's counters, as the trainer hands them over
     fp8, model, optimizer = converter(0)
     for step in (1, 2, 3):
         model(torch.randn(8, 32)).float().pow(2).mean().backward()
         optimizer.step()  # the converter's hook: this step's amaxes into the history
-        done[0] = step
+        counters.step = step
     state = {k: v.clone() for k, v in fp8.state_dict().items()}
     assert list(state) == ["float8_amax_history"] and state["float8_amax_history"].shape == (2, 3, 4)
     assert state["float8_amax_history"][..., :3].gt(0).all()  # three steps measured

@@ -25,6 +25,7 @@ from titanlike.config.schema import Fp8
 from titanlike.float8 import Float8Converter, all_gather
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import ModelArgs
+from titanlike.run.state import TrainState
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=64)
 SEQ = 16
@@ -132,7 +133,7 @@ def case(fp8: bool, mesh, rec: Recorder) -> dict:
     logits.float().pow(2).mean().backward()
     # The trainer attaches the converter before step 1 (so step 1 gathers with precomputed scales too);
     # here after the first forward, which then shows the scales computed on the fly.
-    component.attach(optimizer, steps_done=lambda: 0, metrics=NoMetrics(), log_freq=1)
+    component.attach(optimizer, counters=TrainState(), metrics=NoMetrics(), log_freq=1)
     optimizer.step()  # the converter's hook precomputes every weight's scale
 
     precomputed = {}

@@ -115,7 +115,7 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(a)
         self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
         self.feed_forward = FeedForward(a)
-        # Set by activation checkpointing (parallel.py): runs the body so that its activations
+        # Set by activation checkpointing (parallel/activation_checkpoint.py): runs the body so that its activations
         # are recomputed in backward. A hook rather than a wrapper module keeps parameter names.
         self.checkpoint_fn: Callable[..., torch.Tensor] | None = None
 

@@ -1,8 +1,8 @@
 """Faults a run meets, turned into clear answers: running out of GPU memory, and a collective that
 failed because another rank did.
 
-What a non-finite loss then does (training.nonfinite: abort, skip, rollback) is nonfinite.py's
-decision; skipping an update without a host sync is optim.clip_and_step.
+What a non-finite loss does (training.nonfinite: abort, skip, rollback) is nonfinite.py's decision;
+skipping an update without a host sync is optim.clip_and_step.
 """
 
 from __future__ import annotations
