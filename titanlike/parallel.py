@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from titanlike.config import ConfigError
+from titanlike.config.dims import ParallelDims
 from titanlike.model.decoder import Transformer
-from titanlike.world import ParallelDims
 
 logger = logging.getLogger("titanlike")
 

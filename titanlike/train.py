@@ -26,7 +26,8 @@ from titanlike import parallel
 from titanlike.checkpoint.manager import CheckpointManager, RunRecord
 from titanlike.checkpoint.states import ModelState, OptimizerState, SchedulerState, TrainState
 from titanlike.config import JobConfig, help_text, load_config, resumable_settings, to_toml
-from titanlike.config.resolve import resolve_model
+from titanlike.config.dims import world_from_env
+from titanlike.config.run import resolve_run
 from titanlike.data.build import build_run_data
 from titanlike.data.loader import validation_batches
 from titanlike.data.tokenizer import record_tokenizer
@@ -43,7 +44,6 @@ from titanlike.run.metrics import MetricsLogger
 from titanlike.run.nonfinite import MAX_IN_A_ROW, NonFinitePolicy, Verdict
 from titanlike.run.profiling import Profiler
 from titanlike.run.progress import Progress, wants_terminal_line
-from titanlike.world import parallel_dims, world_from_env
 
 logger = logging.getLogger("titanlike")
 
@@ -63,7 +63,9 @@ class Trainer:
 
         # ---- 1. Where we run: ranks, device, mesh -------------------------------------------------
         world, rank, local_rank = world_from_env()
-        self.dims = parallel_dims(cfg, world, rank, local_rank)
+        # The shape, degrees, batch plan, sources and phases: resolved once, as the preflight checked them.
+        self.run = resolve_run(cfg, world)
+        self.dims, self.local_rank = self.run.dims, local_rank
         self.global_batch, self.accum_steps = self.dims.global_batch, self.dims.accum_steps
         self.is_main = rank == 0
         self.device = parallel.pick_device(t.device, local_rank)
@@ -84,19 +86,19 @@ class Trainer:
 
         # ---- 2. Data: every rank reads its own slice of each global batch -----------------------------
         # The shape: the preset (or an hf config.json), the [model] overrides, the data's tokenizer.
-        shape = resolve_model(cfg)
+        shape = self.run.model
         self.margs = shape.args
         if self.is_main:
-            record_tokenizer(cfg.data.path or cfg.data.mix, shape.dataset, cfg.job.dump_folder)  # what export ships
+            record_tokenizer(shape.dataset, cfg.job.dump_folder, builtin_corpus=self.run.builtin_corpus)  # for export
             for note in shape.notes:
                 logger.info(note)
         tokenizer = (shape.dataset.vocab_size, shape.dataset.path) if shape.dataset else None
         self.dp_rank = rank  # the mesh is (replicate, shard) in rank order, so DP rank = rank
         # One source (data.path) or a mixture (data.mix): each source's windows, the plan of which
         # source and window every global position reads, and the loader over it (data/build.py).
-        self.data = build_run_data(cfg.data, self.margs.vocab_size, tokenizer, t.local_batch_size, self.global_batch,
-                                   self.dp_rank, self.dims.dp, cfg.job.seed, pin_memory=self.device.type == "cuda",
-                                   validation=cfg.validation.enable)
+        self.data = build_run_data(cfg.data, self.run.schedule, self.margs.vocab_size, tokenizer, t.local_batch_size,
+                                   self.global_batch, self.dp_rank, self.dims.dp, cfg.job.seed,
+                                   pin_memory=self.device.type == "cuda", validation=cfg.validation.enable)
         self.loader = self.data.loader
 
         # ---- 3. Model: meta → float8 → AC → compile → FSDP → materialise → init ----------------------
@@ -147,7 +149,7 @@ class Trainer:
                   "lr_scheduler": SchedulerState(self.scheduler), "dataloader": self.loader,
                   "train_state": self.state, "float8": self.float8}
         run = RunRecord(self.margs, self.global_batch, self.dims.dp, cfg.job.seed, o.state_dtype,
-                        resumable_settings(cfg))
+                        resumable_settings(cfg, self.run.schedule))
         self.checkpoint = CheckpointManager(
             cfg.checkpoint, cfg.job.dump_folder, states=states, run=run, is_main=self.is_main,
             cuda=self.device.type == "cuda", backend_timeout_s=cfg.parallel.backend_timeout_s,
@@ -156,7 +158,7 @@ class Trainer:
 
         # ---- 6. Records, metrics and profiling: one run's history per folder --------------------------
         purge_step = self.run_folder.start_records(resumed)
-        self.run_folder.write("config.toml", to_toml(resolved(cfg)))
+        self.run_folder.write("config.toml", to_toml(self.run.resolved_config()))
         self.metrics = MetricsLogger(
             cfg.job.dump_folder, is_writer=self.is_main, tensorboard=cfg.metrics.enable_tensorboard,
             device=self.device, flops_per_token=self.flops_per_token, float8_matmul_share=float8_report.matmul_share,
@@ -336,7 +338,7 @@ class Trainer:
                 continue  # rolled back before a save (the weights had diverged): train on from there
             if outcome.stop and not last:
                 marker = os.environ.get("TITANLIKE_PREEMPTED_MARKER")
-                if outcome.stop == stopping.PREEMPTED and marker and self.dims.local_rank == 0:
+                if outcome.stop == stopping.PREEMPTED and marker and self.local_rank == 0:
                     open(marker, "w").close()  # tells run_train.sh on this node: a clean stop, exit 0
                 if self.is_main:
                     logger.info(stopping.stopped_line(outcome.stop, step, outcome.saved or "(none)"))
