@@ -261,8 +261,8 @@ def test_block_causal_trains_on_a_cpu(tmp_path):
 
 
 def test_the_export_records_the_mask_and_says_what_it_means_at_inference(tmp_path):
-    from titanlike.hf.config import args_from_hf_config, hf_config
     from titanlike.hf.export import inference_note
+    from titanlike.model.hf_names import args_from_hf_config, hf_config
 
     args = dataclasses.replace(model_args("debug"), attn_mask="block_causal")
     config = hf_config(args, "bfloat16")

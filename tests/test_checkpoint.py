@@ -582,7 +582,7 @@ def load_error(model, path: Path, config_agrees: bool = False, trust: bool = Fal
     to describe `model`, to reach the checks of the tensors themselves (config.json is checked first);
     trust = --checkpoint.trust_pickled_dcp, for DCP folders written here by plain DCP."""
     from titanlike.errors import UserError
-    from titanlike.hf.config import hf_config
+    from titanlike.model.hf_names import hf_config
 
     if config_agrees:
         (path / "config.json").write_text(json.dumps(hf_config(model.args, "float32")))

@@ -14,16 +14,16 @@ import pytest
 
 from conftest import ROOT, _env
 from titanlike.config import ConfigError, JobConfig, field_docs, load_config, schema, sections, speed, to_toml
+from titanlike.config.dims import resolve_dims
 from titanlike.data.shards import DataError, write_shard
 from titanlike.preflight import check, resolved
-from titanlike.world import resolve_dims
 
 DEBUG_TOML = str(ROOT / "train_configs" / "debug_model.toml")
 
 
 def preflight(cfg: JobConfig, world: int) -> tuple[int, int, int, int]:
     """The preflight's checks at this world size: (dp_replicate, dp_shard, global batch, micro-batches)."""
-    dims = check(cfg, world)
+    dims = check(cfg, world).dims
     return dims.dp_replicate, dims.dp_shard, dims.global_batch, dims.accum_steps
 
 
@@ -368,7 +368,7 @@ def test_valid_edge_values_pass():
                  "--fp8.precompute_float8_dynamic_scale_for_fsdp"])
 
 
-# ---- world-size checks: world.resolve_dims and the preflight -------------------------------------------
+# ---- world-size checks: config.dims.resolve_dims and the preflight -------------------------------------------
 
 
 @pytest.mark.parametrize("world,shard,replicate,expected", [

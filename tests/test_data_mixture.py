@@ -15,8 +15,9 @@ import torch
 from conftest import losses, metrics, train_here
 from titanlike.checkpoint.manifest import seal
 from titanlike.config import ConfigError, load_config, to_toml
+from titanlike.config.dataset import DatasetError
+from titanlike.config.sources import schedule_of
 from titanlike.data.build import build_run_data
-from titanlike.data.dataset_info import DatasetError
 from titanlike.data.loader import GlobalBatchSampler
 from titanlike.data.mixture import MixturePlan, block_counts
 from titanlike.data.order import EpochOrder
@@ -129,7 +130,9 @@ def test_loader_resumes_a_mixture_with_any_workers_and_counts_what_it_read(sourc
     mix = f"web={sources['web']}:0.7,code={sources['code']}:0.3"
 
     def run_data(w):
-        return build_run_data(data_section(mix, w), 320, None, 2, 4, 0, 1, seed=1, pin_memory=False, validation=True)
+        data = data_section(mix, w)
+        return build_run_data(data, schedule_of(data), 320, None, 2, 4, 0, 1, seed=1, pin_memory=False,
+                              validation=True)
 
     reference = run_data(0)
     batches = [next(reference.loader) for _ in range(2 * 12)]  # 12 steps of 2 micro-batches
@@ -183,7 +186,7 @@ def test_preflight_refuses_sources_of_two_tokenizers_or_none(tmp_path, sources):
     with pytest.raises(DatasetError, match=f"data source code: {other} has no dataset.json"):
         check(cfg, 1)
     good = load_config(["--data.mix", f"web={sources['web']}:1,code={sources['code']}:1", "--data.seq_len", "16"])
-    assert check(good, 2).dp_shard == 2
+    assert check(good, 2).dims.dp_shard == 2
 
 
 # ---- through the trainer ------------------------------------------------------------------------------------

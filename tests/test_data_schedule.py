@@ -13,7 +13,7 @@ from conftest import losses, metrics, train_here
 from test_data_mixture import data_section, prepared, step_windows
 from titanlike.checkpoint.manifest import seal
 from titanlike.config import ConfigError, load_config
-from titanlike.data import schedule
+from titanlike.config.sources import schedule_of
 from titanlike.data.build import build_run_data
 
 
@@ -30,7 +30,7 @@ SWITCH = 6  # the first step of the second mixture
 def run_data(sources, workers=0, anneal=SWITCH):
     data = data_section(f"web={sources['web']}:0.7,code={sources['code']}:0.3", workers,
                         anneal_mix=f"books={sources['books']}:0.5,web={sources['web']}:0.5", anneal_from_step=anneal)
-    return build_run_data(data, 320, None, 2, 4, 0, 1, seed=2, pin_memory=False, validation=True)
+    return build_run_data(data, schedule_of(data), 320, None, 2, 4, 0, 1, seed=2, pin_memory=False, validation=True)
 
 
 def test_the_second_mixture_starts_at_its_step_and_a_shared_source_goes_on(sources):
@@ -68,7 +68,7 @@ def test_phase_tables_in_toml_and_the_cli_form(tmp_path, sources):
                     f'[[data.phase.mix]]\nname = "code"\npath = "{code}"\nweight = 1\n')
     cfg = load_config(["--job.config_file", str(toml)])
     assert cfg.data.phase == f"50:books={books}:0.5,web={web}:0.5;90:code={code}:1"
-    steps = [(p.start_step, [s.name for s in p.sources]) for p in schedule.phases(cfg.data)]
+    steps = [(p.start_step, [s.name for s in p.sources]) for p in schedule_of(cfg.data).phases]
     assert steps == [(1, ["web"]), (50, ["books", "web"]), (90, ["code"])]
     assert load_config(["--data.mix", f"web={web}:1", "--data.phase", cfg.data.phase]).data == cfg.data
     toml.write_text(f'[data]\nmix = "web={web}:1"\n[[data.phase]]\nstep = 50\nmix = "books={books}:1"\n')
@@ -111,12 +111,13 @@ def test_trainer_resumes_across_the_switch_and_logs_a_changed_schedule(tmp_path,
 def test_data_path_with_an_anneal_is_a_source_named_data(sources):
     data = data_section("", path=f"{sources['web']}/train", val_path=f"{sources['web']}/val",
                         anneal_mix=f"books={sources['books']}/train:1", anneal_from_step=3)
-    run = build_run_data(data, 320, None, 2, 4, 0, 1, seed=2, pin_memory=False, validation=True)
+    run = build_run_data(data, schedule_of(data), 320, None, 2, 4, 0, 1, seed=2, pin_memory=False, validation=True)
     assert run.names == ["data", "books"] and set(run.val) == {"data", "books"}  # books/train: val/ beside it
     source, _ = run.plan.sources_and_uses(np.arange(4 * 4))
     assert set(source[:8].tolist()) == {0} and set(source[8:].tolist()) == {1}
     # Without a schedule, data.path reads the plain order of its windows.
-    plain = build_run_data(data_section("", path=f"{sources['web']}/train"), 320, None, 2, 4, 0, 1, seed=2,
-                           pin_memory=False, validation=True)
+    plain_data = data_section("", path=f"{sources['web']}/train")
+    plain = build_run_data(plain_data, schedule_of(plain_data), 320, None, 2, 4, 0, 1, seed=2, pin_memory=False,
+                           validation=True)
     assert plain.names == ["data"] and not plain.mixed and not plain.val
     assert plain.read_by_source() == {"tokens_by_source": {"data": 0}, "epochs_by_source": {"data": 0.0}}

@@ -135,7 +135,8 @@ def test_export_ships_the_runs_tokenizer_and_refuses_a_too_large_one(tmp_path):
     synthetic_checkpoint(step_dir)
     from titanlike.data.tokenizer import record_tokenizer
 
-    record_tokenizer("", None, str(tmp_path / "run"))  # what the trainer leaves for the built-in corpus
+    # What the trainer leaves for the built-in corpus.
+    record_tokenizer(None, str(tmp_path / "run"), builtin_corpus=True)
     proc = export(step_dir, tmp_path / "hf")
     assert proc.returncode == 0 and "assumed" not in proc.stderr, proc.stderr
     big = tmp_path / "big.json"

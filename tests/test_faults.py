@@ -15,6 +15,7 @@ import torch
 from conftest import ROOT, metrics, run_python, run_train
 from test_checkpoint import SCHEDULE, STEPS, ckpt, folders, output, signal_job, start, step_losses, train_args, wait_for
 from titanlike.config import JobConfig
+from titanlike.config.dims import parallel_dims
 from titanlike.errors import UserError
 from titanlike.float8 import Float8Options
 from titanlike.float8.layers import check_device
@@ -35,7 +36,7 @@ def config(**sections) -> JobConfig:
 
 def test_oom_message_names_peak_batch_and_knobs():
     cfg = config(training={"local_batch_size": 8, "global_batch_size": 128}, data={"seq_len": 4096})
-    assert faults.oom_message(cfg, 8, 3, 12, H100) == (
+    assert faults.oom_message(cfg, parallel_dims(cfg, 8), 3, 12, H100) == (
         "out of GPU memory on rank 3 (NVIDIA H100 80GB HBM3, 79.2 GiB) after 12 completed steps: peak 77.9 GiB "
         "allocated, 78.6 GiB reserved; training.local_batch_size 8 × data.seq_len 4096; to use less: "
         "--activation_checkpoint.mode selective or full (now none), --training.local_batch_size 4 "
@@ -56,7 +57,8 @@ def test_oom_message_only_offers_what_is_left(monkeypatch):
     cfg = config(training={"local_batch_size": 6, "gpu_memory_limit_gib": 31.0, "loss_chunk_tokens": 2048},
                  activation_checkpoint={"mode": "full"}, fp8={"recipe": "tensorwise"},
                  optimizer={"state_dtype": "8bit"})
-    msg = faults.oom_message(cfg, 1, 0, 0, {**H100, "allocated": 20.0, "reserved": 30.5}, "/run/oom/snap.pickle")
+    msg = faults.oom_message(cfg, parallel_dims(cfg, 1), 0, 0, {**H100, "allocated": 20.0, "reserved": 30.5},
+                             "/run/oom/snap.pickle")
     assert msg.startswith("out of GPU memory on rank 0 (NVIDIA H100 80GB HBM3, 79.2 GiB, capped at 31 GiB by "
                           "training.gpu_memory_limit_gib) after 0 completed steps: peak 20.0 GiB allocated")
     assert msg.endswith(
@@ -69,18 +71,18 @@ def test_oom_message_only_offers_what_is_left(monkeypatch):
     # With expandable segments on (titanlike's default) the allocator already does what it can.
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     memory = {**H100, "allocated": 20.0, "reserved": 30.5}
-    assert "PYTORCH_CUDA_ALLOC_CONF" not in faults.oom_message(cfg, 1, 0, 0, memory)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in faults.oom_message(cfg, parallel_dims(cfg, 1), 0, 0, memory)
     # Selective AC → full; a local batch of 1 → shorter sequences; no step yet → while building.
     cfg = config(training={"local_batch_size": 1}, activation_checkpoint={"mode": "selective"})
-    msg = faults.oom_message(cfg, 2, 1, None, None)
+    msg = faults.oom_message(cfg, parallel_dims(cfg, 2), 1, None, None)
     assert "on rank 1 while building the model: peak memory unknown (not a CUDA device)" in msg
     assert "--activation_checkpoint.mode full (now selective), --data.seq_len 128 (local batch is already 1)" in msg
     # One GPU: tensorwise float8 is offered for its lower peak only when compiled.
     eager = config(fp8={"recipe": "rowwise"})
-    assert "--fp8.recipe" not in faults.oom_message(eager, 1, 0, 3, H100)
+    assert "--fp8.recipe" not in faults.oom_message(eager, parallel_dims(eager, 1), 0, 3, H100)
     compiled = config(fp8={"recipe": "rowwise"}, compile={"enable": True})
     assert ("--fp8.recipe tensorwise (now rowwise): compiled, it lowered the 1b preset's peak from 64 to 53 GiB on "
-            "one GPU") in faults.oom_message(compiled, 1, 0, 3, H100)
+            "one GPU") in faults.oom_message(compiled, parallel_dims(compiled, 1), 0, 3, H100)
 
 
 @pytest.mark.slow
@@ -247,5 +249,5 @@ def test_real_cuda_oom_is_reported_with_its_peak():
         torch.empty(2**60, dtype=torch.uint8, device=device)
     memory = faults.gpu_memory(device)
     assert memory["total"] > 1 and 0 <= memory["allocated"] <= memory["reserved"] <= memory["total"]
-    msg = faults.oom_message(JobConfig(), 1, 0, 5, memory)
+    msg = faults.oom_message(JobConfig(), parallel_dims(JobConfig(), 1), 0, 5, memory)
     assert f"({torch.cuda.get_device_name(device)}, {memory['total']:.1f} GiB) after 5 completed steps: peak" in msg

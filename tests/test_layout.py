@@ -1,11 +1,14 @@
 """The shape of the package (docs/architecture.md): no import cycle between modules, function-level
-imports included; no module over 450 lines; the preflight and the config need no torch."""
+imports included; no two packages that import each other; the arrows DESIGN.md forbids never drawn;
+no module over 450 lines; the preflight and the config need no torch."""
 
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,6 +59,132 @@ def test_no_import_cycle():
         if name not in state:
             visit(name, [])
     assert not cycles, f"import cycles: {cycles}"
+
+
+# ---- between packages -------------------------------------------------------------------------------
+# A node is a subpackage (titanlike/data/) or a top-level module (titanlike/train.py), as DESIGN.md names them.
+
+SHARED = ("titanlike.errors", "titanlike.fs", "titanlike.cache")
+"""The top-level modules every part may use: each imports nothing of titanlike but another of them."""
+
+# (the modules that must not reach, the modules they must not reach, why). Reaching counts imports at any
+# depth, through any module: a package that imports B through C still depends on B.
+NEVER = [
+    ("titanlike.data", "titanlike.checkpoint", "data/ never imports checkpoint/"),
+    ("titanlike.data", "titanlike.hf", "data/ never imports hf/"),
+    ("titanlike.data", "titanlike.float8", "data/ never imports float8/"),
+    ("titanlike.data", "titanlike.run.metrics", "data and metrics know nothing of each other"),
+    ("titanlike.checkpoint", "titanlike.hf", "checkpoint/ never imports hf/ (hf/ may read step folders)"),
+    ("titanlike.checkpoint", "titanlike.data", "checkpoint and data know nothing of each other"),
+    ("titanlike.checkpoint", "titanlike.run.metrics", "checkpoint and metrics know nothing of each other"),
+    ("titanlike.run.metrics", "titanlike.checkpoint", "checkpoint and metrics know nothing of each other"),
+    ("titanlike.run.metrics", "titanlike.data", "data and metrics know nothing of each other"),
+]
+CONFIG_MAY_REACH = ("titanlike.config", "titanlike.model", *SHARED)
+"""config/ is the root of the flow: it imports nothing of titanlike but model/'s plain shapes (and the
+shared modules); test_the_preflight_and_the_config_import_no_torch keeps what it imports of model/ plain."""
+
+
+def within(module: str, group: str) -> bool:
+    return module == group or module.startswith(group + ".")
+
+
+def node(module: str) -> str:
+    """titanlike.data.build -> data; titanlike.train -> train."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def module_graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(path, known) - {name} for name, path in known.items()}
+
+
+def first_path(graph: dict[str, set[str]], start: str, goal: Callable[[str], bool]) -> list[str] | None:
+    """The shortest import chain from `start` to a node `goal` accepts (start itself excluded), or None."""
+    parent: dict[str, str] = {}
+    queue = deque([start])
+    while queue:
+        here = queue.popleft()
+        for nxt in sorted(graph.get(here, ())):
+            if nxt in parent or nxt == start:
+                continue
+            parent[nxt] = here
+            if goal(nxt):
+                chain = [nxt]
+                while chain[-1] != start:
+                    chain.append(parent[chain[-1]])
+                return chain[::-1]
+            queue.append(nxt)
+    return None
+
+
+def package_cycles(graph: dict[str, set[str]]) -> list[str]:
+    """Each pair of packages (or top-level modules) that reach each other, as the chain that closes it."""
+    packages: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        packages.setdefault(node(module), set()).update(node(t) for t in targets if node(t) != node(module))
+    found = []
+    for a in sorted(packages):
+        for b in sorted(packages[a]):
+            back = first_path(packages, b, lambda n, a=a: n == a)
+            if back is not None and a == min(back):  # each cycle once, from its smallest package
+                found.append(" -> ".join([a, *back]))
+    return found
+
+
+def forbidden_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """Each module that reaches what DESIGN.md says its package never imports, with the chain and the rule."""
+    rules: list[tuple[str, Callable[[str], bool], str]] = [
+        (source, lambda m, target=target: within(m, target), why) for source, target, why in NEVER]
+    rules.append(("titanlike.config", lambda m: not any(within(m, g) for g in CONFIG_MAY_REACH),
+                  "config/ imports nothing of titanlike but model/ (and errors, fs, cache)"))
+    rules += [(shared, lambda m: m not in SHARED, "errors, fs and cache import nothing of titanlike but each other")
+              for shared in SHARED]
+    found = []
+    for source, goal, why in rules:
+        for module in sorted(m for m in graph if within(m, source)):
+            chain = first_path(graph, module, goal)
+            if chain is not None:
+                found.append(f"{' -> '.join(chain)}: {why}")
+    return found
+
+
+def test_no_two_packages_import_each_other():
+    graph = module_graph()
+    cycles = package_cycles(graph)
+    assert not cycles, "packages that import each other (function-level imports included):\n" + "\n".join(cycles)
+
+
+def test_no_forbidden_arrow_between_packages():
+    arrows = forbidden_arrows(module_graph())
+    assert not arrows, "imports DESIGN.md's shape of the code forbids:\n" + "\n".join(arrows)
+
+
+def test_the_package_checks_catch_what_they_guard():
+    """Planted into the real graph, a cycle and each kind of forbidden arrow are reported: the two tests
+    above do not pass merely because the walk missed the imports they guard."""
+    graph = module_graph()
+    assert graph["titanlike.train"] and graph["titanlike.config.run"], "the import walk found nothing"
+    assert {node(m) for m in graph} >= {"config", "model", "data", "parallel", "float8", "checkpoint", "hf", "run",
+                                        "train", "preflight", "optim"}
+
+    def planted(source: str, target: str) -> dict[str, set[str]]:
+        return {**graph, source: graph[source] | {target}}
+
+    assert any(c.startswith("model -> ") and "train" in c
+               for c in package_cycles(planted("titanlike.model.shape", "titanlike.train")))
+    for source, target, _ in NEVER:
+        src = next(m for m in sorted(graph) if within(m, source))
+        dst = next(m for m in sorted(graph) if within(m, target))
+        assert any(a.startswith(f"{src} -> ") for a in forbidden_arrows(planted(src, dst))), (source, target)
+    assert any(a.startswith("titanlike.config.sources -> titanlike.data.loader")
+               for a in forbidden_arrows(planted("titanlike.config.sources", "titanlike.data.loader")))
+    assert any(a.startswith("titanlike.fs -> titanlike.config")
+               for a in forbidden_arrows(planted("titanlike.fs", "titanlike.config")))
+    # Through a middleman: model/ importing optim would make config/ reach it.
+    assert any(a.startswith("titanlike.config.") and "titanlike.model.shape -> titanlike.optim" in a
+               for a in forbidden_arrows(planted("titanlike.model.shape", "titanlike.optim")))
 
 
 def test_no_module_over_450_lines():

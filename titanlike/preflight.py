@@ -13,14 +13,13 @@ only the data check loads): the config schema, the model shapes and the file che
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 
 from titanlike.config import JobConfig, help_text, load_config, to_toml
-from titanlike.config.resolve import resolve_model
+from titanlike.config.resolve import resolve_model, with_resolved_shape
+from titanlike.config.run import ResolvedRun, resolve_run
 from titanlike.errors import UserError
-from titanlike.world import ParallelDims, parallel_dims
 
 PRINTED = 3
 WORLD_ENV = "TITANLIKE_PREFLIGHT_WORLD"
@@ -28,34 +27,27 @@ WORLD_ENV = "TITANLIKE_PREFLIGHT_WORLD"
 
 def resolved(cfg: JobConfig) -> JobConfig:
     """The config as the run will use it: [model] with the shape it resolves to (the preset's or the
-    data's values where the config leaves them unset), for --job.print_config and config.toml."""
-    args = resolve_model(cfg).args
-    shape = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **shape))
+    data's values where the config leaves them unset), for --job.print_config, which needs no world
+    size (a resolved run's own is ResolvedRun.resolved_config())."""
+    return with_resolved_shape(cfg, resolve_model(cfg))
 
 
-def checkpoint_folder(cfg: JobConfig) -> str:
-    folder = cfg.checkpoint.folder
-    return folder if os.path.isabs(folder) else os.path.join(cfg.job.dump_folder, folder)
-
-
-def check(cfg: JobConfig, world_size: int) -> ParallelDims:
-    """The checks that need the world size but no GPU; returns the resolved degrees and batch plan."""
-    from titanlike.data import schedule
+def check(cfg: JobConfig, world_size: int) -> ResolvedRun:
+    """The checks that need the world size but no GPU; returns the resolved run (degrees, batch plan,
+    shape, sources, folders) they were made on."""
     from titanlike.data.shards import open_shards
 
-    dims = parallel_dims(cfg, world_size)
-    model = resolve_model(cfg)  # reads dataset.json / an hf config.json: a bad shape stops here
-    info = model.dataset  # data.path's dataset.json, or the one tokenizer of a mixture's sources
+    run = resolve_run(cfg, world_size)  # reads dataset.json / an hf config.json: a bad shape stops here
+    info = run.model.dataset  # data.path's dataset.json, or the one tokenizer of a mixture's sources
     limit, source = ((info.vocab_size, f"its tokenizer ({info.path})") if info else
-                     (model.args.vocab_size, "the model's vocabulary"))
+                     (run.model.args.vocab_size, "the model's vocabulary"))
     # Shard headers only: cheap, and catches wrong files before any GPU is touched.
-    if schedule.is_mixture(cfg.data):
-        for s in schedule.all_sources(cfg.data):
+    if run.schedule.mixed:
+        for s in run.schedule.sources:
             open_shards(s.splits()[0], cfg.data.seq_len, limit, source, f"data source {s.name}")
-    elif cfg.data.path:
+    elif not run.builtin_corpus:
         open_shards(cfg.data.path, cfg.data.seq_len, limit, source, "data.path")
-    return dims
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,10 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.job.print_config:
             print(to_toml(resolved(cfg)), end="")
             return PRINTED
-        check(cfg, int(os.environ.get(WORLD_ENV, "1")))
+        run = check(cfg, int(os.environ.get(WORLD_ENV, "1")))
         from titanlike.run.folder import check_not_in_use
 
-        check_not_in_use(cfg.job.dump_folder, checkpoint_folder(cfg))  # a second run into a folder in use
+        check_not_in_use(run.dump_folder, run.checkpoint_folder)  # a second run into a folder in use
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

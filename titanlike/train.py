@@ -21,7 +21,8 @@ import torch.distributed as dist
 from titanlike import parallel
 from titanlike.checkpoint.manager import CheckpointManager
 from titanlike.config import JobConfig, help_text, load_config, to_toml
-from titanlike.config.resolve import resolve_model
+from titanlike.config.dims import world_from_env
+from titanlike.config.run import resolve_run
 from titanlike.data.build import build_run_data
 from titanlike.data.loader import validation_batches
 from titanlike.data.tokenizer import record_tokenizer
@@ -32,7 +33,7 @@ from titanlike.model.decoder import Transformer
 from titanlike.model.loss import build_loss, cross_entropy  # noqa: F401  (cross_entropy: tests use it from here)
 from titanlike.model.shape import describe, flops_per_token
 from titanlike.optim import build_optimizer, build_scheduler, clip_and_step
-from titanlike.preflight import checkpoint_folder, resolved
+from titanlike.preflight import resolved
 from titanlike.run import faults, stopping
 from titanlike.run.folder import RunFolder
 from titanlike.run.metrics import MetricsLogger
@@ -40,7 +41,6 @@ from titanlike.run.nonfinite import NonFiniteGuard
 from titanlike.run.profiling import Profiler
 from titanlike.run.progress import Progress, wants_terminal_line
 from titanlike.run.state import TrainState
-from titanlike.world import parallel_dims, world_from_env
 
 logger = logging.getLogger("titanlike")
 
@@ -60,7 +60,9 @@ class Trainer:
 
         # ---- 1. Where we run: ranks, device, mesh -------------------------------------------------
         world, rank, local_rank = world_from_env()
-        self.dims = parallel_dims(cfg, world, rank, local_rank)
+        # The shape, degrees, batch plan, sources and phases: resolved once, as the preflight checked them.
+        self.run = resolve_run(cfg, world)
+        self.dims, self.local_rank = self.run.dims, local_rank
         self.global_batch, self.accum_steps = self.dims.global_batch, self.dims.accum_steps
         self.is_main = rank == 0
         self.device = parallel.pick_device(t.device, local_rank)
@@ -75,19 +77,19 @@ class Trainer:
 
         # ---- 2. Data: every rank reads its own slice of each global batch -----------------------------
         # The shape: the preset (or an hf config.json), the [model] overrides, the data's tokenizer.
-        shape = resolve_model(cfg)
+        shape = self.run.model
         self.margs = shape.args
         if self.is_main:
-            record_tokenizer(cfg.data.path or cfg.data.mix, shape.dataset, cfg.job.dump_folder)  # what export ships
+            record_tokenizer(shape.dataset, cfg.job.dump_folder, builtin_corpus=self.run.builtin_corpus)  # for export
             for note in shape.notes:
                 logger.info(note)
         tokenizer = (shape.dataset.vocab_size, shape.dataset.path) if shape.dataset else None
         self.dp_rank = rank  # the mesh is (replicate, shard) in rank order, so DP rank = rank
         # One source (data.path) or a mixture (data.mix): each source's windows, the plan of which
         # source and window every global position reads, and the loader over it (data/build.py).
-        self.data = build_run_data(cfg.data, self.margs.vocab_size, tokenizer, t.local_batch_size, self.global_batch,
-                                   self.dp_rank, self.dims.dp, cfg.job.seed, pin_memory=self.device.type == "cuda",
-                                   validation=cfg.validation.enable)
+        self.data = build_run_data(cfg.data, self.run.schedule, self.margs.vocab_size, tokenizer, t.local_batch_size,
+                                   self.global_batch, self.dp_rank, self.dims.dp, cfg.job.seed,
+                                   pin_memory=self.device.type == "cuda", validation=cfg.validation.enable)
         self.loader = self.data.loader
 
         # ---- 3. Model: meta → float8 → AC → compile → FSDP → materialise → init ----------------------
@@ -123,10 +125,8 @@ class Trainer:
 
         # ---- 5. Checkpoints: resume from the newest intact one, if any; else the initial weights, if any --
         self.checkpoint = CheckpointManager(
-            cfg, checkpoint_folder(cfg), model_args=self.margs, global_batch=self.global_batch,
-            dp_world=self.dims.dp, model=model, optimizer=self.optimizer, scheduler=self.scheduler,
-            loader=self.loader, float8=self.float8, counters=self.state, is_main=self.is_main,
-            cuda=self.device.type == "cuda")
+            self.run, model=model, optimizer=self.optimizer, scheduler=self.scheduler, loader=self.loader,
+            float8=self.float8, counters=self.state, is_main=self.is_main, cuda=self.device.type == "cuda")
         resumed = self.checkpoint.load_or_start()
         if resumed is None and cfg.checkpoint.initial_load_path:
             load_initial_weights(model, self.margs, cfg.checkpoint.initial_load_path,
@@ -134,7 +134,7 @@ class Trainer:
 
         # ---- 6. Records, metrics and profiling: one run's history per folder --------------------------
         purge_step = self.run_folder.start_records(resumed)
-        self.run_folder.write("config.toml", to_toml(resolved(cfg)))
+        self.run_folder.write("config.toml", to_toml(self.run.resolved_config()))
         self.metrics = MetricsLogger(
             cfg.job.dump_folder, is_writer=self.is_main, tensorboard=cfg.metrics.enable_tensorboard,
             device=self.device, flops_per_token=self.flops_per_token, float8_matmul_share=float8_report.matmul_share,
@@ -253,7 +253,7 @@ class Trainer:
                 self.validate()
             saved = self.checkpoint.save(step, due) if due.save else None
             if due.stop and not last:
-                return stopping.stopped(due.stop, step, saved, local_rank=self.dims.local_rank, is_main=self.is_main)
+                return stopping.stopped(due.stop, step, saved, local_rank=self.local_rank, is_main=self.is_main)
             self.profiler.step(step)
             self.progress.show()
         self.completed = True

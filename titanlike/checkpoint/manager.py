@@ -1,7 +1,7 @@
 """The checkpoint manager: built in one call from the parts of a run, it decides when to save, saves,
 publishes, verifies, resumes, falls back and owns its folder. The trainer calls it at a few points:
 
-    manager = CheckpointManager(cfg, folder, ..., model=, optimizer=, scheduler=, loader=, float8=, counters=)
+    manager = CheckpointManager(run, model=, optimizer=, scheduler=, loader=, float8=, counters=, ...)
     manager.load_or_start()        resume from the newest intact step (or checkpoint.load_step, or a
                                    stopped run's save); None if there is nothing to resume
     manager.before_update()        before each optimizer step: a background save's copy of the tensors
@@ -42,6 +42,7 @@ from titanlike.checkpoint.states import ModelState, OptimizerState, SchedulerSta
 from titanlike.checkpoint.weights import MODEL_ARGS, CheckpointMismatch, check_model_shape
 from titanlike.checkpoint.writer import RNG_FILE, CheckpointError, StepWriter
 from titanlike.config import resumable_settings
+from titanlike.config.run import ResolvedRun
 from titanlike.errors import UserError
 
 logger = logging.getLogger("titanlike")
@@ -96,20 +97,21 @@ def _from_earlier_layout(record: dict, step: int) -> dict:
 
 
 class CheckpointManager:
-    def __init__(self, cfg, folder: str, *, model_args, global_batch: int, dp_world: int, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, scheduler, loader, float8, counters, is_main: bool, cuda: bool):
-        """`cfg`: the job's config (its [checkpoint] section, and what a resume compares); `folder`: the
-        checkpoint folder. The parts of the run it saves and restores, in the order a load restores them
-        (weights before what is derived from them: float8's scales): `model`, `optimizer`, `scheduler`
-        (the LR schedule), `loader` (the data position), `counters` (the step, tokens, ...) and `float8`."""
+    def __init__(self, run: ResolvedRun, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
+                 loader, float8, counters, is_main: bool, cuda: bool):
+        """`run`: the resolved run (its [checkpoint] section and folder, and what a resume compares). The
+        parts of the run it saves and restores, in the order a load restores them (weights before what
+        is derived from them: float8's scales): `model`, `optimizer`, `scheduler` (the LR schedule),
+        `loader` (the data position), `counters` (the step, tokens, ...) and `float8`."""
+        cfg = run.cfg
         self.cfg, self.is_main, self.cuda = cfg.checkpoint, is_main, cuda
         self.states: dict[str, Any] = {
             "model": ModelState(model), "optimizer": OptimizerState(model, optimizer),
             "lr_scheduler": SchedulerState(scheduler), "dataloader": loader, "train_state": counters,
             "float8": float8}
-        self.run = RunRecord(model_args, global_batch, dp_world, cfg.job.seed, cfg.optimizer.state_dtype,
-                             resumable_settings(cfg))
-        self.folder = folder
+        self.run = RunRecord(run.model.args, run.global_batch, run.dims.dp, cfg.job.seed, cfg.optimizer.state_dtype,
+                             resumable_settings(cfg, run.schedule))
+        self.folder = run.checkpoint_folder
         fs.check_path_text(self.folder, "checkpoint.folder")
         self.steps = StepFolders(self.folder, is_main)
         self.sharded = dist.is_initialized()

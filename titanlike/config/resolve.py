@@ -2,18 +2,23 @@
 the vocabulary of the tokenizer that made the data.
 
 One function answers it for the preflight, the trainer and the tests alike, so that the shape checked
-before torchrun is the shape built after it. Plain Python: it reads JSON, never tensors.
+before torchrun is the shape built after it; the resolved run (run.py) holds its answer. Plain Python:
+it reads JSON, never tensors.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
 
+from titanlike import fs
+from titanlike.config.dataset import BYTE_EOS_ID, DatasetInfo, schedule_dataset_info
 from titanlike.config.loader import ConfigError
 from titanlike.config.schema import JobConfig
-from titanlike.data.dataset_info import BYTE_EOS_ID, DatasetInfo
-from titanlike.data.schedule import run_dataset_info
-from titanlike.hf.config import read_hf_config
+from titanlike.config.sources import DataSchedule, schedule_of
+from titanlike.errors import UserError
+from titanlike.model.hf_names import CONFIG, args_from_hf_config
 from titanlike.model.shape import PRESETS, ModelArgs, llama_ffn_dim, model_args, round_vocab
 
 # The [model] fields a user sets to change a preset's architecture (vocab_size, tie_embeddings and
@@ -45,13 +50,23 @@ def _changed(cfg: JobConfig) -> dict:
     return out
 
 
-def resolve_model(cfg: JobConfig) -> ResolvedModel:
+def read_hf_config(folder: str) -> ModelArgs:
+    """The shape recorded in a Hugging Face folder's config.json (for --model.flavor hf)."""
+    path = os.path.join(folder, CONFIG)
+    if not os.path.isfile(path):
+        raise UserError(f"{folder} has no {CONFIG}: the shape of its model is unknown (a Hugging Face folder holds "
+                        f"one next to its safetensors)")
+    return args_from_hf_config(fs.read_json(path, "the model config"), path)
+
+
+def resolve_model(cfg: JobConfig, schedule: DataSchedule | None = None) -> ResolvedModel:
     """The shape this run builds, its name and what was derived. Raises ConfigError (one line) for a
-    shape that cannot be built."""
+    shape that cannot be built. `schedule`: [data] as already parsed (else parsed here)."""
     m = cfg.model
     overrides = m.shape_overrides()
     notes: list[str] = []
-    info = run_dataset_info(cfg.data)  # data.path's, or the one a mixture's sources share
+    schedule = schedule_of(cfg.data) if schedule is None else schedule
+    info = schedule_dataset_info(schedule)  # data.path's, or the one a mixture's sources share
     if m.flavor == "hf":
         folder = cfg.checkpoint.initial_load_path
         base = read_hf_config(folder)
@@ -90,15 +105,15 @@ def resolve_model(cfg: JobConfig) -> ResolvedModel:
         raise ConfigError(f"model shape ({name} with the model.* overrides): {problems[0]}")
     if cfg.data.seq_len > args.max_seq_len:
         raise ConfigError(f"data.seq_len = {cfg.data.seq_len} exceeds the model's max_seq_len = {args.max_seq_len}")
-    return ResolvedModel(args, name, tuple(notes), info, document_end(cfg, info))
+    return ResolvedModel(args, name, tuple(notes), info, document_end(cfg, info, schedule.builtin_corpus))
 
 
-def document_end(cfg: JobConfig, info: DatasetInfo | None) -> int | None:
+def document_end(cfg: JobConfig, info: DatasetInfo | None, builtin_corpus: bool) -> int | None:
     """The id that ends a document in the run's data, for model.attn_mask = block_causal (None for causal);
     data that records none is one ConfigError line."""
     if cfg.model.attn_mask == "causal":
         return None
-    if not cfg.data.path and not cfg.data.mix:
+    if builtin_corpus:
         return BYTE_EOS_ID  # the embedded corpus: byte tokens, each file ended by the byte tokenizer's eos
     if info is None or info.eos_id is None:
         where = f"{info.path} records no eos_id" if info else f"{cfg.data.path} has no dataset.json beside it"
@@ -109,3 +124,10 @@ def document_end(cfg: JobConfig, info: DatasetInfo | None) -> int | None:
 
 def resolve_model_args(cfg: JobConfig) -> ModelArgs:
     return resolve_model(cfg).args
+
+
+def with_resolved_shape(cfg: JobConfig, model: ResolvedModel) -> JobConfig:
+    """The config as the run uses it: [model] with the shape it resolved to (the preset's or the data's
+    values where the config leaves them unset), for --job.print_config and config.toml."""
+    shape = {f.name: getattr(model.args, f.name) for f in dataclasses.fields(model.args)}
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **shape))

@@ -6,8 +6,8 @@ Each `[section]` is a dataclass; the string literal under a field is its documen
 that tie two sections together. All of them run before a process group or a GPU is touched (the
 preflight imports no torch) and fail as one `ConfigError` line that names the key, the value and
 what would be valid. The sections of how a step runs fast (sharding, float8, compile, recompute) are
-in speed.py. Reading TOML and the command line is loader.py's job; which model shape a config
-means, resolve.py's.
+in speed.py. Reading TOML and the command line is loader.py's job; parsing [data]'s mixture strings,
+sources.py's; which model shape a config means, resolve.py's.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
+from titanlike.config import sources
 from titanlike.config.loader import need
 from titanlike.config.speed import ActivationCheckpoint, Compile, Fp8, Parallel
-from titanlike.data import schedule
 from titanlike.model.shape import PRESETS, model_args
 
 # data.num_workers: loader processes beyond a few per core only cost memory (each holds the dataset).
@@ -135,8 +135,8 @@ class Data:
     """Data-loader worker processes per rank (0 = load in the training process)."""
 
     # TOML's other spellings of some fields, turned into the field's value as they are read (config/loader.py).
-    toml_forms = MappingProxyType({"mix": schedule.mix_from_tables, "anneal_mix": schedule.mix_from_tables,
-                                   "phase": schedule.phases_from_tables})
+    toml_forms = MappingProxyType({"mix": sources.mix_from_tables, "anneal_mix": sources.mix_from_tables,
+                                   "phase": sources.phases_from_tables})
 
     def validate(self) -> None:
         need(self.seq_len >= 8, f"data.seq_len = {self.seq_len} must be at least 8")
@@ -152,21 +152,22 @@ class Data:
              "data.mix names the training data and each source's val/ its validation data: leave data.path and "
              "data.val_path unset (a mixture of one source is data.path)")
         for key, text in (("data.mix", self.mix), ("data.anneal_mix", self.anneal_mix)):
-            problem = schedule.problem(schedule.parse_mix, text) if text else None
+            problem = sources.problem(sources.parse_mix, text) if text else None
             need(problem is None, f"{key} = {text!r}: {problem}")
-        problem = schedule.problem(schedule.parse_phases, self.phase) if self.phase else None
+        problem = sources.problem(sources.parse_phases, self.phase) if self.phase else None
         need(problem is None, f"data.phase = {self.phase!r}: {problem}")
         need(self.anneal_from_step >= 0 and bool(self.anneal_mix) == bool(self.anneal_from_step),
              f"data.anneal_mix and data.anneal_from_step go together: the second mixture and its first step "
              f"(got {self.anneal_mix!r} from step {self.anneal_from_step})")
         need(not (self.anneal_mix and self.phase),
              "data.anneal_mix is one later mixture and data.phase a list of them: give one of the two")
-        need(not (self.anneal_mix or self.phase) or bool(self.mix or self.path),
+        need(not (self.anneal_mix or self.phase) or not sources.builtin_corpus(self),
              "a schedule mixes prepared datasets: name the first mixture with data.mix (or data.path), not the "
              "embedded corpus")
-        conflict = schedule.name_conflict(self)
+        schedule = sources.schedule_of(self)
+        conflict = schedule.name_conflict()
         need(conflict is None, str(conflict))
-        for source in schedule.all_sources(self) if schedule.is_mixture(self) else []:
+        for source in schedule.sources if schedule.mixed else ():
             need(os.path.exists(source.path), f"data source {source.name} = {source.path!r}: no such folder")
 
 
@@ -381,7 +382,7 @@ def validate_across_sections(cfg: JobConfig) -> None:
         max_seq_len = model_args(m.flavor, **m.shape_overrides()).max_seq_len
         need(cfg.data.seq_len <= max_seq_len,
              f"data.seq_len = {cfg.data.seq_len} exceeds model.max_seq_len = {max_seq_len}")
-    for phase in schedule.phases(cfg.data)[1:]:
+    for phase in sources.schedule_of(cfg.data).phases[1:]:
         need(1 < phase.start_step <= cfg.training.steps,
              f"{phase.option}: a mixture from step {phase.start_step} must start in [2, training.steps = "
              f"{cfg.training.steps}] (the first applies from step 1; one past the last step is never read)")

@@ -1,8 +1,9 @@
-"""The run's data as the trainer uses it, built from the [data] section: each source's training and
-validation windows, the sample plan over the schedule's phases (mixture.py), the loader, and what
-has been read from each source so far (for the metrics).
+"""The run's data as the trainer uses it, built from the [data] section and its sources and phases as
+the resolved run parsed them (config/sources.py): each source's training and validation windows, the
+sample plan over the phases (mixture.py), the loader, and what has been read from each source so far
+(for the metrics).
 
-`data.path` alone is one source, named "data" (schedule.SINGLE), and reads exactly the plain epoch
+`data.path` alone is one source, named "data" (config.sources.SINGLE), and reads exactly the plain epoch
 order; `data.mix` names several. Either way the loader's position is the global batches read, and
 everything here is a function of it.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from titanlike.data import schedule
+from titanlike.config.sources import SINGLE, DataSchedule
 from titanlike.data.loader import (
     MixedWindows,
     TokenWindows,
@@ -59,16 +60,17 @@ class RunData:
         return sum(w * losses[name] for name, w in self.val_weights().items())
 
 
-def build_run_data(data: Any, vocab_size: int, tokenizer: tuple[int, str] | None, local_batch: int,
-                   global_batch: int, dp_rank: int, dp_world: int, seed: int, pin_memory: bool,
+def build_run_data(data: Any, schedule: DataSchedule, vocab_size: int, tokenizer: tuple[int, str] | None,
+                   local_batch: int, global_batch: int, dp_rank: int, dp_world: int, seed: int, pin_memory: bool,
                    validation: bool) -> RunData:
-    """`data`: the config's [data] section. `tokenizer`: (its ids, its dataset.json), when the data has one
-    (loader.open_dataset checks every window against it)."""
-    sources = schedule.all_sources(data)
-    mixed = schedule.is_mixture(data)
+    """`data`: the config's [data] section; `schedule`: its sources and phases, as the resolved run parsed
+    them. `tokenizer`: (its ids, its dataset.json), when the data has one (loader.open_dataset checks every
+    window against it)."""
+    sources = schedule.sources
+    mixed = schedule.mixed
     if mixed:
         # data.path in a schedule validates on data.val_path, as without one; a mixture's sources on their val/.
-        splits = [(s.splits()[0], data.val_path) if s.name == schedule.SINGLE and not data.mix else s.splits()
+        splits = [(s.splits()[0], data.val_path) if s.name == SINGLE and not data.mix else s.splits()
                   for s in sources]
         what = [f"data source {s.name}" for s in sources]
     else:  # data.path as it always was: the embedded corpus when empty, data.val_path for validation
@@ -79,7 +81,7 @@ def build_run_data(data: Any, vocab_size: int, tokenizer: tuple[int, str] | None
            for s, (_, v), w in zip(sources, splits, what) if v and validation}
     index = {s.name: i for i, s in enumerate(sources)}
     phases = [((p.start_step - 1) * global_batch, {index[s.name]: s.weight for s in p.sources})
-              for p in schedule.phases(data)]
+              for p in schedule.phases]
     plan = MixturePlan([len(t) for t in train], phases, seed, [s.salt for s in sources])
     dataset = MixedWindows(train) if len(train) > 1 else train[0]
     loader = build_train_loader(dataset, local_batch, global_batch, dp_rank, dp_world, seed, data.num_workers,

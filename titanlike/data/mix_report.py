@@ -16,8 +16,8 @@ import os
 import sys
 
 from titanlike import fs
-from titanlike.data import schedule
-from titanlike.data.dataset_info import DatasetError, dataset_info_path, read_dataset_info
+from titanlike.config.dataset import DatasetError, dataset_info_path, read_dataset_info, shared_dataset_info
+from titanlike.config.sources import parse_mix
 from titanlike.errors import ArgumentParser, UserError
 
 
@@ -38,7 +38,7 @@ def epochs_phrase(name: str, epochs: float) -> str:
 
 def report(folders: list[str], mix: str, tokens: int) -> list[str]:
     """The report's lines; a UserError for a folder or mixture that cannot be read."""
-    sources = schedule.parse_mix(mix) if mix else []
+    sources = parse_mix(mix) if mix else []
     named = [(s.name, s.path) for s in sources] or [(os.path.basename(os.path.normpath(f)), f) for f in folders]
     named += [(os.path.basename(os.path.normpath(f)), f) for f in folders if sources and f not in dict(named).values()]
     records = {name: folder_record(path) for name, path in named}
@@ -53,7 +53,7 @@ def report(folders: list[str], mix: str, tokens: int) -> list[str]:
                      f"{splits.get('val', {}).get('tokens', 0):>12,}  {r.get('documents', 0):>11,}  "
                      f"{kind}, {r.get('vocab_size')} ids ({path})")
     if sources:
-        schedule.shared_dataset_info(sources)  # two tokenizers: the line training would stop with
+        shared_dataset_info(sources)  # two tokenizers: the line training would stop with
     if sources and tokens:
         total = sum(s.weight for s in sources)
         lines.append(f"training on {tokens:,} tokens:")

@@ -1,7 +1,7 @@
 """Which source, and which of its windows, every global sample position reads: a pure function of
 (seed, position), so that a mixture resumes exactly at any world size and any number of workers.
 
-A run's sources are numbered 0..S-1; a phase (schedule.py) is a mixture that applies from a global
+A run's sources are numbered 0..S-1; a phase (config/sources.py) is a mixture that applies from a global
 position on. Within a phase, positions fall into blocks of B (1024, doubled until every source of
 the phase has a slot). Each block gives source s the same number of slots, c_s, the largest-
 remainder rounding of w_s·B (the c_s sum to B, and c_s/B is within 1/B of w_s), and the block's
@@ -22,7 +22,7 @@ import numpy as np
 from titanlike.data.order import FEISTEL, EpochOrder, derive_key, feistel
 
 BLOCK = 1024
-MAX_BLOCK = 2**20  # schedule.MIN_SHARE keeps every source of a phase above 1/MAX_BLOCK
+MAX_BLOCK = 2**20  # config.sources.MIN_SHARE keeps every source of a phase above 1/MAX_BLOCK
 _DEAL = 0x4D4958  # keys the dealing of slots apart from the sources' epoch orders
 
 
@@ -99,7 +99,7 @@ class MixturePlan:
     as loader.MixedWindows numbers them).
 
     `sizes`: windows per source. `phases`: (first global position, {source index: weight}) in
-    order, the first from position 0. `salts` key each source's epoch orders (schedule.Source.salt).
+    order, the first from position 0. `salts` key each source's epoch orders (config.sources.Source.salt).
     """
 
     def __init__(self, sizes: list[int], phases: list[tuple[int, dict[int, float]]], seed: int,

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from titanlike import fs
-from titanlike.data.dataset_info import DATASET_FORMAT, DATASET_JSON
+from titanlike.config.dataset import DATASET_FORMAT, DATASET_JSON
 from titanlike.data.shards import ShardWriter, token_dtype
 from titanlike.data.sources import ALL_SUFFIXES, TEXT_FIELDS, Chunk, expand, plan, read_chunk
 from titanlike.errors import ArgumentParser, UserError

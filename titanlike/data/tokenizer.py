@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from titanlike import fs
-from titanlike.data.dataset_info import BYTE_BOS_ID, BYTE_EOS_ID, DatasetInfo
+from titanlike.config.dataset import BYTE_BOS_ID, BYTE_EOS_ID, DatasetInfo
 from titanlike.errors import UserError
 
 BYTE_BOS, BYTE_EOS = "<|begin_of_text|>", "<|end_of_text|>"
@@ -172,7 +172,7 @@ def tokenizer_from_folder(folder: str):
 # ---- the run's copy ---------------------------------------------------------------------------
 
 
-def record_tokenizer(data_path: str, info: DatasetInfo | None, run_folder: str) -> None:
+def record_tokenizer(info: DatasetInfo | None, run_folder: str, *, builtin_corpus: bool) -> None:
     """Leave the run's tokenizer in its folder (tokenizer.json + tokenizer_info.json), where
     titanlike-export and titanlike-generate find it: the byte tokenizer for the built-in corpus and
     byte-tokenized data, the dataset's own tokenizer.json for prepared data, none (and any earlier
@@ -180,7 +180,7 @@ def record_tokenizer(data_path: str, info: DatasetInfo | None, run_folder: str) 
     target = Path(run_folder) / "tokenizer.json"
     meta = Path(run_folder) / "tokenizer_info.json"
     record: dict[str, str | None]
-    if not data_path or (info is not None and info.tokenizer_kind == "byte"):
+    if builtin_corpus or (info is not None and info.tokenizer_kind == "byte"):
         text, record = ByteTokenizer().to_json(), {"kind": "byte", "bos_token": BYTE_BOS, "eos_token": BYTE_EOS}
     elif info is not None and info.tokenizer_file is not None:
         text = fs.read_text(info.tokenizer_file, "the dataset's tokenizer")

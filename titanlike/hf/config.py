@@ -1,142 +1,17 @@
-"""A Hugging Face folder's config.json ↔ titanlike's model shape, in plain Python (no torch): the
-preflight reads `--model.flavor hf` shapes with it, and the export writes it.
-
-A model without QK-norm is a `LlamaForCausalLM`; with QK-norm a `Qwen3ForCausalLM`. Anything the
-decoder cannot reproduce exactly (biases, rope scaling of any kind, sliding windows, another
-activation) is refused with one line: a model that trained differently from what transformers
-loads would be a silent error.
+"""A Hugging Face folder's config.json against this run's shape: the check that an initial-weights
+folder holds the model this run builds. The names are model/hf_names.py's; reading a config.json
+into ModelArgs is config/resolve.py's (a `--model.flavor hf` shape is resolved before any worker
+starts).
 """
 
 from __future__ import annotations
 
 import os
 
-from titanlike import fs
+from titanlike.config.resolve import read_hf_config
 from titanlike.errors import UserError
+from titanlike.model.hf_names import COMPARED, CONFIG
 from titanlike.model.shape import ModelArgs
-
-CONFIG = "config.json"
-ATTN_MASK_KEY = "titanlike_attn_mask"
-
-
-def hf_config(a: ModelArgs, dtype_name: str, bos_id: int | None = None, eos_id: int | None = None) -> dict:
-    """config.json for transformers: Qwen3 with QK-norm, else Llama. Both the older keys (rope_theta,
-    torch_dtype) and transformers 5's (rope_parameters, dtype) are written, so either reads it."""
-    config = {
-        "architectures": ["Qwen3ForCausalLM" if a.qk_norm else "LlamaForCausalLM"],
-        "model_type": "qwen3" if a.qk_norm else "llama",
-        "hidden_size": a.dim,
-        "intermediate_size": a.ffn_dim,
-        "num_hidden_layers": a.n_layers,
-        "num_attention_heads": a.n_heads,
-        "num_key_value_heads": a.n_kv_heads,
-        "head_dim": a.head_dim,
-        "vocab_size": a.vocab_size,
-        "rms_norm_eps": a.norm_eps,
-        "rope_theta": a.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta},
-        "rope_scaling": None,
-        "max_position_embeddings": a.max_seq_len,
-        "tie_word_embeddings": a.tie_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "torch_dtype": dtype_name,
-        "dtype": dtype_name,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-    }
-    if a.qk_norm:
-        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=a.n_layers)
-    else:
-        config["mlp_bias"] = False
-    if a.attn_mask != "causal":
-        # What it trained with (transformers keeps the key and ignores it): plain causal attention over one
-        # prompt is the same thing, as long as the prompt is one document.
-        config[ATTN_MASK_KEY] = a.attn_mask
-    return config
-
-
-def _rope_theta(config: dict) -> float | None:
-    params = config.get("rope_parameters") or {}
-    return params.get("rope_theta", config.get("rope_theta")) if isinstance(params, dict) else None
-
-
-def _rope_scaling(config: dict) -> str | None:
-    """What rotary scaling the config asks for, in words, or None for plain RoPE. Either key
-    (rope_scaling, or transformers 5's rope_parameters) and either spelling of the kind ("rope_type",
-    or the older "type") counts; so does a factor given without a kind."""
-    for key in ("rope_parameters", "rope_scaling"):
-        block = config.get(key)
-        if block is None:
-            continue
-        if not isinstance(block, dict):
-            return f"{key} {block!r}"
-        kind = block.get("rope_type", block.get("type", "default"))
-        extra = sorted(set(block) - {"rope_type", "type", "rope_theta"})
-        if kind not in ("default", None) or extra:
-            detail = ", ".join(f"{k} {block[k]!r}" for k in sorted(block) if k != "rope_theta")
-            return f"{key} ({detail})"
-    return None
-
-
-def args_from_hf_config(config: object, where: str) -> ModelArgs:
-    """Our shape from a transformers config.json (Llama, Mistral-style Llama, or Qwen3); anything
-    this decoder cannot reproduce is one error line."""
-    if not isinstance(config, dict):
-        raise UserError(f"{where} is not a model config (a JSON object is expected)")
-    kind = config.get("model_type")
-    if kind not in ("llama", "qwen3"):
-        raise UserError(f"{where}: model_type {kind!r} is not one titanlike builds (llama, qwen3)")
-    scaling = _rope_scaling(config)
-    if scaling:
-        raise UserError(f"{where}: rotary scaling {scaling} is not implemented by titanlike's decoder; trained here "
-                        f"the model would differ from the one transformers loads from this folder")
-    unsupported = [(config.get("attention_bias"), "attention_bias"), (config.get("mlp_bias"), "mlp_bias"),
-                   (config.get("use_sliding_window"), "use_sliding_window"),
-                   (config.get("hidden_act", "silu") != "silu", f"hidden_act {config.get('hidden_act')!r}")]
-    for bad, what in unsupported:
-        if bad:
-            raise UserError(f"{where}: {what} is not supported by titanlike's decoder")
-    try:
-        dim, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-        args = ModelArgs(dim=dim, n_layers=int(config["num_hidden_layers"]), n_heads=heads,
-                         n_kv_heads=int(config.get("num_key_value_heads") or heads),
-                         ffn_dim=int(config["intermediate_size"]), vocab_size=int(config["vocab_size"]),
-                         rope_theta=float(_rope_theta(config) or 10000.0),
-                         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-                         max_seq_len=int(config.get("max_position_embeddings") or 131072), qk_norm=kind == "qwen3",
-                         attn_mask=str(config.get(ATTN_MASK_KEY, "causal")))
-    except (KeyError, TypeError, ValueError) as e:
-        raise UserError(f"{where} lacks a usable {e.args[0] if isinstance(e, KeyError) else 'value'} "
-                        f"({type(e).__name__}: {e})") from None
-    problems = args.problems()
-    if problems:
-        raise UserError(f"{where}: {problems[0]}")
-    head_dim = config.get("head_dim")
-    if head_dim is not None and head_dim != args.head_dim:
-        raise UserError(f"{where}: head_dim {head_dim} is not hidden_size / num_attention_heads = {args.head_dim}, "
-                        f"which titanlike's attention assumes")
-    return args
-
-
-def read_hf_config(folder: str) -> ModelArgs:
-    """The shape recorded in a Hugging Face folder's config.json (for --model.flavor hf)."""
-    path = os.path.join(folder, CONFIG)
-    if not os.path.isfile(path):
-        raise UserError(f"{folder} has no {CONFIG}: the shape of its model is unknown (a Hugging Face folder holds "
-                        f"one next to its safetensors)")
-    return args_from_hf_config(fs.read_json(path, "the model config"), path)
-
-
-# config.json key ↔ our field and the [model] option that sets it, for disagreement messages.
-COMPARED = [("hidden_size", "dim", "model.dim"), ("num_hidden_layers", "n_layers", "model.n_layers"),
-            ("num_attention_heads", "n_heads", "model.n_heads"),
-            ("num_key_value_heads", "n_kv_heads", "model.n_kv_heads"),
-            ("head_dim", "head_dim", "model.dim / model.n_heads"), ("intermediate_size", "ffn_dim", "model.ffn_dim"),
-            ("vocab_size", "vocab_size", "model.vocab_size"), ("rope_theta", "rope_theta", "model.rope_theta"),
-            ("rms_norm_eps", "norm_eps", "model.norm_eps"), ("qk_norm", "qk_norm", "model.qk_norm"),
-            ("tie_word_embeddings", "tie_embeddings", "model.tie_embeddings")]
 
 
 def check_hf_config(folder: str, a: ModelArgs) -> None:

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def inference_note(folder: str) -> str:
     """What a model trained with document masks means at inference (config.json records the mask), or ""."""
-    from titanlike.hf.config import read_hf_config
+    from titanlike.config.resolve import read_hf_config
 
     if read_hf_config(folder).attn_mask != "block_causal":
         return ""

@@ -172,8 +172,8 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, tempera
 def load(source: str, tokenizer: str, device: torch.device, trust_pickled_dcp: bool = False):
     """(model in eval mode on `device`, tokenizer) from a checkpoint step folder or a Hugging Face folder."""
     from titanlike.checkpoint.weights import is_dcp_folder, read_model_weights
+    from titanlike.config.resolve import read_hf_config
     from titanlike.data.tokenizer import load_tokenizer, tokenizer_from_folder
-    from titanlike.hf.config import read_hf_config
     from titanlike.hf.export import run_tokenizer
     from titanlike.hf.interchange import read_hf_folder
 

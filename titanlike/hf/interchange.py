@@ -1,5 +1,5 @@
 """Hugging Face folders: our parameter names ↔ theirs, safetensors shards, and the tokenizer files
-that make the folder load in AutoTokenizer (config.json is hf/config.py's).
+that make the folder load in AutoTokenizer (config.json's names are model/hf_names.py's).
 
 A model without QK-norm is a `LlamaForCausalLM`; with QK-norm (an RMSNorm over each head's q and k
 before RoPE) a `Qwen3ForCausalLM`, which is the same decoder plus exactly those two norms. Our rotary
@@ -16,7 +16,8 @@ import re
 import torch
 
 from titanlike.errors import UserError
-from titanlike.hf.config import check_hf_config, hf_config
+from titanlike.hf.config import check_hf_config
+from titanlike.model.hf_names import hf_config
 from titanlike.model.shape import ModelArgs
 
 _LAYER_NAMES = {

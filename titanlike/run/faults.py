@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from titanlike.config.dims import ParallelDims, parallel_dims
 from titanlike.parallel.device import allocator_settings
 
 # ---- a collective failed ---------------------------------------------------------------------------
@@ -52,12 +53,13 @@ def gpu_memory(device: torch.device) -> dict | None:
     }
 
 
-def oom_message(cfg, world_size: int, rank: int, step: int | None, memory: dict | None,
+def oom_message(cfg, dims: ParallelDims, rank: int, step: int | None, memory: dict | None,
                 snapshot: str | None = None) -> str:
     """One line for torch.OutOfMemoryError: where, how much, and the options that use less memory.
 
-    `step` is the number of completed steps (None: the model was still being built); `memory` is
-    gpu_memory()'s reading, taken after the failure (its peaks include the failed step).
+    `dims`: the run's degrees and batch plan; `step` is the number of completed steps (None: the model
+    was still being built); `memory` is gpu_memory()'s reading, taken after the failure (its peaks
+    include the failed step).
     """
     t, d = cfg.training, cfg.data
     when = "while building the model" if step is None else f"after {step} completed steps"
@@ -72,10 +74,10 @@ def oom_message(cfg, world_size: int, rank: int, step: int | None, memory: dict 
     if mode != "full":
         knobs.append(f"--activation_checkpoint.mode {'selective or full' if mode == 'none' else 'full'} (now {mode})")
     b = t.local_batch_size
-    global_batch = t.global_batch_size or b * world_size
+    global_batch = dims.global_batch
     if b > 1:
         smaller = max(k for k in range(1, b) if b % k == 0)
-        accum = global_batch // (smaller * world_size)
+        accum = global_batch // (smaller * dims.dp)
         knobs.append(f"--training.local_batch_size {smaller} --training.global_batch_size {global_batch} "
                      f"(the same global batch in {accum} gradient-accumulation micro-batches)")
     else:
@@ -84,13 +86,13 @@ def oom_message(cfg, world_size: int, rank: int, step: int | None, memory: dict 
         knobs.append("--training.loss_chunk_tokens 4096 (the logits then never exist whole)")
     if cfg.optimizer.state_dtype == "fp32":
         knobs.append("--optimizer.state_dtype 8bit (AdamW's moments in about 2 bytes a parameter instead of 8)")
-    if cfg.fp8.recipe != "tensorwise" and world_size > 1:
+    if cfg.fp8.recipe != "tensorwise" and dims.sharded:
         knobs.append(f"--fp8.recipe tensorwise (now {cfg.fp8.recipe}): FSDP then gathers weights in float8")
     elif cfg.fp8.recipe != "tensorwise" and cfg.compile.enable:
         # Measured, not derived: 1b, seq 4096, batch 6 on one H100 (docs/benchmarks/2026-11-22-stacked-qkv-gqa.md).
         knobs.append(f"--fp8.recipe tensorwise (now {cfg.fp8.recipe}): compiled, it lowered the 1b preset's peak "
                      f"from 64 to 53 GiB on one GPU")
-    if world_size > 1 and cfg.parallel.reshard_after_forward != "always":
+    if dims.sharded and cfg.parallel.reshard_after_forward != "always":
         knobs.append("--parallel.reshard_after_forward always (frees every gathered weight after forward)")
     allocator = allocator_settings() or ""
     fragmented = memory and memory["reserved"] > 1.2 * memory["allocated"] + 1
@@ -102,12 +104,12 @@ def oom_message(cfg, world_size: int, rank: int, step: int | None, memory: dict 
 
 
 def explain(e: RuntimeError, cfg, world_size: int, rank: int, *, step: int | None = None,
-            device: torch.device | None = None, oom_snapshot: Callable[[int], str | None] | None = None
-            ) -> tuple[int, str] | None:
+            device: torch.device | None = None, dims: ParallelDims | None = None,
+            oom_snapshot: Callable[[int], str | None] | None = None) -> tuple[int, str] | None:
     """(exit code, the one line to print) for a failure a user can act on: out of GPU or host memory,
     a peer rank or the network gone; None for anything else (the traceback is the report). `step`:
-    the steps completed (None: the run was still being built); `device`: the run's; `oom_snapshot(step)`
-    writes the allocator's history and returns where."""
+    the steps completed (None: the run was still being built); `device` and `dims`: the run's;
+    `oom_snapshot(step)` writes the allocator's history and returns where."""
     if isinstance(e, torch.OutOfMemoryError):
         if cfg is None:
             return None
@@ -115,7 +117,10 @@ def explain(e: RuntimeError, cfg, world_size: int, rank: int, *, step: int | Non
         if device is None:
             gpu = torch.cuda.is_available() and cfg.training.device != "cpu"
             device = torch.device("cuda" if gpu else "cpu")
-        return 2, oom_message(cfg, world_size, rank, step, gpu_memory(device), snapshot)
+        # The degrees the run was built with (a run that failed while being built: the same arithmetic,
+        # which the config passed before any GPU work).
+        dims = dims or parallel_dims(cfg, world_size)
+        return 2, oom_message(cfg, dims, rank, step, gpu_memory(device), snapshot)
     if "can't allocate memory" in str(e):  # the CPU allocator: a model or batch too large for this machine
         want = next((w for w in str(e).split("allocate ")[1:] if w[:1].isdigit()), "").split(" bytes")[0]
         size = f"{int(want) / 2**30:.1f} GiB" if want.isdigit() else "more memory than there is"

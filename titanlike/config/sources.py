@@ -1,9 +1,10 @@
-"""What a run trains on, as the config names it: one source (`data.path`) or a weighted mixture of
+"""What a run trains on, as [data] names it: one source (`data.path`) or a weighted mixture of
 prepared datasets (`data.mix`), and the mixture that applies from each step on (phases).
 
-Plain Python (no numpy, no torch): the config schema validates these strings, and the preflight
-reads the sources' dataset.json files, before any worker starts. Which window each sample position
-reads is mixture.py's; this module only says what the sources and phases are.
+Plain parsing (no numpy, no torch): the schema validates these strings with it, the resolved run
+(run.py) parses them once into a `DataSchedule`, and data/ builds its windows and sample plan from
+that. Which window each sample position reads is data/mixture.py's; this module only says what the
+sources and phases are.
 
 A mixture is spelled `NAME=FOLDER:WEIGHT,NAME=FOLDER:WEIGHT`, e.g. `web=data/web:0.7,code=data/code:0.3`:
 FOLDER is what `titanlike-prepare` wrote (dataset.json, train/, val/), or its train/ folder.
@@ -11,7 +12,6 @@ FOLDER is what `titanlike-prepare` wrote (dataset.json, train/, val/), or its tr
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import re
@@ -19,8 +19,6 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-from titanlike.data.dataset_info import DatasetError, DatasetInfo, read_dataset_info
 
 SINGLE = "data"
 """The name of `data.path`'s one source (in tokens_by_source and the like)."""
@@ -164,89 +162,57 @@ def phases_from_tables(value: Any) -> str:
     return ";".join(items)
 
 
-def phases(data: Any) -> list[Phase]:
-    """The run's mixtures in step order (`data` is the config's [data] section): data.mix or data.path
-    from step 1, then data.anneal_mix from data.anneal_from_step, or each of data.phase."""
-    first = tuple(parse_mix(data.mix)) if data.mix else (Source(SINGLE, data.path, 1.0),)
-    out = [Phase(1, first, "data.mix" if data.mix else "data.path")]
-    if data.anneal_mix:
-        out.append(Phase(data.anneal_from_step, tuple(parse_mix(data.anneal_mix)), "data.anneal_from_step"))
-    elif data.phase:
-        out += [Phase(step, tuple(sources), "data.phase") for step, sources in parse_phases(data.phase)]
-    return out
+def builtin_corpus(data: Any) -> bool:
+    """Whether [data] (`data`) names no data at all: neither data.path nor data.mix, so the run reads
+    the embedded corpus (byte tokens, no dataset.json)."""
+    return not data.path and not data.mix
 
 
-def name_conflict(data: Any) -> str | None:
-    """A source name that two phases give different folders, as a problem line (a source is one
-    dataset across the schedule: it goes on where it stopped)."""
-    seen: dict[str, tuple[str, str]] = {}
-    for phase in phases(data):
-        for s in phase.sources:
-            path, option = seen.setdefault(s.name, (s.path, phase.option))
-            if path != s.path:
-                return (f"data source {s.name} is {path!r} in {option} but {s.path!r} in {phase.option}: a name is "
-                        f"one dataset over the whole schedule (name the other one differently)")
-    return None
+@dataclass(frozen=True)
+class DataSchedule:
+    """The [data] strings parsed once: the run's mixtures in step order and what kind of data they name."""
 
-
-def is_mixture(data: Any) -> bool:
+    phases: tuple[Phase, ...]
+    """data.mix or data.path from step 1, then data.anneal_mix from data.anneal_from_step, or each of data.phase."""
+    mixed: bool
     """Named by data.mix or by phases: sources read from prepared folders, validated one by one."""
-    return bool(data.mix) or len(phases(data)) > 1
+    builtin_corpus: bool
+    """Neither data.path nor data.mix: the embedded corpus."""
+
+    @property
+    def sources(self) -> tuple[Source, ...]:
+        """Every source of every phase, once each (by name), in order of appearance."""
+        out: dict[str, Source] = {}
+        for phase in self.phases:
+            for s in phase.sources:
+                out.setdefault(s.name, s)
+        return tuple(out.values())
+
+    def name_conflict(self) -> str | None:
+        """A source name that two phases give different folders, as a problem line (a source is one
+        dataset across the schedule: it goes on where it stopped)."""
+        seen: dict[str, tuple[str, str]] = {}
+        for phase in self.phases:
+            for s in phase.sources:
+                path, option = seen.setdefault(s.name, (s.path, phase.option))
+                if path != s.path:
+                    return (f"data source {s.name} is {path!r} in {option} but {s.path!r} in {phase.option}: a name "
+                            f"is one dataset over the whole schedule (name the other one differently)")
+        return None
+
+    def describe(self) -> str:
+        """The schedule in one line, as a resume compares it with the checkpoint's: each phase's first step,
+        sources and weights (not the folders, which a user may move)."""
+        return "; ".join(f"from step {p.start_step}: " + ", ".join(f"{s.name} {s.weight:g}" for s in p.sources)
+                         for p in self.phases)
 
 
-def all_sources(data: Any) -> list[Source]:
-    """Every source of every phase, once each (by name), in order of appearance."""
-    out: dict[str, Source] = {}
-    for phase in phases(data):
-        for s in phase.sources:
-            out.setdefault(s.name, s)
-    return list(out.values())
-
-
-def describe(data: Any) -> str:
-    """The schedule in one line, as a resume compares it with the checkpoint's: each phase's first step,
-    sources and weights (not the folders, which a user may move)."""
-    return "; ".join(f"from step {p.start_step}: " + ", ".join(f"{s.name} {s.weight:g}" for s in p.sources)
-                     for p in phases(data))
-
-
-# ---- the sources' dataset.json files --------------------------------------------------------------
-
-
-def _tokenizer_of(info: DatasetInfo) -> tuple:
-    digest = ""
-    if info.tokenizer_file is not None:
-        with open(info.tokenizer_file, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()[:12]
-    return info.tokenizer_kind, info.vocab_size, info.bos_id, info.eos_id, digest
-
-
-def _words(info: DatasetInfo, sig: tuple) -> str:
-    file = f", tokenizer.json {sig[4]}" if sig[4] else ""
-    return f"{info.path}: {info.tokenizer_kind} tokenizer, {info.vocab_size} ids, eos {info.eos_id}{file}"
-
-
-def run_dataset_info(data: Any) -> DatasetInfo | None:
-    """The dataset.json that describes the run's data: data.path's (if any), or that of every source of a
-    mixture, which must all exist and name one tokenizer (a DatasetError line otherwise)."""
-    if not is_mixture(data):
-        return read_dataset_info(data.path) if data.path else None
-    return shared_dataset_info(all_sources(data))
-
-
-def shared_dataset_info(sources: list[Source]) -> DatasetInfo | None:
-    """The dataset.json of the first source, once every source has one and all name one tokenizer."""
-    first: tuple[Source, DatasetInfo, tuple] | None = None
-    for s in sources:
-        info = read_dataset_info(s.path)
-        if info is None:
-            raise DatasetError(f"data source {s.name}: {s.path} has no dataset.json; a mixture's sources are folders "
-                               f"titanlike-prepare wrote (each records its tokenizer)")
-        sig = _tokenizer_of(info)
-        if first is None:
-            first = (s, info, sig)
-        elif sig != first[2]:
-            raise DatasetError(f"data sources {first[0].name} ({_words(first[1], first[2])}) and {s.name} "
-                               f"({_words(info, sig)}) were tokenized differently; a mixture needs one tokenizer: "
-                               f"re-make one with the other's (titanlike-prepare --tokenizer)")
-    return first[1] if first else None
+def schedule_of(data: Any) -> DataSchedule:
+    """The schedule that [data] (`data`) names; a ValueError for a string the schema would refuse."""
+    first = tuple(parse_mix(data.mix)) if data.mix else (Source(SINGLE, data.path, 1.0),)
+    phases = [Phase(1, first, "data.mix" if data.mix else "data.path")]
+    if data.anneal_mix:
+        phases.append(Phase(data.anneal_from_step, tuple(parse_mix(data.anneal_mix)), "data.anneal_from_step"))
+    elif data.phase:
+        phases += [Phase(step, tuple(sources), "data.phase") for step, sources in parse_phases(data.phase)]
+    return DataSchedule(tuple(phases), mixed=bool(data.mix) or len(phases) > 1, builtin_corpus=builtin_corpus(data))

@@ -1,19 +1,33 @@
 """Where a run runs, in numbers: world size and ranks from torchrun's environment, the data-parallel
-degrees, and how the global batch splits into micro-batches. Plain Python: the preflight checks
-these against the config before torchrun starts any worker.
+degrees, and how the global batch splits into micro-batches. Plain arithmetic: the preflight checks
+these against the config before torchrun starts any worker, and the resolved run (run.py) holds them.
+
+The degrees and the batch plan are the same on every rank; which rank a process is (`Ranks`) is its
+own, and stays out of them.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from titanlike.config import ConfigError
+from titanlike.config.loader import ConfigError
+from titanlike.config.schema import JobConfig
 
 
-def world_from_env() -> tuple[int, int, int]:
+class Ranks(NamedTuple):
+    """This process's place in the run, as torchrun sets it (a tuple: `world, rank, local_rank = ...`)."""
+
+    world_size: int
+    rank: int
+    local_rank: int
+
+
+def world_from_env() -> Ranks:
     """(world size, rank, local rank) as torchrun sets them; a plain `python` run is 1, 0, 0."""
-    return int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    return Ranks(int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0)),
+                 int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def resolve_dims(world_size: int, dp_shard: int, dp_replicate: int) -> tuple[int, int]:
@@ -40,10 +54,10 @@ def resolve_dims(world_size: int, dp_shard: int, dp_replicate: int) -> tuple[int
 @dataclass(frozen=True)
 class ParallelDims:
     world_size: int
-    rank: int
-    local_rank: int
     dp_replicate: int
+    """Replicas of the sharded model (HSDP; 1 = plain FSDP)."""
     dp_shard: int
+    """Ranks each replica's weights are sharded over (FSDP)."""
     global_batch: int
     """Samples per optimizer step over all ranks."""
     accum_steps: int
@@ -58,7 +72,7 @@ class ParallelDims:
         return self.world_size > 1
 
 
-def parallel_dims(cfg, world_size: int, rank: int = 0, local_rank: int = 0) -> ParallelDims:
+def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
     """The degrees and the batch plan a config means at this world size; ConfigError (one line) if none."""
     t = cfg.training
     dp_replicate, dp_shard = resolve_dims(world_size, cfg.parallel.dp_shard, cfg.parallel.dp_replicate)
@@ -69,5 +83,4 @@ def parallel_dims(cfg, world_size: int, rank: int = 0, local_rank: int = 0) -> P
             f"training.global_batch_size = {global_batch} must be a multiple of training.local_batch_size × "
             f"data-parallel degree = {t.local_batch_size} × {dp} = {t.local_batch_size * dp}"
         )
-    return ParallelDims(world_size, rank, local_rank, dp_replicate, dp_shard, global_batch,
-                        global_batch // (t.local_batch_size * dp))
+    return ParallelDims(world_size, dp_replicate, dp_shard, global_batch, global_batch // (t.local_batch_size * dp))

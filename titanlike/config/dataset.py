@@ -1,6 +1,6 @@
 """dataset.json: what `titanlike-prepare` records beside the shards it writes (the tokenizer, its
-vocabulary and bos/eos ids, token counts). Plain Python (no torch, no numpy): the preflight sizes the
-model's vocabulary from it.
+vocabulary and bos/eos ids, token counts), and the one record that describes a run's data. Plain Python
+(no torch, no numpy): resolving a run sizes the model's vocabulary from it before any worker starts.
 
 Layout of a prepared dataset:
 
@@ -16,11 +16,14 @@ its own folder (a name, not a path elsewhere on disk).
 
 from __future__ import annotations
 
+import hashlib
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from titanlike import fs
+from titanlike.config.sources import DataSchedule, Source
 from titanlike.errors import UserError
 
 DATASET_JSON = "dataset.json"
@@ -115,3 +118,45 @@ def read_dataset_info(data_path: str) -> DatasetInfo | None:
     if path is None:
         return None
     return parse(fs.read_json(path, "the dataset record"), str(path))
+
+
+# ---- the record of a run's data ------------------------------------------------------------------
+
+
+def _tokenizer_of(info: DatasetInfo) -> tuple:
+    digest = ""
+    if info.tokenizer_file is not None:
+        with open(info.tokenizer_file, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()[:12]
+    return info.tokenizer_kind, info.vocab_size, info.bos_id, info.eos_id, digest
+
+
+def _words(info: DatasetInfo, sig: tuple) -> str:
+    file = f", tokenizer.json {sig[4]}" if sig[4] else ""
+    return f"{info.path}: {info.tokenizer_kind} tokenizer, {info.vocab_size} ids, eos {info.eos_id}{file}"
+
+
+def schedule_dataset_info(schedule: DataSchedule) -> DatasetInfo | None:
+    """The dataset.json that describes the run's data: data.path's (if any), or that of every source of a
+    mixture, which must all exist and name one tokenizer (a DatasetError line otherwise)."""
+    if schedule.mixed:
+        return shared_dataset_info(schedule.sources)
+    return None if schedule.builtin_corpus else read_dataset_info(schedule.phases[0].sources[0].path)
+
+
+def shared_dataset_info(sources: Iterable[Source]) -> DatasetInfo | None:
+    """The dataset.json of the first source, once every source has one and all name one tokenizer."""
+    first: tuple[Source, DatasetInfo, tuple] | None = None
+    for s in sources:
+        info = read_dataset_info(s.path)
+        if info is None:
+            raise DatasetError(f"data source {s.name}: {s.path} has no dataset.json; a mixture's sources are folders "
+                               f"titanlike-prepare wrote (each records its tokenizer)")
+        sig = _tokenizer_of(info)
+        if first is None:
+            first = (s, info, sig)
+        elif sig != first[2]:
+            raise DatasetError(f"data sources {first[0].name} ({_words(first[1], first[2])}) and {s.name} "
+                               f"({_words(info, sig)}) were tokenized differently; a mixture needs one tokenizer: "
+                               f"re-make one with the other's (titanlike-prepare --tokenizer)")
+    return first[1] if first else None

@@ -1,0 +1,65 @@
+"""The run a config means at a world size, resolved once: the model's shape, the data-parallel degrees
+and batch plan, the data's sources and phases, and the folders it writes to.
+
+The preflight builds it (no torch) and runs every check on it; the trainer builds the same object and
+reads it, rather than each part deriving its own piece from the config again.
+
+    run = resolve_run(load_config(argv), world_size)
+    run.model.args, run.dims.accum_steps, run.schedule.phases, run.checkpoint_folder
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from titanlike.config.dims import ParallelDims, parallel_dims
+from titanlike.config.resolve import ResolvedModel, resolve_model, with_resolved_shape
+from titanlike.config.schema import JobConfig
+from titanlike.config.sources import DataSchedule, schedule_of
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    cfg: JobConfig
+    """The validated config it was resolved from."""
+    model: ResolvedModel
+    """The shape (preset or config.json, overrides, the data's vocabulary), its name and the data's dataset.json."""
+    dims: ParallelDims
+    """The data-parallel degrees at this world size and the batch plan (the same on every rank)."""
+    schedule: DataSchedule
+    """[data]'s sources and phases, parsed once."""
+    dump_folder: str
+    """job.dump_folder: the run's own folder."""
+    checkpoint_folder: str
+    """checkpoint.folder, resolved against the dump folder unless absolute."""
+
+    @property
+    def builtin_corpus(self) -> bool:
+        """Whether the run reads the embedded corpus (no data.path, no data.mix)."""
+        return self.schedule.builtin_corpus
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step over all ranks."""
+        return self.dims.global_batch
+
+    @property
+    def accum_steps(self) -> int:
+        """Micro-batches per rank per optimizer step."""
+        return self.dims.accum_steps
+
+    def resolved_config(self) -> JobConfig:
+        """The config with [model] as resolved: what config.toml records."""
+        return with_resolved_shape(self.cfg, self.model)
+
+
+def resolve_run(cfg: JobConfig, world_size: int) -> ResolvedRun:
+    """Everything the config means at this world size that needs no GPU; ConfigError (one line) for a
+    world size, batch or shape that does not work. Reads dataset.json files and an hf config.json."""
+    dims = parallel_dims(cfg, world_size)
+    schedule = schedule_of(cfg.data)
+    model = resolve_model(cfg, schedule)
+    folder = cfg.checkpoint.folder
+    checkpoints = folder if os.path.isabs(folder) else os.path.join(cfg.job.dump_folder, folder)
+    return ResolvedRun(cfg, model, dims, schedule, cfg.job.dump_folder, checkpoints)
