@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_python, run_train
+from conftest import error_lines, run_python, run_train
 from titanlike.checkpoint.manifest import seal
 from titanlike.config import load_config
 from titanlike.config.resolve import resolve_model_args
@@ -147,6 +147,57 @@ def test_export_ships_the_runs_tokenizer_and_refuses_a_too_large_one(tmp_path):
     proc = export(step_dir, tmp_path / "hf2", "--tokenizer", str(big))
     assert proc.returncode == 2 and "the tokenizer has 401 ids but the model only 320" in proc.stderr
     assert not (tmp_path / "hf2").exists()
+
+
+def test_export_refuses_a_folder_that_is_not_empty(tmp_path):
+    """Writing into a folder that holds files would replace the user's config.json silently, or leave an
+    older export's weights beside the new ones."""
+    synthetic_checkpoint(tmp_path / "step-1")
+    hf, mine = tmp_path / "hf", tmp_path / "mine"
+    assert export(tmp_path / "step-1", hf).returncode == 0
+    (hf / "README.md").write_text("the user's model card")
+    mine.mkdir()
+    (mine / "config.json").write_text('{"the user": "own config"}')
+    for folder in (hf, mine):
+        before = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
+        proc = export(tmp_path / "step-1", folder)
+        assert proc.returncode == 2, proc.stderr
+        assert error_lines(proc.stderr) == proc.stderr.strip().splitlines(), proc.stderr  # one line, no traceback
+        line, = error_lines(proc.stderr)
+        assert f"{folder} is not empty" in line and "--overwrite" in line, line
+        assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
+    (tmp_path / "empty").mkdir()  # an empty folder is as good as a new one
+    assert export(tmp_path / "step-1", tmp_path / "empty").returncode == 0
+
+
+def test_overwrite_replaces_an_earlier_export_and_keeps_other_files(tmp_path):
+    from titanlike.hf.interchange import write_hf_folder, write_tokenizer_files
+
+    original = synthetic_checkpoint(tmp_path / "step-1")
+    hf = tmp_path / "hf"
+    # An earlier export of another model, sharded (one tensor a shard), beside files of the user's.
+    earlier = Transformer(dataclasses.replace(original.args, n_layers=3))
+    written = write_hf_folder(earlier.state_dict(), earlier.args, str(hf), torch.float32, max_shard_bytes=1)
+    written += write_tokenizer_files(str(hf), "{}", ("<s>", 0), ("</s>", 1), 64)
+    assert "model.safetensors.index.json" in os.listdir(hf) and len(written) > 10
+    (hf / "README.md").write_text("the user's model card")
+    (hf / ".gitattributes").write_text("*.safetensors filter=lfs")
+    (hf / "notes").mkdir()
+    (hf / "notes" / "eval.txt").write_text("the user's results")
+    shared = tmp_path / "shared_tokenizer_config.json"
+    shared.write_text("the user's shared file")
+    (hf / "tokenizer_config.json").unlink()
+    (hf / "tokenizer_config.json").symlink_to(shared)  # a name the export writes, linked elsewhere
+    proc = export(tmp_path / "step-1", hf, "--overwrite")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(os.listdir(hf)) == [".gitattributes", "README.md", "config.json", "generation_config.json",
+                                      "model.safetensors", "notes", "tokenizer.json", "tokenizer_config.json"]
+    assert (hf / "README.md").read_text() == "the user's model card"
+    assert (hf / "notes" / "eval.txt").read_text() == "the user's results"
+    assert shared.read_text() == "the user's shared file" and not (hf / "tokenizer_config.json").is_symlink()
+    tokens = torch.randint(0, 258, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # no weight of the earlier export is read back with the new ones
+        assert torch.equal(load_ours(hf, original)(tokens), original(tokens))
 
 
 @pytest.mark.slow
