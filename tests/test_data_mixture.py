@@ -20,7 +20,7 @@ from titanlike.data.dataset_info import DatasetError
 from titanlike.data.loader import GlobalBatchSampler
 from titanlike.data.mixture import MixturePlan, block_counts
 from titanlike.data.order import EpochOrder
-from titanlike.data.prepare import prepare
+from titanlike.data.prepare.driver import prepare
 from titanlike.preflight import check
 
 # ---- the plan: positions -> (source, window) ------------------------------------------------------------

@@ -266,7 +266,7 @@ def test_resume_with_another_seed_is_refused(trained_run, tmp_path, corpus):
 @pytest.fixture
 def prepared(tmp_path) -> Path:
     """A dataset prepared with the byte tokenizer (258 ids; the model's padded vocabulary is 320)."""
-    from titanlike.data import prepare
+    from titanlike.data.prepare import cli as prepare
 
     text = tmp_path / "in"
     text.mkdir()

@@ -14,10 +14,10 @@ import pytest
 from conftest import run_python
 from titanlike.config import ConfigError, load_config
 from titanlike.config.resolve import resolve_model_args
-from titanlike.data import sources as text_sources
-from titanlike.data.prepare import prepare
+from titanlike.data.prepare import readers
+from titanlike.data.prepare.driver import prepare
+from titanlike.data.prepare.readers import ALL_SUFFIXES
 from titanlike.data.shards import find_shards
-from titanlike.data.sources import ALL_SUFFIXES
 from titanlike.data.tokenizer import ByteTokenizer, HFTokenizer
 from titanlike.errors import UserError
 
@@ -128,7 +128,7 @@ def test_hf_tokenizer_and_dataset_json(tmp_path, hf_tokenizer):
 
 def test_workers_give_identical_shards(tmp_path, hf_tokenizer, monkeypatch):
     # Small chunks and shards, so that 4 workers really share the work and shards split mid-stream.
-    monkeypatch.setattr(text_sources, "CHUNK_BYTES", 2048)
+    monkeypatch.setattr(readers, "CHUNK_BYTES", 2048)
     inputs = write_inputs(tmp_path / "in")
     for n in (1, 4):
         prepare(str(tmp_path / f"w{n}"), inputs, tokenizer=hf_tokenizer, workers=n, val_fraction=0.2, shard_tokens=997)
