@@ -64,7 +64,7 @@ def prepare_sources(folder: Path, limit: int = 0, doc_bytes: int = 0) -> dict[st
     ("a", "b", "c"): the same text, as one source or as a mixture. `limit`: that many files (0 = all);
     `doc_bytes`: documents of about that many bytes (0 = a file is a document)."""
     from titanlike.data.corpus import stdlib_files
-    from titanlike.data.prepare import prepare
+    from titanlike.data.prepare.driver import prepare
 
     files = [str(f) for f in stdlib_files()]
     files = files[:limit] if limit else files

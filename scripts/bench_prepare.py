@@ -27,7 +27,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the baseline is one core: no h
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from titanlike.data.corpus import stdlib_files  # noqa: E402
-from titanlike.data.prepare import prepare  # noqa: E402
+from titanlike.data.prepare.driver import prepare  # noqa: E402
 
 
 def build_corpus(folder: Path, mb: float, files_out: int = 8) -> list[str]:

@@ -5,6 +5,9 @@ this process (one rank: no new interpreter, no torchrun, a few seconds saved eac
 `run_train` runs exactly what a user starts, `torchrun run_train.sh`, as a subprocess, for several
 ranks (gloo on CPU) and wherever the process boundary itself is under test (signals, exit codes).
 
+The two-rank reference runs of the slow tier (`ref`, `ref_fp8`, one schedule) live here too: the
+checkpoint tests and the export tests read the same runs.
+
 Tiers: `python -m pytest` runs the default tier (every module, a few minutes on 2 cores);
 `-m slow` the multi-process and compile tests; `-m gpu` the GPU tier (docs/gpu-tests.md).
 """
@@ -223,3 +226,62 @@ def copy_run(run: Path, dump: Path) -> Path:
 
 def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def call(main, *argv: str) -> tuple[int, str]:
+    """A console script's main() in this process: (exit code, what it printed to stderr)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            rc = main(list(argv))
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+    return rc, err.getvalue()
+
+
+def load_in_process(model, path: Path, trust: bool = False) -> None:
+    """The trainer's own loader for `--checkpoint.initial_load_path` (no process group, one rank);
+    trust = --checkpoint.trust_pickled_dcp, for the synthetic checkpoints written here by plain DCP."""
+    from titanlike.hf.initial import load_initial_weights
+
+    load_initial_weights(model, model.args, str(path), trust_pickled_dcp=trust)
+
+
+# ---- the two-rank reference runs (the slow tier), shared by test_checkpoint and test_export -------------
+
+# All runs of those tests share one short schedule, so any run's losses can be compared with the
+# reference run's, step by step. The global batch is fixed at 8 so that one rank (2 micro-batches
+# of 4) and two ranks (4 each) train on the same samples.
+STEPS = 12
+SCHEDULE = ("--training.steps", str(STEPS), "--data.seq_len", "64", "--training.local_batch_size", "4",
+            "--training.global_batch_size", "8", "--metrics.log_freq", "1", "--validation.enable", "false",
+            "--training.deterministic", "--checkpoint.enable")
+FP8 = ("--fp8.recipe", "tensorwise", "--fp8.emulate", "--fp8.auto_filter", "false")
+
+
+def step_losses(dump: Path, after_line: int = 0) -> dict[int, float]:
+    """Losses by step from metrics.jsonl, from its `after_line`-th train record on (a resumed run appends)."""
+    return {r["step"]: r["loss"] for r in metrics(dump)[after_line:]}
+
+
+def ckpt(dump: Path) -> Path:
+    return dump / "checkpoint"
+
+
+@pytest.fixture(scope="session")
+def ref(tmp_path_factory, corpus):
+    """Uninterrupted 2-rank run, checkpoints every 2 steps, the newest 3 kept."""
+    dump = tmp_path_factory.mktemp("ref")
+    proc = run_train(dump, *SCHEDULE, "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "3",
+                     nproc=2, corpus=corpus)
+    assert sorted(step_losses(dump)) == list(range(1, STEPS + 1))
+    return dump, proc
+
+
+@pytest.fixture(scope="session")
+def ref_fp8(tmp_path_factory, corpus):
+    """The same with float8 tensorwise (emulated) and float8 all-gather, checkpoints every 4 steps."""
+    dump = tmp_path_factory.mktemp("ref_fp8")
+    proc = run_train(dump, *SCHEDULE, *FP8, "--checkpoint.interval", "4", nproc=2, corpus=corpus)
+    assert "float8 all-gather on" in proc.stderr
+    return dump, proc

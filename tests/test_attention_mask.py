@@ -260,21 +260,6 @@ def test_block_causal_trains_on_a_cpu(tmp_path):
     assert "attention within each document" in proc.stderr  # the model line says what it trains
 
 
-def test_the_export_records_the_mask_and_says_what_it_means_at_inference(tmp_path):
-    from titanlike.hf.export import inference_note
-    from titanlike.model.hf_names import args_from_hf_config, hf_config
-
-    args = dataclasses.replace(model_args("debug"), attn_mask="block_causal")
-    config = hf_config(args, "bfloat16")
-    assert config["titanlike_attn_mask"] == "block_causal" and "titanlike_attn_mask" not in hf_config(
-        model_args("debug"), "bfloat16")
-    assert args_from_hf_config(config, "config.json").attn_mask == "block_causal"
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    assert "at inference each prompt is one document" in inference_note(str(tmp_path))
-    (tmp_path / "config.json").write_text(json.dumps(hf_config(model_args("debug"), "bfloat16")))
-    assert inference_note(str(tmp_path)) == ""
-
-
 def test_block_causal_needs_an_end_of_document_id(tmp_path):
     shards = tmp_path / "raw"
     shards.mkdir()

@@ -1,4 +1,5 @@
-"""Checkpoints you can trust: exact resume, resharding, crashes, preemption, export and import.
+"""Checkpoints you can trust: exact resume, resharding, crashes, preemption, and import (the
+export's tests, which use the same reference runs, are in test_export.py).
 
 Every training run here is the real launcher (`torchrun ... run_train.sh`) on the debug model, on
 CPU, two ranks over gloo unless said otherwise. All runs share one short schedule (SCHEDULE), so
@@ -22,14 +23,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, _env, error_lines, metrics, run_python, run_train
+from conftest import (
+    FP8,
+    ROOT,
+    SCHEDULE,
+    STEPS,
+    _env,
+    ckpt,
+    error_lines,
+    load_in_process,
+    metrics,
+    run_python,
+    run_train,
+    step_losses,
+)
 from titanlike.checkpoint.manifest import seal
-
-STEPS = 12
-SCHEDULE = ("--training.steps", str(STEPS), "--data.seq_len", "64", "--training.local_batch_size", "4",
-            "--training.global_batch_size", "8", "--metrics.log_freq", "1", "--validation.enable", "false",
-            "--training.deterministic", "--checkpoint.enable")
-FP8 = ("--fp8.recipe", "tensorwise", "--fp8.emulate", "--fp8.auto_filter", "false")
 
 # Single-process DCP calls (the export, the synthetic checkpoints) say that they are single-process.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -42,15 +50,6 @@ def train_args(dump: Path, corpus, *overrides: str) -> list[str]:
     """The arguments conftest.run_train passes, for launches it cannot do (Popen, plain python)."""
     return ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--job.dump_folder", str(dump),
             "--training.device", "cpu", "--data.path", corpus[0], *SCHEDULE, *overrides]
-
-
-def step_losses(dump: Path, after_line: int = 0) -> dict[int, float]:
-    """Losses by step from metrics.jsonl, from its `after_line`-th train record on (a resumed run appends)."""
-    return {r["step"]: r["loss"] for r in metrics(dump)[after_line:]}
-
-
-def ckpt(dump: Path) -> Path:
-    return dump / "checkpoint"
 
 
 def folders(dump: Path) -> list[str]:
@@ -110,28 +109,6 @@ def wait_for(predicate, what: str, proc: subprocess.Popen, logs: Path, timeout: 
 def logged_steps(dump: Path) -> int:
     path = dump / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-# ---- reference runs, shared by the tests ------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ref(tmp_path_factory, corpus):
-    """Uninterrupted 2-rank run, checkpoints every 2 steps, the newest 3 kept."""
-    dump = tmp_path_factory.mktemp("ref")
-    proc = run_train(dump, *SCHEDULE, "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "3",
-                     nproc=2, corpus=corpus)
-    assert sorted(step_losses(dump)) == list(range(1, STEPS + 1))
-    return dump, proc
-
-
-@pytest.fixture(scope="module")
-def ref_fp8(tmp_path_factory, corpus):
-    """The same with float8 tensorwise (emulated) and float8 all-gather, checkpoints every 4 steps."""
-    dump = tmp_path_factory.mktemp("ref_fp8")
-    proc = run_train(dump, *SCHEDULE, *FP8, "--checkpoint.interval", "4", nproc=2, corpus=corpus)
-    assert "float8 all-gather on" in proc.stderr
-    return dump, proc
 
 
 # ---- 1. exact resume ------------------------------------------------------------------------------
@@ -363,104 +340,7 @@ def test_float8_and_fp32_checkpoints_load_into_each_other(ref, ref_fp8, tmp_path
         assert got[STEPS] < want[1] - 1.0
 
 
-# ---- 7/8. export to Hugging Face safetensors and back ---------------------------------------------
-
-
-def export(step_dir: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return run_python("-m", "titanlike.hf.export", str(step_dir), str(out), *extra)
-
-
-def plain_model(step_dir: Path):
-    from titanlike.model.decoder import Transformer
-    from titanlike.model.shape import ModelArgs
-
-    margs = ModelArgs(**json.loads((step_dir / "model_args.json").read_text()))
-    with torch.device("meta"):
-        model = Transformer(margs)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=123, seq_len=64)  # not the trained weights: loading must replace them all
-    return model
-
-
-def load_in_process(model, path: Path, trust: bool = False) -> None:
-    """The trainer's own loader for `--checkpoint.initial_load_path` (no process group, one rank);
-    trust = --checkpoint.trust_pickled_dcp, for the synthetic checkpoints written here by plain DCP."""
-    from titanlike.hf.initial import load_initial_weights
-
-    load_initial_weights(model, model.args, str(path), trust_pickled_dcp=trust)
-
-
-TOKENS = torch.randint(0, 258, (2, 64), generator=torch.Generator().manual_seed(0))
-
-
-@pytest.fixture(scope="module")
-def exported(ref, tmp_path_factory):
-    """The reference run's last checkpoint, exported in fp32: (step folder, Hugging Face folder)."""
-    step_dir, out = ckpt(ref[0]) / f"step-{STEPS}", tmp_path_factory.mktemp("export") / "hf"
-    proc = export(step_dir, out, "--dtype", "fp32")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == (f"exported {step_dir} to {out} (fp32, LlamaForCausalLM): model.safetensors, "
-                                   f"config.json, generation_config.json, tokenizer.json, tokenizer_config.json")
-    return step_dir, out
-
-
-def assert_round_trip(step_dir: Path, hf: Path) -> None:
-    from_dcp, from_hf = plain_model(step_dir), plain_model(step_dir)
-    with torch.no_grad():
-        before = from_hf(TOKENS)
-    load_in_process(from_dcp, step_dir)  # the checkpoint itself, read by DCP
-    load_in_process(from_hf, hf)  # the export, read back through interchange.py
-    for (name, a), (_, b) in zip(from_dcp.state_dict().items(), from_hf.state_dict().items()):
-        assert torch.equal(a, b), name
-    with torch.no_grad():
-        logits = from_hf(TOKENS)
-        assert torch.equal(logits, from_dcp(TOKENS))
-        assert not torch.allclose(logits, before)
-
-
-@pytest.mark.slow
-def test_export_import_round_trip_gives_identical_logits(exported, tmp_path):
-    step_dir, hf = exported
-    assert sorted(os.listdir(hf)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                                      "tokenizer_config.json"]
-    assert_round_trip(step_dir, hf)
-
-    # bf16 (the default): the same weights, rounded.
-    assert export(step_dir, tmp_path / "hf16").returncode == 0
-    from safetensors.torch import load_file
-
-    exact, rounded = load_file(hf / "model.safetensors"), load_file(tmp_path / "hf16" / "model.safetensors")
-    assert json.loads((tmp_path / "hf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    assert rounded.keys() == exact.keys()
-    assert all(rounded[k].dtype == torch.bfloat16 and torch.equal(rounded[k], exact[k].bfloat16()) for k in exact)
-
-
-@pytest.mark.slow
-def test_export_of_float8_checkpoint(ref_fp8, tmp_path):
-    step_dir = ckpt(ref_fp8[0]) / f"step-{STEPS}"
-    assert export(step_dir, tmp_path / "hf", "--dtype", "fp32").returncode == 0
-    assert_round_trip(step_dir, tmp_path / "hf")
-
-
-@pytest.mark.slow
-def test_two_rank_run_starts_from_export(exported, tmp_path, corpus):
-    """`--checkpoint.initial_load_path <hf folder>` on two sharded ranks: the first step's loss is
-    the loss of the exported weights on the first global batch, computed here in one process."""
-    from titanlike.data.loader import GlobalBatchSampler, open_dataset
-    from titanlike.data.order import EpochOrder
-    from titanlike.train import cross_entropy
-
-    step_dir, hf = exported
-    run_train(tmp_path, *SCHEDULE, "--training.steps", "1", "--checkpoint.enable", "false",
-              "--checkpoint.initial_load_path", str(hf), nproc=2, corpus=corpus)
-    model = plain_model(step_dir)
-    load_in_process(model, hf)
-    data = open_dataset(corpus[0], 64, model.args.vocab_size, "data.path")
-    first = next(iter(GlobalBatchSampler(EpochOrder(len(data), 0), 8, 8, 0, 1)))
-    batch = torch.stack([data[i] for i in first])
-    with torch.no_grad():
-        want = cross_entropy(model(batch[:, :-1]), batch[:, 1:]).item()
-    assert step_losses(tmp_path)[1] == pytest.approx(want, rel=1e-5)
+# ---- 7/8. export and import: the export's own tests are in test_export.py -------------------------
 
 
 def synthetic_checkpoint(step_dir: Path, **overrides):
@@ -480,67 +360,6 @@ def synthetic_checkpoint(step_dir: Path, **overrides):
     (step_dir / "model_args.json").write_text(json.dumps(dataclasses.asdict(margs)))
     seal(str(step_dir))  # the manifest a titanlike save writes: trusted as this account's
     return model
-
-
-def test_export_tied_embeddings(tmp_path):
-    step_dir = tmp_path / "step-1"
-    original = synthetic_checkpoint(step_dir, tie_embeddings=True)
-    assert export(step_dir, tmp_path / "hf", "--dtype", "fp32", "--trust-pickled-dcp").returncode == 0
-    from safetensors.torch import load_file
-
-    assert "lm_head.weight" not in load_file(tmp_path / "hf" / "model.safetensors")
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is True
-    for source in (tmp_path / "hf", step_dir):  # the export, and the checkpoint itself
-        loaded = plain_model(step_dir)
-        load_in_process(loaded, source, trust=True)
-        assert loaded.output.weight is loaded.tok_embeddings.weight
-        with torch.no_grad():
-            assert torch.equal(loaded(TOKENS), original(TOKENS))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("tied", [False, True])
-def test_export_loads_in_transformers_llama(request, tmp_path, tied):
-    transformers = pytest.importorskip("transformers",
-                                       reason="transformers is not installed (pip install transformers)")
-    if tied:
-        step_dir, hf = tmp_path / "step-1", tmp_path / "hf"
-        original = synthetic_checkpoint(step_dir, tie_embeddings=True)
-        assert export(step_dir, hf, "--dtype", "fp32", "--trust-pickled-dcp").returncode == 0
-    else:
-        step_dir, hf = request.getfixturevalue("exported")
-        original = plain_model(step_dir)
-        load_in_process(original, step_dir)
-    model = transformers.LlamaForCausalLM.from_pretrained(str(hf), torch_dtype=torch.float32).eval()
-    with torch.no_grad():
-        ours, theirs = original(TOKENS), model(TOKENS).logits
-    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-4)
-
-
-@pytest.mark.slow
-def test_export_errors(tmp_path, ref, capsys):
-    missing = export(tmp_path / "nope", tmp_path / "out")  # the real command line: exit code 2
-    assert missing.returncode == 2 and error_lines(missing.stderr) == [f"error: {tmp_path}/nope: no such folder"]
-
-    from titanlike.hf.export import main
-
-    def one_line_error(*argv: str) -> str:
-        capsys.readouterr()
-        assert main([*map(str, argv)]) == 2
-        lines = capsys.readouterr().err.splitlines()
-        assert len(lines) == 1, lines
-        return lines[0]
-
-    assert one_line_error(ckpt(ref[0]), tmp_path / "out") == (
-        f"error: {ckpt(ref[0])} holds checkpoints, it is not one: pass a step folder, e.g. {ckpt(ref[0])}/step-{STEPS}"
-    )
-    (tmp_path / "empty").mkdir()
-    assert one_line_error(tmp_path / "empty", tmp_path / "out") == (
-        f"error: {tmp_path}/empty is not a titanlike checkpoint step folder (no .metadata)"
-    )
-    shutil.copytree(ckpt(ref[0]) / f"step-{STEPS}", tmp_path / f"step-{STEPS + 2}.tmp")
-    assert "a save that never completed" in one_line_error(tmp_path / f"step-{STEPS + 2}.tmp", tmp_path / "out")
-    assert not (tmp_path / "out").exists()
 
 
 # ---- 9. errors the user can fix ------------------------------------------------------------------

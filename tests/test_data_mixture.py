@@ -21,7 +21,7 @@ from titanlike.data.build import build_run_data
 from titanlike.data.loader import GlobalBatchSampler
 from titanlike.data.mixture import MixturePlan, block_counts
 from titanlike.data.order import EpochOrder
-from titanlike.data.prepare import prepare
+from titanlike.data.prepare.driver import prepare
 from titanlike.preflight import check
 
 # ---- the plan: positions -> (source, window) ------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""titanlike-export carries the tokenizer and the architecture; import reads config.json back.
+"""titanlike-export carries the tokenizer and the architecture; import reads config.json back; the
+output folder keeps what is not the export's; checkpoints of real runs (two ranks, float8, tied
+embeddings) round-trip exactly, and a garbage or missing checkpoint is one line.
 
 transformers checks (AutoModelForCausalLM, AutoTokenizer) skip when it is not installed."""
 
@@ -7,13 +9,26 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import run_python, run_train
+from conftest import (
+    SCHEDULE,
+    STEPS,
+    call,
+    ckpt,
+    copy_run,
+    error_lines,
+    load_in_process,
+    run_python,
+    run_train,
+    step_losses,
+)
 from titanlike.checkpoint.manifest import seal
 from titanlike.config import load_config
 from titanlike.config.resolve import resolve_model_args
@@ -45,8 +60,8 @@ def synthetic_checkpoint(step_dir: Path, **overrides) -> Transformer:
     return model
 
 
-def export(step_dir: Path, out: Path, *extra: str):
-    return run_python("-m", "titanlike.hf.export", str(step_dir), str(out), "--dtype", "fp32", *extra)
+def export(step_dir: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return run_python("-m", "titanlike.hf.export", str(step_dir), str(out), *extra)
 
 
 def load_ours(folder: Path, like: Transformer) -> Transformer:
@@ -62,7 +77,7 @@ def load_ours(folder: Path, like: Transformer) -> Transformer:
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
 def test_export_writes_architecture_tokenizer_and_modes(tmp_path, qk_norm):
     original = synthetic_checkpoint(tmp_path / "step-1", qk_norm=qk_norm)
-    proc = export(tmp_path / "step-1", tmp_path / "hf")
+    proc = export(tmp_path / "step-1", tmp_path / "hf", "--dtype", "fp32")
     assert proc.returncode == 0, proc.stderr
     arch = "Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM"
     assert f"(fp32, {arch})" in proc.stdout
@@ -89,7 +104,7 @@ def test_export_writes_architecture_tokenizer_and_modes(tmp_path, qk_norm):
 def test_transformers_gives_the_same_logits_and_text(tmp_path, qk_norm):
     transformers = pytest.importorskip("transformers", reason=NO_TRANSFORMERS)
     original = synthetic_checkpoint(tmp_path / "step-1", qk_norm=qk_norm)
-    assert export(tmp_path / "step-1", tmp_path / "hf").returncode == 0
+    assert export(tmp_path / "step-1", tmp_path / "hf", "--dtype", "fp32").returncode == 0
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
     assert type(model).__name__ == ("Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM")
     tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
@@ -120,7 +135,7 @@ def test_transformers_gives_the_same_logits_and_text(tmp_path, qk_norm):
 ])
 def test_import_refuses_a_config_that_disagrees(tmp_path, field, change, message):
     original = synthetic_checkpoint(tmp_path / "step-1")
-    assert export(tmp_path / "step-1", tmp_path / "hf").returncode == 0
+    assert export(tmp_path / "step-1", tmp_path / "hf", "--dtype", "fp32").returncode == 0
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(UserError) as e:
@@ -137,7 +152,7 @@ def test_export_ships_the_runs_tokenizer_and_refuses_a_too_large_one(tmp_path):
 
     # What the trainer leaves for the built-in corpus.
     record_tokenizer(None, str(tmp_path / "run"), builtin_corpus=True)
-    proc = export(step_dir, tmp_path / "hf")
+    proc = export(step_dir, tmp_path / "hf", "--dtype", "fp32")
     assert proc.returncode == 0 and "assumed" not in proc.stderr, proc.stderr
     big = tmp_path / "big.json"
     tokenizers = pytest.importorskip("tokenizers")
@@ -145,9 +160,250 @@ def test_export_ships_the_runs_tokenizer_and_refuses_a_too_large_one(tmp_path):
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
     tok.add_special_tokens(["</s>"])
     tok.save(str(big))
-    proc = export(step_dir, tmp_path / "hf2", "--tokenizer", str(big))
+    proc = export(step_dir, tmp_path / "hf2", "--dtype", "fp32", "--tokenizer", str(big))
     assert proc.returncode == 2 and "the tokenizer has 401 ids but the model only 320" in proc.stderr
     assert not (tmp_path / "hf2").exists()
+
+
+def test_the_export_records_the_mask_and_says_what_it_means_at_inference(tmp_path):
+    from titanlike.hf.export import inference_note
+    from titanlike.model.hf_names import args_from_hf_config, hf_config
+
+    args = dataclasses.replace(model_args("debug"), attn_mask="block_causal")
+    config = hf_config(args, "bfloat16")
+    assert config["titanlike_attn_mask"] == "block_causal" and "titanlike_attn_mask" not in hf_config(
+        model_args("debug"), "bfloat16")
+    assert args_from_hf_config(config, "config.json").attn_mask == "block_causal"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert "at inference each prompt is one document" in inference_note(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(model_args("debug"), "bfloat16")))
+    assert inference_note(str(tmp_path)) == ""
+
+
+# ---- the output folder: nothing of the user's is lost ----------------------------------------------
+
+
+def test_export_refuses_a_folder_that_is_not_empty(tmp_path):
+    """Writing into a folder that holds files would replace the user's config.json silently, or leave an
+    older export's weights beside the new ones."""
+    synthetic_checkpoint(tmp_path / "step-1")
+    hf, mine = tmp_path / "hf", tmp_path / "mine"
+    assert export(tmp_path / "step-1", hf, "--dtype", "fp32").returncode == 0
+    (hf / "README.md").write_text("the user's model card")
+    mine.mkdir()
+    (mine / "config.json").write_text('{"the user": "own config"}')
+    for folder in (hf, mine):
+        before = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
+        proc = export(tmp_path / "step-1", folder, "--dtype", "fp32")
+        assert proc.returncode == 2, proc.stderr
+        assert error_lines(proc.stderr) == proc.stderr.strip().splitlines(), proc.stderr  # one line, no traceback
+        line, = error_lines(proc.stderr)
+        assert f"{folder} is not empty" in line and "--overwrite" in line, line
+        assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
+    (tmp_path / "empty").mkdir()  # an empty folder is as good as a new one
+    assert export(tmp_path / "step-1", tmp_path / "empty", "--dtype", "fp32").returncode == 0
+
+
+def test_overwrite_replaces_an_earlier_export_and_keeps_other_files(tmp_path):
+    from titanlike.hf.interchange import write_hf_folder, write_tokenizer_files
+
+    original = synthetic_checkpoint(tmp_path / "step-1")
+    hf = tmp_path / "hf"
+    # An earlier export of another model, sharded (one tensor a shard), beside files of the user's.
+    earlier = Transformer(dataclasses.replace(original.args, n_layers=3))
+    written = write_hf_folder(earlier.state_dict(), earlier.args, str(hf), torch.float32, max_shard_bytes=1)
+    written += write_tokenizer_files(str(hf), "{}", ("<s>", 0), ("</s>", 1), 64)
+    assert "model.safetensors.index.json" in os.listdir(hf) and len(written) > 10
+    (hf / "README.md").write_text("the user's model card")
+    (hf / ".gitattributes").write_text("*.safetensors filter=lfs")
+    (hf / "notes").mkdir()
+    (hf / "notes" / "eval.txt").write_text("the user's results")
+    shared = tmp_path / "shared_tokenizer_config.json"
+    shared.write_text("the user's shared file")
+    (hf / "tokenizer_config.json").unlink()
+    (hf / "tokenizer_config.json").symlink_to(shared)  # a name the export writes, linked elsewhere
+    proc = export(tmp_path / "step-1", hf, "--dtype", "fp32", "--overwrite")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(os.listdir(hf)) == [".gitattributes", "README.md", "config.json", "generation_config.json",
+                                      "model.safetensors", "notes", "tokenizer.json", "tokenizer_config.json"]
+    assert (hf / "README.md").read_text() == "the user's model card"
+    assert (hf / "notes" / "eval.txt").read_text() == "the user's results"
+    assert shared.read_text() == "the user's shared file" and not (hf / "tokenizer_config.json").is_symlink()
+    tokens = torch.randint(0, 258, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # no weight of the earlier export is read back with the new ones
+        assert torch.equal(load_ours(hf, original)(tokens), original(tokens))
+
+
+# ---- checkpoints of real runs: the two-rank reference runs (conftest, slow tier) and the trained run ----
+
+
+def plain_model(step_dir: Path):
+    from titanlike.model.decoder import Transformer
+    from titanlike.model.shape import ModelArgs
+
+    margs = ModelArgs(**json.loads((step_dir / "model_args.json").read_text()))
+    with torch.device("meta"):
+        model = Transformer(margs)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=123, seq_len=64)  # not the trained weights: loading must replace them all
+    return model
+
+
+TOKENS = torch.randint(0, 258, (2, 64), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def exported(ref, tmp_path_factory):
+    """The reference run's last checkpoint, exported in fp32: (step folder, Hugging Face folder)."""
+    step_dir, out = ckpt(ref[0]) / f"step-{STEPS}", tmp_path_factory.mktemp("export") / "hf"
+    proc = export(step_dir, out, "--dtype", "fp32")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == (f"exported {step_dir} to {out} (fp32, LlamaForCausalLM): model.safetensors, "
+                                   f"config.json, generation_config.json, tokenizer.json, tokenizer_config.json")
+    return step_dir, out
+
+
+def assert_round_trip(step_dir: Path, hf: Path) -> None:
+    from_dcp, from_hf = plain_model(step_dir), plain_model(step_dir)
+    with torch.no_grad():
+        before = from_hf(TOKENS)
+    load_in_process(from_dcp, step_dir)  # the checkpoint itself, read by DCP
+    load_in_process(from_hf, hf)  # the export, read back through interchange.py
+    for (name, a), (_, b) in zip(from_dcp.state_dict().items(), from_hf.state_dict().items()):
+        assert torch.equal(a, b), name
+    with torch.no_grad():
+        logits = from_hf(TOKENS)
+        assert torch.equal(logits, from_dcp(TOKENS))
+        assert not torch.allclose(logits, before)
+
+
+@pytest.mark.slow
+def test_export_import_round_trip_gives_identical_logits(exported, tmp_path):
+    step_dir, hf = exported
+    assert sorted(os.listdir(hf)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                                      "tokenizer_config.json"]
+    assert_round_trip(step_dir, hf)
+
+    # bf16 (the default): the same weights, rounded.
+    assert export(step_dir, tmp_path / "hf16").returncode == 0
+    from safetensors.torch import load_file
+
+    exact, rounded = load_file(hf / "model.safetensors"), load_file(tmp_path / "hf16" / "model.safetensors")
+    assert json.loads((tmp_path / "hf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert rounded.keys() == exact.keys()
+    assert all(rounded[k].dtype == torch.bfloat16 and torch.equal(rounded[k], exact[k].bfloat16()) for k in exact)
+
+
+@pytest.mark.slow
+def test_export_of_float8_checkpoint(ref_fp8, tmp_path):
+    step_dir = ckpt(ref_fp8[0]) / f"step-{STEPS}"
+    assert export(step_dir, tmp_path / "hf", "--dtype", "fp32").returncode == 0
+    assert_round_trip(step_dir, tmp_path / "hf")
+
+
+@pytest.mark.slow
+def test_two_rank_run_starts_from_export(exported, tmp_path, corpus):
+    """`--checkpoint.initial_load_path <hf folder>` on two sharded ranks: the first step's loss is
+    the loss of the exported weights on the first global batch, computed here in one process."""
+    from titanlike.data.loader import GlobalBatchSampler, open_dataset
+    from titanlike.data.order import EpochOrder
+    from titanlike.train import cross_entropy
+
+    step_dir, hf = exported
+    run_train(tmp_path, *SCHEDULE, "--training.steps", "1", "--checkpoint.enable", "false",
+              "--checkpoint.initial_load_path", str(hf), nproc=2, corpus=corpus)
+    model = plain_model(step_dir)
+    load_in_process(model, hf)
+    data = open_dataset(corpus[0], 64, model.args.vocab_size, "data.path")
+    first = next(iter(GlobalBatchSampler(EpochOrder(len(data), 0), 8, 8, 0, 1)))
+    batch = torch.stack([data[i] for i in first])
+    with torch.no_grad():
+        want = cross_entropy(model(batch[:, :-1]), batch[:, 1:]).item()
+    assert step_losses(tmp_path)[1] == pytest.approx(want, rel=1e-5)
+
+
+def test_export_tied_embeddings(tmp_path):
+    step_dir = tmp_path / "step-1"
+    original = synthetic_checkpoint(step_dir, tie_embeddings=True)
+    assert export(step_dir, tmp_path / "hf", "--dtype", "fp32", "--trust-pickled-dcp").returncode == 0
+    from safetensors.torch import load_file
+
+    assert "lm_head.weight" not in load_file(tmp_path / "hf" / "model.safetensors")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is True
+    for source in (tmp_path / "hf", step_dir):  # the export, and the checkpoint itself
+        loaded = plain_model(step_dir)
+        load_in_process(loaded, source, trust=True)
+        assert loaded.output.weight is loaded.tok_embeddings.weight
+        with torch.no_grad():
+            assert torch.equal(loaded(TOKENS), original(TOKENS))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tied", [False, True])
+def test_export_loads_in_transformers_llama(request, tmp_path, tied):
+    transformers = pytest.importorskip("transformers",
+                                       reason="transformers is not installed (pip install transformers)")
+    if tied:
+        step_dir, hf = tmp_path / "step-1", tmp_path / "hf"
+        original = synthetic_checkpoint(step_dir, tie_embeddings=True)
+        assert export(step_dir, hf, "--dtype", "fp32", "--trust-pickled-dcp").returncode == 0
+    else:
+        step_dir, hf = request.getfixturevalue("exported")
+        original = plain_model(step_dir)
+        load_in_process(original, step_dir)
+    model = transformers.LlamaForCausalLM.from_pretrained(str(hf), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        ours, theirs = original(TOKENS), model(TOKENS).logits
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_export_errors(tmp_path, ref, capsys):
+    missing = export(tmp_path / "nope", tmp_path / "out")  # the real command line: exit code 2
+    assert missing.returncode == 2 and error_lines(missing.stderr) == [f"error: {tmp_path}/nope: no such folder"]
+
+    from titanlike.hf.export import main
+
+    def one_line_error(*argv: str) -> str:
+        capsys.readouterr()
+        assert main([*map(str, argv)]) == 2
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1, lines
+        return lines[0]
+
+    assert one_line_error(ckpt(ref[0]), tmp_path / "out") == (
+        f"error: {ckpt(ref[0])} holds checkpoints, it is not one: pass a step folder, e.g. {ckpt(ref[0])}/step-{STEPS}"
+    )
+    (tmp_path / "empty").mkdir()
+    assert one_line_error(tmp_path / "empty", tmp_path / "out") == (
+        f"error: {tmp_path}/empty is not a titanlike checkpoint step folder (no .metadata)"
+    )
+    shutil.copytree(ckpt(ref[0]) / f"step-{STEPS}", tmp_path / f"step-{STEPS + 2}.tmp")
+    assert "a save that never completed" in one_line_error(tmp_path / f"step-{STEPS + 2}.tmp", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_of_a_folder_with_garbage_is_one_line(trained_run, tmp_path):
+    from titanlike.hf import export
+
+    dump = copy_run(trained_run, tmp_path / "run")
+    step = dump / "checkpoint" / "step-4"
+    (step / "model_args.json").write_text("{garbage")
+    rc, err = call(export.main, str(step), str(tmp_path / "hf"))
+    assert rc == 2 and len(error_lines(err)) == 1 and "model_args.json" in error_lines(err)[0]
+    # A foreign folder (no manifest) whose .metadata is not a pickle at all, exported with the trust flag.
+    foreign = tmp_path / "foreign"
+    shutil.copytree(trained_run / "checkpoint" / "step-4", foreign)
+    (foreign / "manifest.json").unlink()
+    (foreign / ".metadata").write_bytes(b"not a pickle")
+    rc, err = call(export.main, str(foreign), str(tmp_path / "hf2"), "--trust-pickled-dcp")
+    assert rc == 2
+    (line,) = error_lines(err)
+    assert line.startswith(f"error: {foreign}/.metadata cannot be read (")
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf2").exists()
+
+
+# ---- the whole path -----------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
@@ -178,7 +434,7 @@ def test_prepare_train_export_transformers_generate(tmp_path):
               "--checkpoint.enable", "--checkpoint.interval", "3", "--validation.freq", "3", "--validation.steps", "1")
     step = run / "checkpoint" / "step-3"
     assert json.loads((step / "model_args.json").read_text())["vocab_size"] == 1024  # 1000 rounded up to 64s
-    assert export(step, tmp_path / "hf").returncode == 0
+    assert export(step, tmp_path / "hf", "--dtype", "fp32").returncode == 0
     hf = tmp_path / "hf"
     assert (hf / "tokenizer.json").read_text() == (tmp_path / "tokenizer.json").read_text()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()

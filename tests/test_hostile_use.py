@@ -9,9 +9,7 @@ on disk. docs/troubleshooting.md has the table of attacks and results. One rank,
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
 import os
 import pickle
@@ -21,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMALL, copy_run, error_lines, losses, train_here
+from conftest import SMALL, call, copy_run, error_lines, losses, train_here
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -41,17 +39,6 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     """Every file under `folder` and its bytes: to assert that a refusal changed nothing."""
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
             if p.is_file() and p.name != ".titanlike.lock"}
-
-
-def call(main, *argv: str) -> tuple[int, str]:
-    """A console script's main() in this process: (exit code, what it printed to stderr)."""
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            rc = main(list(argv))
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else 1
-    return rc, err.getvalue()
 
 
 class Payload:
@@ -266,7 +253,7 @@ def test_resume_with_another_seed_is_refused(trained_run, tmp_path, corpus):
 @pytest.fixture
 def prepared(tmp_path) -> Path:
     """A dataset prepared with the byte tokenizer (258 ids; the model's padded vocabulary is 320)."""
-    from titanlike.data import prepare
+    from titanlike.data.prepare import cli as prepare
 
     text = tmp_path / "in"
     text.mkdir()
@@ -330,27 +317,7 @@ def test_a_dump_folder_whose_name_is_not_utf8_is_one_line(tmp_path, corpus):
         f"folder name in UTF-8"]
 
 
-# ---- export and generate ------------------------------------------------------------------------------
-
-
-def test_export_of_a_folder_with_garbage_is_one_line(trained_run, tmp_path):
-    from titanlike.hf import export
-
-    dump = copy_run(trained_run, tmp_path / "run")
-    step = dump / "checkpoint" / "step-4"
-    (step / "model_args.json").write_text("{garbage")
-    rc, err = call(export.main, str(step), str(tmp_path / "hf"))
-    assert rc == 2 and len(error_lines(err)) == 1 and "model_args.json" in error_lines(err)[0]
-    # A foreign folder (no manifest) whose .metadata is not a pickle at all, exported with the trust flag.
-    foreign = tmp_path / "foreign"
-    shutil.copytree(trained_run / "checkpoint" / "step-4", foreign)
-    (foreign / "manifest.json").unlink()
-    (foreign / ".metadata").write_bytes(b"not a pickle")
-    rc, err = call(export.main, str(foreign), str(tmp_path / "hf2"), "--trust-pickled-dcp")
-    assert rc == 2
-    (line,) = error_lines(err)
-    assert line.startswith(f"error: {foreign}/.metadata cannot be read (")
-    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf2").exists()
+# ---- generate (the export's: test_export.py) ----------------------------------------------------------
 
 
 @pytest.mark.parametrize("argv,message", [

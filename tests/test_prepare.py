@@ -14,10 +14,10 @@ import pytest
 from conftest import run_python
 from titanlike.config import ConfigError, load_config
 from titanlike.config.resolve import resolve_model_args
-from titanlike.data import sources as text_sources
-from titanlike.data.prepare import prepare
+from titanlike.data.prepare import readers
+from titanlike.data.prepare.driver import prepare
+from titanlike.data.prepare.readers import ALL_SUFFIXES
 from titanlike.data.shards import find_shards
-from titanlike.data.sources import ALL_SUFFIXES
 from titanlike.data.tokenizer import ByteTokenizer, HFTokenizer
 from titanlike.errors import UserError
 
@@ -128,7 +128,7 @@ def test_hf_tokenizer_and_dataset_json(tmp_path, hf_tokenizer):
 
 def test_workers_give_identical_shards(tmp_path, hf_tokenizer, monkeypatch):
     # Small chunks and shards, so that 4 workers really share the work and shards split mid-stream.
-    monkeypatch.setattr(text_sources, "CHUNK_BYTES", 2048)
+    monkeypatch.setattr(readers, "CHUNK_BYTES", 2048)
     inputs = write_inputs(tmp_path / "in")
     for n in (1, 4):
         prepare(str(tmp_path / f"w{n}"), inputs, tokenizer=hf_tokenizer, workers=n, val_fraction=0.2, shard_tokens=997)
@@ -293,6 +293,59 @@ def test_overwrite_replaces_only_what_prepare_wrote(tmp_path):
     assert documents(shard_tokens(out / "train"), ByteTokenizer()) == ["second"]
     assert (out / "README.txt").read_text() == "the user's own note"
     assert sorted(os.listdir(out)) == ["README.txt", "dataset.json", "tokenizer.json", "train"]
+
+
+def test_overwrite_refuses_files_it_did_not_write_in_train_and_val(tmp_path):
+    """A shard copied into train/ would be read as training data, and a user's file there is theirs:
+    --overwrite lists what it did not write and removes nothing."""
+    for i in range(12):
+        (tmp_path / f"doc{i}.txt").write_text(f"document {i}")
+    docs = [str(tmp_path / f"doc{i}.txt") for i in range(12)]
+    out = tmp_path / "out"
+    assert cmd(str(out), *docs, "--val-fraction", "0.25").returncode == 0
+    before = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    (out / "train" / "from-elsewhere.bin").write_bytes((out / "train" / "shard-00000.bin").read_bytes())
+    (out / "val" / "notes.txt").write_text("the user's own note")
+    line = one_error(cmd(str(out), docs[0], "--overwrite", "--val-fraction", "0"),
+                     f"{out}/train/from-elsewhere.bin", f"{out}/val/notes.txt", "did not write")
+    assert "and " not in line.split("did not write")[1].split(";")[0]  # two names: both listed, no count
+    assert (out / "train" / "from-elsewhere.bin").exists() and (out / "val" / "notes.txt").exists()
+    assert {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and p.name not in ("from-elsewhere.bin", "notes.txt")} == before
+    assert sorted(os.listdir(tmp_path)) == sorted([*(f"doc{i}.txt" for i in range(12)), "out"])
+    # Many foreign files: a few names, then how many more.
+    for i in range(6):
+        (out / "train" / f"mine-{i}.bin").write_bytes(b"x")
+    line = one_error(cmd(str(out), docs[0], "--overwrite"), "and 5 more")
+    assert line.count(f"{out}/") == 3, line
+    # Once they are moved away, --overwrite replaces the dataset.
+    for p in [*out.glob("train/mine-*"), out / "train" / "from-elsewhere.bin", out / "val" / "notes.txt"]:
+        p.unlink()
+    assert cmd(str(out), docs[0], "--overwrite", "--val-fraction", "0").returncode == 0
+    assert documents(shard_tokens(out / "train"), ByteTokenizer()) == ["document 0"]
+    assert sorted(os.listdir(out)) == ["dataset.json", "tokenizer.json", "train"]
+
+
+def test_overwrite_removes_a_linked_shard_but_never_its_target(tmp_path):
+    (tmp_path / "a.txt").write_text("first")
+    (tmp_path / "b.txt").write_text("second")
+    out, keep, elsewhere = tmp_path / "out", tmp_path / "keep", tmp_path / "elsewhere"
+    assert cmd(str(out), str(tmp_path / "a.txt"), "--val-fraction", "0").returncode == 0
+    keep.mkdir()
+    shard = out / "train" / "shard-00000.bin"
+    (keep / "mine.bin").write_bytes(shard.read_bytes())
+    shard.unlink()
+    shard.symlink_to(keep / "mine.bin")  # the name prepare wrote, now a link to the user's file
+    assert cmd(str(out), str(tmp_path / "b.txt"), "--overwrite", "--val-fraction", "0").returncode == 0
+    assert not shard.is_symlink() and documents(shard_tokens(out / "train"), ByteTokenizer()) == ["second"]
+    assert documents(shard_tokens(keep), ByteTokenizer()) == ["first"]
+    # train/ itself a link to a folder elsewhere: the link is replaced, the folder and its files stay.
+    os.rename(out / "train", elsewhere)
+    (out / "train").symlink_to(elsewhere)
+    assert cmd(str(out), str(tmp_path / "a.txt"), "--overwrite", "--val-fraction", "0").returncode == 0
+    assert not (out / "train").is_symlink() and documents(shard_tokens(out / "train"), ByteTokenizer()) == ["first"]
+    assert os.listdir(elsewhere) == ["shard-00000.bin"]
+    assert documents(shard_tokens(elsewhere), ByteTokenizer()) == ["second"]
 
 
 @pytest.mark.parametrize("disk", ["full", "read-only"])

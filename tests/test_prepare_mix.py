@@ -11,7 +11,8 @@ import pytest
 
 from conftest import run_python
 from test_prepare import documents, shard_tokens
-from titanlike.data.prepare import main, prepare
+from titanlike.data.prepare.cli import main
+from titanlike.data.prepare.driver import prepare
 from titanlike.data.tokenizer import ByteTokenizer
 from titanlike.errors import UserError
 

@@ -46,13 +46,17 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
+def shard_name(index: int) -> str:
+    """The file name of a split's shard number `index`, as titanlike-prepare writes it."""
+    return f"shard-{index:05d}.bin"
+
+
 class ShardWriter:
     """Token shards of exactly `shard_tokens` tokens (the last one shorter), named `name(index)` in
     `folder`. Each is written under a temporary name and renamed once complete, so a reader never
     sees a half-written shard."""
 
-    def __init__(self, folder: str | os.PathLike, shard_tokens: int, dtype,
-                 name: Callable[[int], str] = lambda i: f"shard-{i:05d}.bin"):
+    def __init__(self, folder: str | os.PathLike, shard_tokens: int, dtype, name: Callable[[int], str] = shard_name):
         self.folder, self.shard_tokens, self.dtype, self.name = os.fspath(folder), shard_tokens, np.dtype(dtype), name
         self.file: BinaryIO | None = None  # the shard being written
         self.index = self.count = self.max_id = self.total = self.documents = 0

@@ -10,6 +10,9 @@ bos/eos ids), generation_config.json and the tokenizer (tokenizer.json, tokenize
 `AutoModelForCausalLM` and `AutoTokenizer` load it, and titanlike reads it back with
 `--checkpoint.initial_load_path`.
 
+The output folder must be new or empty: --overwrite replaces an earlier export there (the files an
+export writes, weight shards and index included) and keeps every other file.
+
 The tokenizer is the one the run trained with: the tokenizer.json that titanlike-train left in the
 run folder (from the data's dataset.json, or the byte tokenizer of the built-in corpus), found next
 to the checkpoint folder; --tokenizer names another (a tokenizer.json, a prepared data folder, or
@@ -61,8 +64,29 @@ def run_tokenizer(step_dir: str, choice: str, vocab_size: int):
     return tok
 
 
+def earlier_export(out_dir: str, overwrite: bool) -> list[str]:
+    """The files of an earlier export in `out_dir` that --overwrite removes. A folder that holds
+    anything is refused without --overwrite: writing into it would replace a config.json of the
+    user's, or leave an older export's weight shards beside the new weights."""
+    from titanlike.hf.interchange import written_by_export
+
+    if not os.path.lexists(out_dir):
+        return []
+    if not os.path.isdir(out_dir):
+        raise UserError(f"{out_dir} is a file, not a folder; choose another output folder")
+    names = sorted(os.listdir(out_dir))
+    if names and not overwrite:
+        raise UserError(f"{out_dir} is not empty ({len(names)} entries); export into a new or empty folder, or "
+                        f"pass --overwrite to replace an earlier export there (other files are kept)")
+    return [n for n in names if written_by_export(n) and not _real_folder(os.path.join(out_dir, n))]
+
+
+def _real_folder(path: str) -> bool:
+    return os.path.isdir(path) and not os.path.islink(path)
+
+
 def export(step_dir: str, out_dir: str, dtype: str = "bf16", tokenizer: str = "",
-           trust_pickled_dcp: bool = False) -> tuple[list[str], str]:
+           trust_pickled_dcp: bool = False, overwrite: bool = False) -> tuple[list[str], str]:
     """Write the Hugging Face folder; returns (the files written, the architecture)."""
     import torch
 
@@ -72,6 +96,7 @@ def export(step_dir: str, out_dir: str, dtype: str = "bf16", tokenizer: str = ""
 
     if os.path.isfile(os.path.join(out_dir, ".metadata")):
         raise UserError(f"{out_dir} is a checkpoint; the output must be another folder")
+    stale = earlier_export(out_dir, overwrite)
     problem = step_folder_problem(step_dir)
     if problem:
         raise UserError(problem)
@@ -84,6 +109,8 @@ def export(step_dir: str, out_dir: str, dtype: str = "bf16", tokenizer: str = ""
     margs, state = read_model_weights(step_dir, trust_pickled_dcp, flag="--trust-pickled-dcp")
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     try:
+        for name in stale:  # only now that the new weights are read; a link goes itself, never its target
+            os.unlink(os.path.join(out_dir, name))
         files = write_hf_folder(state, margs, out_dir, torch_dtype, bos_id=tok.bos_id, eos_id=tok.eos_id)
         files += write_tokenizer_files(out_dir, tok.to_json(), (tok.bos_token, tok.bos_id),
                                        (tok.eos_token, tok.eos_id), margs.max_seq_len)
@@ -106,9 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trust-pickled-dcp", action="store_true",
                    help="export a checkpoint that titanlike did not write on this account: its .metadata is a "
                         "Python pickle, and loading it can run any code its author put there")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier export in OUT (its weights, config and tokenizer files); other files "
+                        "there are kept")
     a = p.parse_args(argv)
     try:
-        files, arch = export(a.checkpoint, a.out, a.dtype, a.tokenizer, a.trust_pickled_dcp)
+        files, arch = export(a.checkpoint, a.out, a.dtype, a.tokenizer, a.trust_pickled_dcp, a.overwrite)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

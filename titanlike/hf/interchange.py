@@ -35,6 +35,10 @@ _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)\.weight$")
+# Every file write_hf_folder and write_tokenizer_files may write: what an earlier export left.
+EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                "tokenizer.json", "tokenizer_config.json")
+_WEIGHT_SHARD = re.compile(r"model-\d{5,}-of-\d{5,}\.safetensors")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight$")
 
 
@@ -90,6 +94,11 @@ def from_hf_state(hf_state: dict[str, torch.Tensor], a: ModelArgs, where: str) -
                             f"--model.flavor / --model.vocab_size)")
         out[f"layers.{layer}.attention.wqkv.weight"] = torch.cat([parts[p] for p in _QKV], dim=0)
     return out
+
+
+def written_by_export(name: str) -> bool:
+    """Whether a file of this name in a Hugging Face folder is one an export writes."""
+    return name in EXPORT_FILES or _WEIGHT_SHARD.fullmatch(name) is not None
 
 
 def write_hf_folder(state: dict[str, torch.Tensor], a: ModelArgs, folder: str, dtype: torch.dtype,

@@ -1,0 +1,167 @@
+"""prepare(): inputs in, a dataset folder out.
+
+The readers plan the inputs into chunks, the workers tokenize them, and here each document goes to
+its split (every k-th to val) and into that split's shards; dataset.json and a copy of the tokenizer
+go beside them. Everything is written into OUT.tmp-<pid>/ and moved into OUT only once complete
+(output.py), so Ctrl-C or an error leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import sys
+import time
+
+import numpy as np
+
+from titanlike import fs
+from titanlike.config.dataset import DATASET_FORMAT, DATASET_JSON
+from titanlike.data.prepare.output import check_output, publish
+from titanlike.data.prepare.readers import expand, plan
+from titanlike.data.prepare.workers import tokenized
+from titanlike.data.shards import ShardWriter, token_dtype
+from titanlike.errors import UserError
+
+
+class Progress:
+    """A progress bar on a terminal (documents, tokens, tokens/s, ETA from input bytes); silent otherwise."""
+
+    def __init__(self, total_bytes: int, enabled: bool):
+        self.total, self.enabled = max(1, total_bytes), enabled
+        self.start = self.last = time.perf_counter()
+        self.bytes = self.docs = self.tokens = 0
+
+    def update(self, nbytes: int, docs: int, tokens: int) -> None:
+        self.bytes += nbytes
+        self.docs += docs
+        self.tokens += tokens
+        now = time.perf_counter()
+        if self.enabled and now - self.last > 0.2:
+            self.last = now
+            frac = min(1.0, self.bytes / self.total)
+            elapsed = now - self.start
+            eta = elapsed * (1 - frac) / frac if frac > 0 else 0
+            bar = "#" * int(frac * 24)
+            sys.stderr.write(f"\r[{bar:<24}] {frac:5.1%} | {self.docs:,} docs | {self.tokens:,} tokens | "
+                             f"{self.tokens / max(elapsed, 1e-9):,.0f} tok/s | ETA {eta:,.0f}s ")
+            sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r" + " " * 100 + "\r")
+            sys.stderr.flush()
+
+
+def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, text_field: str | list[str] = "",
+            val_fraction: float = 0.01, shard_tokens: int = 100_000_000, overwrite: bool = False,
+            bos_token: str = "", eos_token: str = "", progress: bool = False) -> dict:
+    """Tokenize `inputs` into OUT/train, OUT/val and OUT/dataset.json; returns the dataset.json record.
+    `text_field`: one for all inputs or one per input; "" = the first of readers.TEXT_FIELDS a file has."""
+    from titanlike.data.tokenizer import load_tokenizer
+
+    out = os.path.normpath(out)
+    if not 0 <= val_fraction < 1:
+        raise UserError(f"--val-fraction {val_fraction} must be in [0, 1)")
+    if shard_tokens < 1:
+        raise UserError(f"--shard-tokens {shard_tokens} must be >= 1")
+    given = text_field if isinstance(text_field, list) else [text_field]
+    if len(given) not in (1, len(inputs)):
+        raise UserError(f"--text-field is given {len(given)} times for {len(inputs)} inputs: give it once (for "
+                        f"every input) or once per input, in their order")
+    per_input = [expand([i]) for i in inputs]
+    files = [f for group in per_input for f in group]
+    file_source = [n for n, group in enumerate(per_input) for _ in group]
+    file_field = [given[n] if len(given) > 1 else given[0] for n in file_source]
+    check_output(out, files, overwrite)
+    tok = load_tokenizer(tokenizer, bos_token, eos_token)  # a bad tokenizer.json stops here, before any work
+    total_bytes = sum(os.path.getsize(f) for f in files)
+    # Every core this process may use (a container or taskset may allow fewer than the machine has).
+    workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) or 1
+    every = round(1 / val_fraction) if val_fraction > 0 else 0
+    dtype = token_dtype(tok.vocab_size)
+
+    tmp = f"{out}.tmp-{os.getpid()}"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        splits = {"train": ShardWriter(os.path.join(tmp, "train"), shard_tokens, dtype),
+                  "val": ShardWriter(os.path.join(tmp, "val"), shard_tokens, dtype)}
+        bar = Progress(total_bytes, progress)
+        start = time.perf_counter()
+        n_docs = text_bytes = empty = 0
+        chunks = plan(files, file_field, file_source)
+        spec = getattr(tok, "path", "byte")
+        sources: list[dict] = [{"input": os.path.abspath(i), "documents": 0, "tokens": 0, "text_fields": set()}
+                               for i in inputs]
+        for tokens, lengths, counts in tokenized(chunks, workers, spec, tok.bos_token or "", tok.eos_token or ""):
+            _split(tokens, lengths, n_docs, every, splits)
+            n_docs += lengths.size
+            text_bytes += counts.text_bytes
+            empty += counts.empty_documents
+            bar.update(counts.input_bytes, int(lengths.size), int(tokens.size))
+            source = sources[counts.source]  # what each INPUT gave: a mixture's weights are set from these
+            source["documents"] += int(lengths.size)
+            source["tokens"] += int(tokens.size)
+            source["text_fields"] |= {counts.text_field} - {""}
+        for w in splits.values():
+            w.finish()
+        bar.done()
+        seconds = time.perf_counter() - start
+        if splits["train"].total == 0:
+            what = "no documents" if n_docs == 0 else f"{n_docs} document(s), all held out for validation"
+            raise UserError(f"{', '.join(inputs)}: {what} (every input was empty); nothing to train on")
+        info = {
+            "format": DATASET_FORMAT,
+            "tokenizer": {"kind": tok.kind, "file": "tokenizer.json", "source": getattr(tok, "path", "byte"),
+                          "bos_token": tok.bos_token, "eos_token": tok.eos_token},
+            "vocab_size": tok.vocab_size,
+            "bos_id": tok.bos_id,
+            "eos_id": tok.eos_id,
+            "token_bytes": np.dtype(dtype).itemsize,
+            "documents": n_docs,
+            "empty_documents_dropped": empty,
+            "splits": {name: {"tokens": w.total, "documents": w.documents, "shards": w.index}
+                       for name, w in splits.items()},
+            "val_every": every,
+            "inputs": [os.path.abspath(i) for i in inputs],
+            "sources": [{**s, "text_fields": sorted(s["text_fields"])} for s in sources],
+            "files": len(files),
+            "input_bytes": total_bytes,
+            "text_bytes": text_bytes,
+            "text_field": ", ".join(sorted({f for s in sources for f in s["text_fields"]})),
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+        fs.write_text(os.path.join(tmp, "tokenizer.json"), tok.to_json())
+        fs.write_json(os.path.join(tmp, DATASET_JSON), info, indent=1)
+        publish(tmp, out)
+    except OSError as e:  # a read-only or full disk, a folder we may not write: one line, nothing left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"cannot write the dataset: {fs.describe_os_error(e, tmp)}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    info["seconds"] = seconds
+    return info
+
+
+def _split(tokens: np.ndarray, lengths: np.ndarray, first_doc: int, every: int, splits: dict) -> None:
+    """Documents first_doc, first_doc + 1, ... to their splits: every `every`-th to val, in order."""
+    train, val = splits["train"], splits["val"]
+    if not every:
+        train.add(tokens)
+        train.documents += lengths.size
+        return
+    ends = np.cumsum(lengths)
+    # Global index g goes to val when (g + 1) % every == 0.
+    held = [i for i in range((every - 1 - first_doc) % every, lengths.size, every)]
+    pos = 0
+    for i in held:
+        start = int(ends[i] - lengths[i])
+        train.add(tokens[pos:start])
+        val.add(tokens[start : int(ends[i])])
+        pos = int(ends[i])
+    train.add(tokens[pos:])
+    val.documents += len(held)
+    train.documents += lengths.size - len(held)

@@ -1,0 +1,92 @@
+"""titanlike-prepare's workers: a chunk of input in, its documents' tokens out.
+
+Each worker is one process on one core, with its own tokenizer. `tokenized()` hands them the chunks
+the readers planned and yields the results in input order, so the shards are the same bytes for any
+number of workers.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing
+import os
+import signal
+from dataclasses import dataclass
+
+import numpy as np
+
+from titanlike.data.prepare.readers import Chunk, read_chunk
+from titanlike.data.shards import token_dtype
+
+_tokenizer = None
+
+
+def _init_worker(spec: str, bos: str, eos: str, pool_worker: bool = True) -> None:
+    global _tokenizer
+    if pool_worker:  # Ctrl-C is the main process's to handle (it stops the pool): no traceback per worker
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Each worker is one core: the tokenizers package's own thread pool would only oversubscribe.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from titanlike.data.tokenizer import load_tokenizer
+
+    _tokenizer = load_tokenizer(spec, bos, eos)
+
+
+def tokenize_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, ChunkCounts]:
+    """(all tokens of the chunk's non-empty documents with their BOS/EOS, each document's length, counts)."""
+    tok = _tokenizer
+    assert tok is not None, "tokenize_chunk runs in a worker set up by _init_worker"
+    read = read_chunk(chunk)
+    docs = [d for d in read if d]  # an empty document would be a lone BOS/EOS pair: dropped, and counted
+    counts = ChunkCounts(chunk.input_bytes, sum(len(d.encode("utf-8")) for d in docs), len(read) - len(docs),
+                         chunk.source, chunk.text_field if chunk.kind != "text" else "")
+    ids = tok.encode_batch(docs) if docs else []
+    head = [tok.bos_id] if tok.bos_id is not None else []
+    dtype = token_dtype(tok.vocab_size)
+    lengths = np.fromiter((len(x) + len(head) + 1 for x in ids), dtype=np.int64, count=len(ids))
+    out = np.empty(int(lengths.sum()), dtype=dtype)
+    pos = 0
+    for x in ids:
+        if head:
+            out[pos] = head[0]
+            pos += 1
+        out[pos : pos + len(x)] = x
+        pos += len(x)
+        out[pos] = tok.eos_id
+        pos += 1
+    return out, lengths, counts
+
+
+@dataclass(frozen=True)
+class ChunkCounts:
+    input_bytes: int  # on disk (compressed, for compressed inputs): what the progress bar's ETA runs on
+    text_bytes: int  # UTF-8 text of the documents kept: what the summary reports
+    empty_documents: int  # dropped
+    source: int = 0  # the INPUT argument the chunk came from
+    text_field: str = ""  # the field (column) its text came from ("" for text files)
+
+
+def tokenized(chunks, workers: int, spec: str, bos: str, eos: str):
+    """Tokenized chunks in input order; with several workers, computed in parallel."""
+    if workers == 1:
+        _init_worker(spec, bos, eos, pool_worker=False)
+        yield from map(tokenize_chunk, chunks)
+        return
+    # fork where there is one: the workers start at once, with the parsed modules already imported.
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(spec, bos, eos))
+    try:
+        # In input order, with at most a few chunks in flight per worker: enough to keep every core busy,
+        # few enough that a large compressed file is never decompressed into memory all at once. The
+        # chunks are planned here, in the main thread, so a bad input raises here too.
+        in_flight: collections.deque = collections.deque()
+        for chunk in chunks:
+            in_flight.append(pool.apply_async(tokenize_chunk, (chunk,)))
+            if len(in_flight) >= 3 * workers:
+                yield in_flight.popleft().get()
+        while in_flight:
+            yield in_flight.popleft().get()
+    finally:
+        pool.terminate()
+        pool.join()
