@@ -238,6 +238,18 @@ def test_two_gpus_all_gather_float8_and_match_one_gpu(tmp_path, corpus):
         assert abs(one[s] - two[s]) < 0.03 * one[s], (s, one[s], two[s])
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: FSDP's reduce-scatter over NCCL")
+def test_two_gpus_sharded_gradients_live_in_the_compute_streams_memory(tmp_path):
+    """FSDP reduce-scatters on a stream of its own, and torch's gradients come from that stream's pool,
+    which the memory backward frees on the compute stream cannot refill (8b on two GPUs: 15 GiB more
+    at the peak). titanlike's gradients come from the compute stream's pool, and equal torch's, with
+    gradient accumulation too."""
+    found = run_probe("grad_pool_probe.py", tmp_path / "probe.json", device="cuda")
+    assert found["ours"] == [found["default_stream"]], found
+    assert found["torch"] and found["default_stream"] not in found["torch"], found  # the check can tell them apart
+    assert found["largest_difference"] <= 1e-6, found  # the same reductions, in other memory
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["flex-compiled-alone", "blocks-compiled"])
 def test_block_causal_flex_attention_matches_the_dense_mask(compiled):
     """On a GPU model.attn_mask = block_causal runs flex attention (compiled on its own, or inside each

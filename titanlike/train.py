@@ -266,7 +266,8 @@ class Trainer:
 
     def fault_facts(self) -> dict:
         """What a failure's one line needs to know of the run (run/faults.explain)."""
-        return {"step": self.state.step, "device": self.device, "oom_snapshot": self.profiler.oom_snapshot}
+        return {"step": self.state.step, "device": self.device, "dims": self.dims,
+                "oom_snapshot": self.profiler.oom_snapshot}
 
     def close(self, publish: bool = True) -> None:
         """However the run ends: the checkpoint manager publishes what is in flight (`publish`: every

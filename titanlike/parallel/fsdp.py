@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from functools import partial
 
 import torch
+import torch.distributed as dist
 
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import count_params
@@ -33,12 +33,47 @@ def resolve_reshard(reshard: str, gathered_bytes: int, memory_bytes: int | None)
     return reshard
 
 
+class GradientsInComputePool:
+    """FSDP2's reduce-scatter, with its output (which becomes the sharded gradients) allocated from the
+    compute stream's memory instead of the reduce-scatter stream's.
+
+    The caching allocator keeps the memory of each stream apart. FSDP reduce-scatters on a stream of
+    its own, so the gradients (an fp32 shard of every weight: 15 GiB a GPU for 8b on two GPUs) come
+    from a pool that the activations backward frees can never refill: the peak held both. From the
+    compute stream's pool they reuse that memory. Two rules keep it safe: the reduce-scatter stream
+    waits for the compute stream's work queued so far (the block may have been freed by a kernel
+    still queued there), and the block records the reduce-scatter stream (not reused before the
+    reduce-scatter's own work on it is done)."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        current, compute = torch.cuda.current_stream(device), torch.cuda.default_stream(device)
+        if current == compute:  # FSDP's input buffer, filled on the compute stream
+            return torch.empty(*size, dtype=dtype, device=device)
+        with torch.cuda.stream(compute):
+            out = torch.empty(*size, dtype=dtype, device=device)
+        current.wait_stream(compute)
+        out.record_stream(current)
+        return out
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
 def apply_fsdp(model: Transformer, mesh, param_dtype: torch.dtype | None, reshard: str) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     blocks_reshard = reshard != "never"
-    shard = partial(fully_shard, mesh=mesh, mp_policy=mp)
+    # Plain FSDP on GPUs: gradients from the compute stream's pool. HSDP keeps torch's own buffers (its
+    # all-reduce runs on yet another stream), and so does a torch without custom reduce-scatters.
+    gradients_in_compute_pool = mesh.device_type == "cuda" and mesh.ndim == 1
+    modules = []
+
+    def shard(module, reshard_after_forward: bool) -> None:
+        sharded = fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        # Modules sharded together (a list) share one FSDP state: set it through the first.
+        modules.append(sharded[0] if isinstance(sharded, (list, tuple)) else sharded)
+
     for block in model.layers:
         shard(block, reshard_after_forward=blocks_reshard)
     if not model.args.tie_embeddings:
@@ -48,6 +83,11 @@ def apply_fsdp(model: Transformer, mesh, param_dtype: torch.dtype | None, reshar
         # gather it again at once would waste an all-gather.
         shard([model.norm, model.output], reshard_after_forward=reshard == "always")
     shard(model, reshard_after_forward=reshard == "always")
+    if gradients_in_compute_pool:
+        comm = GradientsInComputePool()
+        for module in modules:
+            if hasattr(module, "set_custom_reduce_scatter"):
+                module.set_custom_reduce_scatter(comm)
 
 
 def shard_model(model: Transformer, mesh, device: torch.device, *, mixed_precision: str, reshard: str,
