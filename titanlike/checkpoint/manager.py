@@ -50,7 +50,6 @@ logger = logging.getLogger("titanlike")
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 TRAINER_STATE = "trainer_state.json"
-NONE = 0  # no stop request (stopping.NONE): the request values themselves are the trainer's
 
 
 @dataclass
@@ -81,7 +80,7 @@ class Due(NamedTuple):
     save: bool
     """This step is saved: at the interval, at the last step, or on a stop request."""
     stop: int
-    """The stop request all ranks agreed on (NONE: train on)."""
+    """The stop request all ranks agreed on (0: none, train on; run/stopping.py names the others)."""
     last: bool
     """The last step of training."""
 
@@ -339,8 +338,8 @@ class CheckpointManager:
                     logger.info(f"{key}: checkpoint {before} → config {now}")
 
     def restore(self, step: int) -> str:
-        """A rollback: step-N's weights, optimizer and schedule; the data position (and RNG) stay where
-        they are. Returns the folder."""
+        """A rollback: step-N's weights, optimizer, schedule and counters; the data position (and RNG)
+        stay where they are. Returns the folder."""
         self.writer.wait_and_publish()  # a background save of a checked step lands first
         kind, problem = self._verify(step)
         if kind != "ok":
