@@ -121,6 +121,36 @@ def test_empty_folder(tmp_path):
         open_dataset(str(tmp_path), 8, 320, "data.path")
 
 
+
+@pytest.mark.parametrize("where", ["file", "in a folder"])
+def test_a_fifo_in_place_of_a_shard_is_refused_not_waited_on(tmp_path, where):
+    """A FIFO (or any file that is not a regular one) would block the first read forever, in the
+    preflight and in the trainer, holding the folder lock: one line naming it instead."""
+    import threading
+
+    write_shard(tmp_path / "a.bin", np.full(33, 2))
+    fifo = tmp_path / "b.bin"
+    os.mkfifo(fifo)
+    path = str(fifo) if where == "file" else str(tmp_path)
+    result: list = []
+
+    def check():
+        try:
+            open_dataset(path, 8, 320, "data.path")
+            result.append(None)
+        except DataError as e:
+            result.append(e)
+
+    worker = threading.Thread(target=check, daemon=True)
+    worker.start()
+    worker.join(timeout=20)
+    if worker.is_alive():  # blocked in open(): a writer releases it, and the test fails
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(timeout=5)
+        pytest.fail(f"reading {fifo} blocked")
+    assert isinstance(result[0], DataError)
+    assert str(result[0]) == f"token shard {fifo} is not a regular file (a FIFO); make shards with titanlike-prepare"
+
 def test_folder_of_shards(tmp_path):
     write_shard(tmp_path / "b.bin", np.full(33, 2))
     write_shard(tmp_path / "a.bin", np.full(17, 1))

@@ -145,6 +145,40 @@ def test_a_step_without_manifest_and_trainer_state_is_damaged(trained_run, tmp_p
     assert steps_in(dump / "checkpoint") == ["step-2", "step-4", "step-4.damaged", "step-6"]
 
 
+
+def test_a_step_folder_under_another_name_is_set_aside(trained_run, tmp_path, corpus):
+    """`cp -a step-2 step-100`: the folder's name is not the step its signed trainer_state.json holds. It
+    is set aside in one warning line and the run resumes from the newest step whose name is true."""
+    dump = copy_run(trained_run, tmp_path / "run")
+    shutil.copytree(dump / "checkpoint" / "step-2", dump / "checkpoint" / "step-100")
+    proc = train(dump, corpus, *MORE)
+    step = dump / "checkpoint" / "step-100"
+    assert (f"checkpoint damaged: {step} holds step 2 (its signed trainer_state.json says so): a step folder "
+            f"copied or renamed under another name; set aside as {step}.damaged") in proc.stderr
+    assert f"resumed from {dump}/checkpoint/step-4 at step 4" in proc.stderr
+    assert "at step 100" not in proc.stderr
+    assert steps_in(dump / "checkpoint") == ["step-2", "step-4", "step-6", "step-100.damaged"]
+
+
+def test_a_step_folder_signed_with_another_key_is_refused(trained_run, tmp_path, corpus):
+    """A step folder from another account or machine (its manifest signed with another key), newer than
+    the run's own: the run refuses in one line and changes nothing."""
+    from titanlike.checkpoint.manifest import sign
+
+    dump = copy_run(trained_run, tmp_path / "run")
+    foreign = dump / "checkpoint" / "step-8"
+    shutil.copytree(dump / "checkpoint" / "step-4", foreign)
+    manifest = json.loads((foreign / "manifest.json").read_text())
+    manifest["signature"] = sign(b"another account's key", manifest["files"], manifest["metadata_sha256"])
+    (foreign / "manifest.json").write_text(json.dumps(manifest))
+    before = snapshot(dump)
+    proc = train(dump, corpus, *MORE, check=False)
+    assert proc.returncode == 2
+    (line,) = error_lines(proc.stderr)
+    assert line.startswith(f"error: {foreign}/manifest.json is not signed with this user's checkpoint key")
+    assert "train step" not in proc.stderr
+    assert snapshot(dump) == before
+
 # ---- one owner per checkpoint folder -------------------------------------------------------------------
 
 
@@ -246,6 +280,51 @@ def test_resume_with_another_seed_is_refused(trained_run, tmp_path, corpus):
         f"(the data order depends on it)"]
     assert snapshot(dump) == before
 
+
+
+def test_resume_with_other_data_or_seq_len_says_what_changed(trained_run, tmp_path, corpus):
+    """Another data.path, or another data.seq_len, on resume: applied, each with one line naming the old
+    and new value and what becomes of the data position (docs/checkpointing.md)."""
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    shutil.copy(corpus[0], moved / "train.bin")
+    dump = copy_run(trained_run, tmp_path / "run")
+    proc = train(dump, corpus, *MORE, "--data.path", str(moved))
+    assert (f"data.path: checkpoint {corpus[0]} → config {moved} (the data position carries over: the run goes on "
+            f"at the same global batch of the new data's order)") in proc.stderr
+    assert sorted(losses(dump)) == list(range(1, 7))
+
+    dump = copy_run(trained_run, tmp_path / "run2")
+    proc = train(dump, corpus, *MORE, "--data.seq_len", "32")
+    assert ("data.seq_len: checkpoint 64 → config 32 (the data position is kept in global batches, which now hold "
+            "windows of 32 tokens: the run reads other samples than one at the old length would)") in proc.stderr
+    assert sorted(losses(dump)) == list(range(1, 7))
+
+
+def test_resume_with_a_source_in_another_folder_says_so(prepared, tmp_path):
+    """A mixture's source under the same name, pointing at another folder on resume: one line."""
+    other = tmp_path / "other"
+    shutil.copytree(prepared, other)
+    dump = tmp_path / "run"
+    steps = ("--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "1", "--validation.enable",
+             "false")
+    train(dump, None, *steps, "--data.mix", f"web={prepared}:1")
+    proc = train(dump, None, *steps[:1], "3", *steps[2:], "--data.mix", f"web={other}:1")
+    assert f"resumed from {dump}/checkpoint/step-2 at step 2" in proc.stderr
+    assert (f"data source web: checkpoint {prepared} → config {other} (the data position carries over: the run "
+            f"goes on at the same global batch of the new data's order)") in proc.stderr
+
+
+def test_validation_without_held_out_data_says_so(tmp_path, corpus):
+    """Validation on (the default) and no held-out data: one line at start, not silence."""
+    data = tmp_path / "train"
+    data.mkdir()
+    shutil.copy(corpus[0], data / "train.bin")
+    proc = train_here(tmp_path / "run", *SMALL[:-2], "--training.steps", "1", "--data.path", str(data))
+    assert ("validation: no held-out data (data.val_path is unset): the run reports training loss only; set "
+            "--data.val_path, or --validation.enable false to silence this") in proc.stderr
+    quiet = train_here(tmp_path / "run2", *SMALL, "--training.steps", "1", "--data.path", str(data))
+    assert "held-out" not in quiet.stderr
 
 # ---- data a user was handed ----------------------------------------------------------------------------
 

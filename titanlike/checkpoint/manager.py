@@ -41,7 +41,7 @@ from titanlike.checkpoint.manifest import ensure_signing_key, inspect, read_mani
 from titanlike.checkpoint.states import ModelState, OptimizerState, SchedulerState, holds_tensors, set_rng_state
 from titanlike.checkpoint.weights import MODEL_ARGS, CheckpointMismatch, check_model_shape
 from titanlike.checkpoint.writer import RNG_FILE, CheckpointError, StepWriter
-from titanlike.config import resumable_settings
+from titanlike.config import resumable_settings, resume_note
 from titanlike.config.run import ResolvedRun
 from titanlike.errors import UserError
 
@@ -210,7 +210,7 @@ class CheckpointManager:
         names = sorted(self._listed(path))
         # Rank 0 verifies the manifest's signature (its key signed it); every rank checks its share of
         # the files against that manifest.
-        finding = inspect(path, names[self.rank::self.world], check_signature=self.rank == 0)
+        finding = inspect(path, names[self.rank::self.world], check_signature=self.rank == 0, step=step)
         result = (finding.kind, finding.problem)
         if self.sharded:
             results: list = [None] * self.world
@@ -335,7 +335,8 @@ class CheckpointManager:
             for key, now in run.settings.items():
                 before = saved_run.get("settings", {}).get(key, now)
                 if before != now:
-                    logger.info(f"{key}: checkpoint {before} → config {now}")
+                    note = resume_note(key).format(now=now)
+                    logger.info(f"{key}: checkpoint {before} → config {now}" + (f" ({note})" if note else ""))
 
     def restore(self, step: int) -> str:
         """A rollback: step-N's weights, optimizer, schedule and counters; the data position (and RNG)

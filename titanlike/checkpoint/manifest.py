@@ -175,14 +175,16 @@ def _check_file(folder: str, name: str, want: object) -> str | None:
 
 
 def inspect(folder: str, files: list[str] | None = None, trust: bool = False,
-            check_signature: bool = True, required: tuple[str, ...] = FOR_RESUME) -> Finding:
+            check_signature: bool = True, required: tuple[str, ...] = FOR_RESUME, step: int | None = None) -> Finding:
     """Whether the step folder may be read, from its manifest and bytes alone (nothing is unpickled).
 
     `files`: which listed files to check (a rank checks its share; None: all of them). With `trust`
     (the user vouches for the folder), a missing, unsigned or foreign-signed manifest is no obstacle,
     but a present manifest's checksums still are. `check_signature` false: another process (rank 0)
     verifies the signature and `.metadata`; this one checks its files against the same manifest.
-    `required`: the files the manifest must list (what the caller will read)."""
+    `required`: the files the manifest must list (what the caller will read). `step`: the step the
+    folder's name says it holds (step-N of a run's checkpoint folder), checked with the signature
+    against the step its signed trainer_state.json records."""
     manifest = read_manifest(folder)
     if manifest is None:
         if trust:
@@ -209,11 +211,35 @@ def inspect(folder: str, files: list[str] | None = None, trust: bool = False,
         metadata = os.path.join(folder, ".metadata")
         if not os.path.isfile(metadata) or sha256(metadata) != meta_sha:
             return Finding("damaged", f"{metadata} is not the one its manifest was signed with")
+        if step is not None:
+            problem = _step_problem(folder, step, listed)
+            if problem:
+                return Finding("damaged", problem)
     for name in sorted(listed) if files is None else files:
         problem = _check_file(folder, name, listed.get(name))
         if problem:
             return Finding("damaged", problem)
     return OK
+
+
+def _step_problem(folder: str, step: int, listed: dict) -> str | None:
+    """Whether step-N holds step N: a folder copied or renamed under another step's name would make a
+    run say it resumed at one step and train on from another (every requeue going back)."""
+    name = "trainer_state.json"
+    if name not in listed:
+        return None
+    problem = _check_file(folder, name, listed[name])
+    if problem:
+        return problem
+    try:
+        record = fs.read_json(os.path.join(folder, name), "the trainer state")
+    except UserError as e:
+        return str(e)
+    held = record.get("step") if isinstance(record, dict) else None
+    if isinstance(held, int) and held != step:
+        return (f"{folder} holds step {held} (its signed {name} says so): a step folder copied or renamed under "
+                f"another name")
+    return None
 
 
 def check_readable(folder: str, trust: bool, flag: str = TRUST_FLAG) -> None:

@@ -11,13 +11,15 @@ before any worker imports torch.
 
 from __future__ import annotations
 
+import os
+
 from titanlike.config import loader
 from titanlike.config.loader import ConfigError, field_docs, to_toml
 from titanlike.config.schema import JobConfig, validate_across_sections
-from titanlike.config.sources import DataSchedule, schedule_of
+from titanlike.config.sources import SINGLE, DataSchedule, schedule_of
 
-__all__ = ["ConfigError", "JobConfig", "field_docs", "help_text", "load_config", "resumable_settings", "sections",
-           "to_toml", "validate"]
+__all__ = ["ConfigError", "JobConfig", "field_docs", "help_text", "load_config", "resume_note", "resumable_settings",
+           "sections", "to_toml", "validate"]
 
 USAGE = "usage: run_train.sh [--section.key value ...]   (TOML file via --job.config_file)"
 
@@ -55,4 +57,22 @@ def resumable_settings(cfg: JobConfig, schedule: DataSchedule | None = None) -> 
             "lr_scheduler.decay_ratio": s.decay_ratio, "lr_scheduler.decay_type": s.decay_type,
             "lr_scheduler.min_lr_factor": s.min_lr_factor, "training.steps": cfg.training.steps,
             "fp8.recipe": cfg.fp8.recipe, "data.schedule": schedule.describe(),
-            "model.attn_mask": cfg.model.attn_mask}
+            "model.attn_mask": cfg.model.attn_mask, "data.seq_len": cfg.data.seq_len,
+            **{source_key(s.name): os.path.abspath(s.path) if s.path else "the embedded corpus"
+               for s in schedule.sources}}
+
+
+def source_key(name: str) -> str:
+    """How a resume's line names a source's folder: data.path, or `data source NAME` in a mixture."""
+    return "data.path" if name == SINGLE else f"data source {name}"
+
+
+def resume_note(key: str) -> str:
+    """What a change of the resumable setting `key` means, for the line a resume logs ("" if nothing
+    beyond the new value applying)."""
+    if key == "data.seq_len":
+        return ("the data position is kept in global batches, which now hold windows of {now} tokens: the run reads "
+                "other samples than one at the old length would")
+    if key == "data.path" or key.startswith("data source "):
+        return "the data position carries over: the run goes on at the same global batch of the new data's order"
+    return ""

@@ -16,6 +16,7 @@ it, where a memory map would die with SIGBUS):
 from __future__ import annotations
 
 import os
+import stat
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -114,10 +115,16 @@ class Shard:
 
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
-        try:
-            size = os.path.getsize(self.path)
-            with open(self.path, "rb") as f:
-                head = f.read(HEADER.size)
+        try:  # non-blocking: a FIFO in place of a shard would block open() until a writer came
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+            try:
+                info = os.fstat(fd)
+                if not stat.S_ISREG(info.st_mode):
+                    raise DataError(f"token shard {self.path} is not a regular file ({_kind(info.st_mode)}); make "
+                                    f"shards with titanlike-prepare")
+                size, head = info.st_size, os.pread(fd, HEADER.size, 0)
+            finally:
+                os.close(fd)
         except OSError as e:
             raise DataError(f"cannot read token shard {self.path}: {e.strerror}") from None
         if len(head) < HEADER.size or head[:8] != MAGIC:
@@ -143,7 +150,12 @@ class Shard:
         """Tokens [start, start + n), by pread rather than a memory map: a file that shrinks while the
         run reads it gives a short read and one line naming it, where a memory map would SIGBUS."""
         if self._fd is None or self._fd_pid != os.getpid():  # a loader worker opens its own
-            self._fd, self._fd_pid = os.open(self.path, os.O_RDONLY), os.getpid()
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)  # never waits on a FIFO put in its place
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise ShardFault(f"token shard {self.path} became {_kind(os.stat(self.path).st_mode)} while training "
+                                 f"read it; a shard must not change during a run (restore it, then resume)")
+            self._fd, self._fd_pid = fd, os.getpid()
         want = n * self.dtype.itemsize
         data = os.pread(self._fd, want, HEADER.size + start * self.dtype.itemsize)
         if len(data) < want:
@@ -160,6 +172,14 @@ class Shard:
 
     def __getstate__(self) -> dict:  # to loader workers: without the open file
         return {**self.__dict__, "_fd": None, "_fd_pid": -1}
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a plain file"
 
 
 def find_shards(path: str) -> list[Shard]:
