@@ -18,6 +18,7 @@ import numpy as np
 
 from titanlike import fs
 from titanlike.config.dataset import DATASET_FORMAT, DATASET_JSON
+from titanlike.config.schema import MAX_WORKERS_PER_CORE, available_cores
 from titanlike.data.prepare.output import check_output, publish
 from titanlike.data.prepare.readers import expand, plan
 from titanlike.data.prepare.workers import tokenized
@@ -66,6 +67,10 @@ def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, 
         raise UserError(f"--val-fraction {val_fraction} must be in [0, 1)")
     if shard_tokens < 1:
         raise UserError(f"--shard-tokens {shard_tokens} must be >= 1")
+    cores = available_cores()
+    if workers > MAX_WORKERS_PER_CORE * cores:  # as data.num_workers: each one is a process
+        raise UserError(f"--workers {workers} is more than {MAX_WORKERS_PER_CORE} per CPU core ({cores} cores here): "
+                        f"use at most {MAX_WORKERS_PER_CORE * cores} (0 = one per core)")
     given = text_field if isinstance(text_field, list) else [text_field]
     if len(given) not in (1, len(inputs)):
         raise UserError(f"--text-field is given {len(given)} times for {len(inputs)} inputs: give it once (for "
@@ -78,7 +83,7 @@ def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, 
     tok = load_tokenizer(tokenizer, bos_token, eos_token)  # a bad tokenizer.json stops here, before any work
     total_bytes = sum(os.path.getsize(f) for f in files)
     # Every core this process may use (a container or taskset may allow fewer than the machine has).
-    workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) or 1
+    workers = workers or cores
     every = round(1 / val_fraction) if val_fraction > 0 else 0
     dtype = token_dtype(tok.vocab_size)
 
