@@ -428,3 +428,30 @@ def test_a_stopped_prepare_removes_its_temporary_folder(tmp_path, sig, workers):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "nothing was written" in lines[0], err
     assert os.listdir(tmp_path) == ["a.txt"]
+
+
+def test_a_stop_while_overwrite_swaps_the_dataset_loses_neither(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM) between moving the earlier dataset aside and the new one into place: the swap
+    finishes, rather than both being removed with OUT.tmp-<pid>."""
+    import signal
+
+    from titanlike.data.prepare import output
+
+    (tmp_path / "a.txt").write_text("the earlier text")
+    (tmp_path / "b.txt").write_text("the new text, longer")
+    out = tmp_path / "out"
+    prepare(str(out), [str(tmp_path / "a.txt")], workers=1, val_fraction=0)
+    real, renames = os.rename, []
+
+    def rename(src, dst):
+        real(src, dst)
+        renames.append(dst)
+        if len(renames) == 1:  # the earlier dataset's first entry is aside, the new one not yet in place
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(output.os, "rename", rename)
+    prepare(str(out), [str(tmp_path / "b.txt")], workers=1, val_fraction=0, overwrite=True)
+    monkeypatch.undo()
+    record = json.loads((out / "dataset.json").read_text())
+    assert record["splits"]["train"]["tokens"] == len("the new text, longer") + 2
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.txt", "out"]

@@ -11,7 +11,9 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -21,7 +23,7 @@ from titanlike.config.dataset import DATASET_FORMAT, DATASET_JSON
 from titanlike.config.schema import MAX_WORKERS_PER_CORE, available_cores
 from titanlike.data.prepare.output import check_output, publish
 from titanlike.data.prepare.readers import expand, plan
-from titanlike.data.prepare.workers import tokenized
+from titanlike.data.prepare.workers import STOP_SIGNALS, tokenized
 from titanlike.data.shards import ShardWriter, token_dtype
 from titanlike.errors import UserError
 
@@ -140,7 +142,7 @@ def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, 
         }
         fs.write_text(os.path.join(tmp, "tokenizer.json"), tok.to_json())
         fs.write_json(os.path.join(tmp, DATASET_JSON), info, indent=1)
-        publish(tmp, out)
+        _publish_uninterrupted(tmp, out)
     except OSError as e:  # a read-only or full disk, a folder we may not write: one line, nothing left behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(f"cannot write the dataset: {fs.describe_os_error(e, tmp)}") from None
@@ -149,6 +151,21 @@ def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, 
         raise
     info["seconds"] = seconds
     return info
+
+
+def _publish_uninterrupted(tmp: str, out: str) -> None:
+    """publish() with Ctrl-C and the stop signals ignored: over an earlier output it moves that output's
+    files into `tmp` before the new ones into place, and a stop in between would remove them with `tmp`.
+    It takes a few renames; a stop that comes then is answered by finishing."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
+        publish(tmp, out)
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, *STOP_SIGNALS)}
+    try:
+        publish(tmp, out)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _split(tokens: np.ndarray, lengths: np.ndarray, first_doc: int, every: int, splits: dict) -> None:
