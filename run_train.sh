@@ -16,6 +16,15 @@ if [ -z "${NGPU:-}" ]; then
 fi
 CONFIG_FILE="${CONFIG_FILE:-$here/train_configs/debug_model.toml}"  # Python mode below: the same default
 NNODES="${NNODES:-1}"
+# A count, in bash's own arithmetic: digits only, no leading zero (octal to bash), no overflow.
+for count in "NGPU:processes on this node (default: the visible GPUs, or 1)" "NNODES:nodes (default 1)"; do
+  var="${count%%:*}"
+  case "${!var}" in
+    [1-9] | [1-9][0-9] | [1-9][0-9][0-9] | [1-9][0-9][0-9][0-9] | [1-9][0-9][0-9][0-9][0-9]) ;;
+    *) echo "error: $var='${!var}': must be a whole number from 1 to 99999: the ${count#*:}" >&2
+       exit 2 ;;
+  esac
+done
 if [ "$NNODES" -gt 1 ]; then
   rdzv=(--nnodes="$NNODES" --rdzv_backend=c10d --rdzv_endpoint="${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port of node 0}" --rdzv_id="${RDZV_ID:-titanlike}")
 else

@@ -308,6 +308,14 @@ INVALID = [
     (["--profiling.active", "0"], "profiling: need"),
     (["--profiling.freq", "3", "--profiling.warmup", "3", "--profiling.active", "1"], "(got 3, 3, 1)"),
     (["--profiling.folder", " "], 'profiling.folder must not be empty (default "profile", inside job.dump_folder)'),
+    (["--profiling.enable", "--profiling.folder", __file__],
+     f"profiling.folder = {__file__!r} is a file: the traces go into a folder"),
+    (["--checkpoint.folder", ""], 'checkpoint.folder must not be empty (default "checkpoint", inside job.dump_folder)'),
+    (["--checkpoint.folder", "."], "checkpoint.folder = '.' is job.dump_folder itself (./outputs): name a folder "
+                                   "inside it (default \"checkpoint\") or elsewhere"),
+    (["--job.dump_folder", "/tmp/x", "--checkpoint.folder", "/tmp/x/"], "checkpoint.folder = '/tmp/x/' is "
+                                                                        "job.dump_folder itself"),
+    (["--data.mix", "a=/tmp:1e308,b=/tmp:1e308"], "the weights add up to more than the largest number (inf)"),
 ]
 
 

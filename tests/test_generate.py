@@ -96,3 +96,76 @@ def test_command_on_a_step_folder(tmp_path):
     bad = run_python("-m", "titanlike.hf.generate", str(tmp_path / "nope"))
     lines = bad.stderr.strip().splitlines()
     assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ")
+
+
+# ---- what generate refuses, and what a long prompt costs ------------------------------------------------
+
+
+def hf_folder(tmp_path, m: Transformer, name: str = "hf"):
+    from titanlike.hf.interchange import write_hf_folder
+
+    folder = tmp_path / name
+    write_hf_folder(m.state_dict(), m.args, str(folder), torch.float32)
+    return folder
+
+
+def one_error(main, *argv: str) -> str:
+    from conftest import call, error_lines
+
+    rc, err = call(main, *argv)
+    assert rc == 2, err
+    (line,) = error_lines(err)
+    assert "Traceback" not in err
+    return line
+
+
+def test_generate_refuses_non_finite_weights_naming_a_tensor(tmp_path):
+    from titanlike.hf import generate as cmd
+
+    m = model(dataclasses.replace(SHAPE, vocab_size=320))
+    with torch.no_grad():
+        m.blocks()[1].feed_forward.w2.weight[3, 5] = float("nan")
+    line = one_error(cmd.main, str(hf_folder(tmp_path, m)), "--tokenizer", "byte", "--device", "cpu")
+    assert "non-finite" in line and "layers.1.feed_forward.w2.weight" in line, line
+
+
+def test_generate_refuses_a_seed_out_of_range(tmp_path):
+    from titanlike.hf import generate as cmd
+
+    folder = hf_folder(tmp_path, model(dataclasses.replace(SHAPE, vocab_size=320)))
+    for seed in (str(10**23), "-1"):
+        line = one_error(cmd.main, str(folder), "--tokenizer", "byte", "--device", "cpu", "--seed", seed)
+        assert line.startswith(f"error: --seed {seed} must be"), line
+
+
+def test_generate_refuses_a_tokenizer_larger_than_the_vocabulary(tmp_path):
+    """As export does: the byte tokenizer's 258 ids into a model of 97."""
+    from titanlike.hf import generate as cmd
+
+    line = one_error(cmd.main, str(hf_folder(tmp_path, model())), "--tokenizer", "byte", "--device", "cpu")
+    assert "the tokenizer has 258 ids but the model only 97" in line, line
+
+
+def test_a_long_prompt_builds_no_dense_mask_and_one_position_of_logits(monkeypatch):
+    """The prompt goes through attention with is_causal (no prompt × prompt mask: 17 GB at 130k tokens) and
+    only its last position through the output layer (not prompt × vocabulary logits)."""
+    m = model()
+    m.init_rope(400)
+    prompt = [int(i) % 97 for i in torch.randint(0, 97, (300,), generator=torch.Generator().manual_seed(1))]
+    expected = argmax_loop(m, prompt, 3)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    masks: list[int] = []
+
+    def recording(q, k, v, attn_mask=None, **kw):
+        masks.append(0 if attn_mask is None else attn_mask.numel())
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    rows: list[int] = []
+    m.output.register_forward_hook(lambda mod, inp, out: rows.append(inp[0].shape[1]))
+    for static in (False, True):
+        masks.clear()
+        rows.clear()
+        assert generate(m, prompt, 3, static=static) == expected
+        assert max(masks) <= len(prompt) + 3, masks  # a decode step's mask is one row at most
+        assert max(rows) == 1, rows

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SMALL, call, copy_run, error_lines, losses, train_here
+from titanlike.errors import UserError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -472,3 +473,28 @@ def test_import_advice_does_not_loop(hf_folder, tmp_path, corpus):
     (line,) = error_lines(untied.stderr)
     assert "has no lm_head.weight, yet its config.json says tie_word_embeddings false" in line
     assert "--model.tie_embeddings" not in line
+
+
+@pytest.mark.parametrize("kind", ["link", "dangling link", "file"])
+def test_earlier_runs_that_is_not_a_folder_of_ours_is_refused_untouched(tmp_path, kind):
+    """A fresh run moves another run's records to earlier-runs/<time>/: never through a link there, into
+    wherever it points; nor a traceback when earlier-runs is a file."""
+    from titanlike.run.folder import RunFolder
+
+    dump, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    dump.mkdir()
+    elsewhere.mkdir()
+    (dump / "metrics.jsonl").write_text('{"step": 1}\n')
+    if kind == "file":
+        (dump / "earlier-runs").write_text("notes of the user's")
+    else:
+        (dump / "earlier-runs").symlink_to(elsewhere if kind == "link" else tmp_path / "nowhere")
+    folder = RunFolder(str(dump), is_main=True)
+    try:
+        with pytest.raises(UserError) as e:
+            folder.start_records(None)
+    finally:
+        folder.close()
+    assert str(e.value).startswith(f"{dump}/earlier-runs is ") and "\n" not in str(e.value), e.value
+    assert os.listdir(elsewhere) == [] and not (tmp_path / "nowhere").exists()
+    assert (dump / "metrics.jsonl").read_text() == '{"step": 1}\n'

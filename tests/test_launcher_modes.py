@@ -3,6 +3,7 @@ launcher says things once."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tomllib
@@ -75,3 +76,47 @@ def test_the_launcher_is_python_without_warnings():
     proc = subprocess.run([sys.executable, "-W", "error", "-c", "import sys; compile(sys.stdin.read(), 'run_train.sh', "
                            "'exec')"], input=source, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("env", [{"NGPU": "0"}, {"NGPU": "-2"}, {"NGPU": "abc"}, {"NGPU": "08"},
+                                 {"NGPU": "99999999999999999999"}, {"NNODES": "0"}, {"NNODES": "abc"}])
+def test_a_bad_ngpu_or_nnodes_is_one_line(env):
+    """Checked by bash before Python starts: one line naming the variable and what it may be, exit 2."""
+    proc = bash_mode("--job.print_config", **env)
+    (name, value), = env.items()
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {name}={value!r}: "), proc.stderr
+    assert "whole number" in lines[0] and proc.stdout == ""
+
+
+def test_help_into_a_closed_pipe_is_no_traceback(monkeypatch, capsys, tmp_path):
+    """`./run_train.sh --help | head -3`: the reader goes away before the help is written."""
+    from titanlike import preflight
+
+    stand_in = os.open(tmp_path / "stdout", os.O_WRONLY | os.O_CREAT)  # the descriptor preflight points away
+
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self):
+            return stand_in
+
+    for args in (["--help"], ["--job.print_config"]):
+        monkeypatch.setattr(sys, "stdout", ClosedPipe())
+        assert preflight.main(args) == preflight.PRINTED
+        monkeypatch.undo()
+    os.close(stand_in)
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_world_size_of_zero_is_one_line(monkeypatch, capsys):
+    from titanlike import preflight
+
+    monkeypatch.setenv(preflight.WORLD_ENV, "0")
+    assert preflight.main(["--job.dump_folder", "/nonexistent-dump"]) == 2
+    assert capsys.readouterr().err.startswith("error: ")

@@ -369,3 +369,89 @@ def test_the_summary_reports_text_size_and_empty_documents(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "100 documents (100 empty ones dropped), 1.0 MB of text" in proc.stdout, proc.stdout
     assert json.loads((tmp_path / "out" / "dataset.json").read_text())["empty_documents_dropped"] == 100
+
+
+def test_workers_beyond_four_per_core_are_refused_before_any_process_starts(tmp_path, monkeypatch, capsys):
+    import multiprocessing
+
+    from titanlike.config.schema import MAX_WORKERS_PER_CORE, available_cores
+    from titanlike.data.prepare import cli
+
+    def no_processes(*a, **kw):
+        raise AssertionError("a process pool was started")
+
+    monkeypatch.setattr(multiprocessing, "get_context", no_processes)
+    (tmp_path / "a.txt").write_text("some text")
+    most = MAX_WORKERS_PER_CORE * available_cores()
+    for n in ("100000", str(most + 1)):
+        assert cli.main([str(tmp_path / "out"), str(tmp_path / "a.txt"), "--workers", n]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --workers {n} is more than {MAX_WORKERS_PER_CORE} per CPU core") and \
+            err.count("\n") == 1 and f"use at most {most}" in err, err
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]
+
+
+@pytest.mark.parametrize("sig,workers", [("SIGTERM", 2), ("SIGTERM", 1), ("SIGINT", 2)])
+def test_a_stopped_prepare_removes_its_temporary_folder(tmp_path, sig, workers):
+    """Stopped while it tokenizes (a reader that never finishes): one line, and no OUT.tmp-<pid> left."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import _env
+
+    (tmp_path / "a.txt").write_text("some text")
+    out = tmp_path / "out"
+    script = ("import sys, time\n"
+              "import titanlike.data.prepare.workers as w\n"
+              "w.read_chunk = lambda chunk: time.sleep(600)\n"
+              "from titanlike.data.prepare.cli import main\n"
+              "sys.exit(main(sys.argv[1:]))\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(out), str(tmp_path / "a.txt"), "--workers",
+                             str(workers)], env=_env(), stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not [p for p in os.listdir(tmp_path) if p.startswith("out.tmp-")]:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.05)
+        time.sleep(0.5)  # into the reader
+        proc.send_signal(getattr(signal, sig))
+        _, err = proc.communicate(timeout=30)
+    finally:  # the workers too, should the test fail with them still asleep in the reader
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert proc.returncode == 128 + getattr(signal, sig), err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "nothing was written" in lines[0], err
+    assert os.listdir(tmp_path) == ["a.txt"]
+
+
+def test_a_stop_while_overwrite_swaps_the_dataset_loses_neither(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM) between moving the earlier dataset aside and the new one into place: the swap
+    finishes, rather than both being removed with OUT.tmp-<pid>."""
+    import signal
+
+    from titanlike.data.prepare import output
+
+    (tmp_path / "a.txt").write_text("the earlier text")
+    (tmp_path / "b.txt").write_text("the new text, longer")
+    out = tmp_path / "out"
+    prepare(str(out), [str(tmp_path / "a.txt")], workers=1, val_fraction=0)
+    real, renames = os.rename, []
+
+    def rename(src, dst):
+        real(src, dst)
+        renames.append(dst)
+        if len(renames) == 1:  # the earlier dataset's first entry is aside, the new one not yet in place
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(output.os, "rename", rename)
+    prepare(str(out), [str(tmp_path / "b.txt")], workers=1, val_fraction=0, overwrite=True)
+    monkeypatch.undo()
+    record = json.loads((out / "dataset.json").read_text())
+    assert record["splits"]["train"]["tokens"] == len("the new text, longer") + 2
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.txt", "out"]

@@ -105,3 +105,29 @@ def test_mix_report_refuses_what_training_would(tmp_path, folders, capsys):
     (other / "dataset.json").write_text(json.dumps({**record, "vocab_size": 300}))
     assert main(["--mix-report", "--mix", f"web={folders['web']}:1,other={other}:1"]) == 2
     assert "were tokenized differently" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tokens", ["1e400", "nan", "inf", "-1"])
+def test_mix_report_refuses_a_token_count_that_is_not_a_number_in_one_line(folders, tokens):
+    from conftest import call
+
+    rc, err = call(main, "--mix-report", "--mix", f"web={folders['web']}:1", "--tokens", tokens)
+    assert rc == 2
+    assert err.startswith(f"error: argument --tokens: {tokens} must be a finite number >= 0") and \
+        err.count("\n") == 1, err
+
+
+def test_mix_report_checks_the_recorded_tokens_against_the_shards(tmp_path, folders, capsys):
+    import shutil
+
+    edited = tmp_path / "edited"
+    shutil.copytree(folders["code"], edited)
+    record = json.loads((edited / "dataset.json").read_text())
+    have = record["splits"]["train"]["tokens"]
+    record["splits"]["train"]["tokens"] = have * 1000
+    (edited / "dataset.json").write_text(json.dumps(record))
+    assert main(["--mix-report", "--mix", f"web={folders['web']}:1,code={edited}:1", "--tokens", "1e6"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {edited}/dataset.json records {have * 1000:,} training tokens but its train/ shards "
+                   f"hold {have:,}: the record was edited or the shards changed; re-make the data with "
+                   f"titanlike-prepare\n"), err

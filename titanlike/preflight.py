@@ -50,17 +50,40 @@ def check(cfg: JobConfig, world_size: int) -> ResolvedRun:
     return run
 
 
+def printed(text: str) -> int:
+    """Print `text` and return PRINTED, also when the reader went away first (`--help | head -3`)."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Nothing more can reach the reader; point stdout at /dev/null so that the interpreter's own flush
+        # at exit does not fail again with a traceback.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass  # a stdout without a file descriptor of its own: nothing left to flush into the pipe
+        os.close(devnull)
+    return PRINTED
+
+
+def world_size() -> int:
+    """The world size run_train.sh is about to launch (NGPU × NNODES), checked."""
+    text = os.environ.get(WORLD_ENV, "1")
+    if not (text.isdigit() and 1 <= int(text) <= 2**24):
+        raise UserError(f"{WORLD_ENV}={text!r}: the world size must be a whole number >= 1 (NGPU × NNODES)")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if any(a in ("-h", "--help") for a in argv):
-            print(help_text())
-            return PRINTED
+            return printed(help_text() + "\n")
         cfg = load_config(argv)
         if cfg.job.print_config:
-            print(to_toml(resolved(cfg)), end="")
-            return PRINTED
-        run = check(cfg, int(os.environ.get(WORLD_ENV, "1")))
+            return printed(to_toml(resolved(cfg)))
+        run = check(cfg, world_size())
         from titanlike.run.folder import check_not_in_use
 
         check_not_in_use(run.dump_folder, run.checkpoint_folder)  # a second run into a folder in use

@@ -10,12 +10,11 @@ reads it, rather than each part deriving its own piece from the config again.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from titanlike.config.dims import ParallelDims, parallel_dims
 from titanlike.config.resolve import ResolvedModel, resolve_model, with_resolved_shape
-from titanlike.config.schema import JobConfig
+from titanlike.config.schema import JobConfig, in_dump_folder
 from titanlike.config.sources import DataSchedule, schedule_of
 
 
@@ -60,6 +59,5 @@ def resolve_run(cfg: JobConfig, world_size: int) -> ResolvedRun:
     dims = parallel_dims(cfg, world_size)
     schedule = schedule_of(cfg.data)
     model = resolve_model(cfg, schedule)
-    folder = cfg.checkpoint.folder
-    checkpoints = folder if os.path.isabs(folder) else os.path.join(cfg.job.dump_folder, folder)
+    checkpoints = in_dump_folder(cfg.job.dump_folder, cfg.checkpoint.folder)
     return ResolvedRun(cfg, model, dims, schedule, cfg.job.dump_folder, checkpoints)

@@ -290,6 +290,8 @@ class Checkpoint:
     loading it can run any code its author put there. Only for folders from someone you trust."""
 
     def validate(self) -> None:
+        need(bool(self.folder.strip()),
+             "checkpoint.folder must not be empty (default \"checkpoint\", inside job.dump_folder)")
         need(self.interval >= 1, f"checkpoint.interval = {self.interval} must be >= 1")
         need(self.keep_latest_k >= 0, f"checkpoint.keep_latest_k = {self.keep_latest_k} must be >= 0 (0 = keep all)")
         need(self.load_step >= -1, f"checkpoint.load_step = {self.load_step} must be -1 (newest) or a step")
@@ -372,8 +374,24 @@ class JobConfig:
 # Rules across sections, and the entry points.
 
 
+def in_dump_folder(dump_folder: str, folder: str) -> str:
+    """A folder option (checkpoint.folder, profiling.folder): relative to job.dump_folder unless absolute."""
+    return folder if os.path.isabs(folder) else os.path.join(dump_folder, folder)
+
+
 def validate_across_sections(cfg: JobConfig) -> None:
     """Rules that tie one section's value to another's."""
+    ckpt = cfg.checkpoint.folder
+    # The checkpoint folder has a lock of its own beside the dump folder's: one folder for both would be
+    # "in use by another run", naming this one.
+    need(os.path.realpath(in_dump_folder(cfg.job.dump_folder, ckpt)) != os.path.realpath(cfg.job.dump_folder),
+         f"checkpoint.folder = {ckpt!r} is job.dump_folder itself ({cfg.job.dump_folder}): name a folder inside it "
+         f"(default \"checkpoint\") or elsewhere")
+    prof = in_dump_folder(cfg.job.dump_folder, cfg.profiling.folder)
+    need(not (cfg.profiling.enable or cfg.profiling.memory_snapshot) or not os.path.lexists(prof)
+         or os.path.isdir(prof),
+         f"profiling.folder = {cfg.profiling.folder!r} is a file: the traces go into a folder ({prof}); name "
+         f"another one")
     m = cfg.model
     need(m.flavor != "hf" or bool(cfg.checkpoint.initial_load_path),
          "model.flavor = hf takes the shape from a Hugging Face folder's config.json: "

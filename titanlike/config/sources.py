@@ -90,6 +90,9 @@ def parse_mix(text: str) -> list[Source]:
             raise ValueError(f"source name {name} appears twice")
         sources.append(Source(name, path, weight))
     total = sum(s.weight for s in sources)
+    if not math.isfinite(total):
+        raise ValueError(f"the weights add up to more than the largest number ({total}); they are relative: "
+                         f"give them on a smaller scale (0.7 and 0.3 mean the same as 70 and 30)")
     small = min(sources, key=lambda s: s.weight)
     if small.weight / total < MIN_SHARE:
         raise ValueError(f"source {small.name}'s share {small.weight / total:.2g} is below {MIN_SHARE:g}: "

@@ -39,17 +39,19 @@ class KVCache:
 
 
 def _blocks_over_cache(model: Transformer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                       positions: torch.Tensor, visible_len: int, mask: torch.Tensor | None) -> torch.Tensor:
+                       positions: torch.Tensor, visible_len: int, mask: torch.Tensor | None,
+                       causal: bool = False) -> torch.Tensor:
     """The blocks of Transformer.forward for new hidden states h (batch, new, dim) at `positions`:
     each layer writes its keys and values there, then attends to the first `visible_len` cached
-    positions under `mask` (new × visible_len, True = may attend; None = all)."""
+    positions under `mask` (new × visible_len, True = may attend; None = all), or causally
+    (`causal`: the new positions are all there is, and no mask is built)."""
     for i, layer in enumerate(model.blocks()):
         attn = layer.attention
         q, k, v = attn.project(layer.attention_norm(h), cos, sin)
         cache.k[i].index_copy_(2, positions, k.transpose(1, 2))
         cache.v[i].index_copy_(2, positions, v.transpose(1, 2))
         out = F.scaled_dot_product_attention(q.transpose(1, 2), cache.k[i][:, :, :visible_len],
-                                             cache.v[i][:, :, :visible_len], attn_mask=mask,
+                                             cache.v[i][:, :, :visible_len], attn_mask=mask, is_causal=causal,
                                              enable_gqa=attn.n_kv_heads != attn.n_heads)
         h = h + attn.wo(out.transpose(1, 2).reshape(h.shape[0], h.shape[1], -1))
         h = h + layer.feed_forward(layer.ffn_norm(h))
@@ -57,8 +59,9 @@ def _blocks_over_cache(model: Transformer, h: torch.Tensor, cos: torch.Tensor, s
 
 
 @torch.no_grad()
-def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """Logits of `tokens` (batch, new) at positions cache.length onwards, extending the cache.
+def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+    """Logits of `tokens` (batch, new) at positions cache.length onwards, extending the cache; with
+    `last_only`, of the last one alone (batch, 1, vocab): a long prompt's logits would be prompt × vocabulary.
 
     The same modules as Transformer.forward, attending to the cached keys and values as well.
     """
@@ -66,12 +69,15 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> 
     end = start + new
     cos, sin = model.rope_cos[start:end], model.rope_sin[start:end]
     # New position j may see cached positions and new ones up to itself: causal within the new
-    # block, everything before it. With one new token (decoding) that is no mask at all.
-    mask = torch.ones(new, end, dtype=torch.bool, device=tokens.device).tril(diagonal=start) if new > 1 else None
+    # block, everything before it. With one new token (decoding) that is no mask at all; into an empty
+    # cache (a prompt) it is is_causal, no mask either: memory grows with the prompt, not its square.
+    mask = (torch.ones(new, end, dtype=torch.bool, device=tokens.device).tril(diagonal=start)
+            if new > 1 and start > 0 else None)
     positions = torch.arange(start, end, device=tokens.device)
-    h = _blocks_over_cache(model, model.tok_embeddings(tokens), cos, sin, cache, positions, end, mask)
+    h = _blocks_over_cache(model, model.tok_embeddings(tokens), cos, sin, cache, positions, end, mask,
+                           causal=new > 1 and start == 0)
     cache.length = end
-    return model.output(model.norm(h))
+    return model.output(model.norm(h[:, -1:] if last_only else h))
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator | None) -> torch.Tensor:
@@ -142,7 +148,7 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, tempera
     if model.rope_cos.shape[0] < total:
         model.init_rope(total)
     cache = KVCache(model, 1, total, device, model.tok_embeddings.weight.dtype)
-    logits = forward_cached(model, torch.tensor([prompt], device=device), cache)[:, -1]
+    logits = forward_cached(model, torch.tensor([prompt], device=device), cache, last_only=True)[:, -1]
     if static is None:
         static = device.type == "cuda"
     step: Callable[[int, int], torch.Tensor]
@@ -188,9 +194,16 @@ def load(source: str, tokenizer: str, device: torch.device, trust_pickled_dcp: b
             tok = tokenizer_from_folder(source)
         else:
             raise UserError(f"{source} has no tokenizer.json; name one with --tokenizer")
+        if tok.vocab_size > margs.vocab_size:  # as export refuses it: ids past the embedding
+            raise UserError(f"the tokenizer has {tok.vocab_size} ids but the model only {margs.vocab_size}: "
+                            f"it is not the tokenizer this model was trained with (choose one with --tokenizer)")
     else:
         margs, state = read_model_weights(source, trust_pickled_dcp, flag="--trust-pickled-dcp")
         tok = run_tokenizer(source, tokenizer, margs.vocab_size)
+    for name, tensor in state.items():  # NaN weights would generate garbage (or the first id) silently
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise UserError(f"{source}: the weights hold non-finite values (NaN or inf), in {name} first; "
+                            f"they come from a run that diverged or a damaged file: use another checkpoint")
     with torch.device("meta"):
         model = Transformer(margs)
     model.to_empty(device="cpu")
@@ -222,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("max_new_tokens", "top_k"):
         if getattr(a, name) < 0:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)} must be >= 0")
+    if not 0 <= a.seed < 2**63:
+        p.error(f"--seed {a.seed} must be in [0, 2^63)")
     if not math.isfinite(a.temperature) or a.temperature < 0:
         p.error(f"--temperature {a.temperature} must be a finite number >= 0")
     try:

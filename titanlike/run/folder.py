@@ -71,11 +71,18 @@ class RunFolder:
             if found:
                 written = os.lstat(os.path.join(self.path, found[0])).st_mtime
                 stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(written))
-                target = os.path.join(self.path, "earlier-runs", stamp)
+                earlier = os.path.join(self.path, "earlier-runs")
+                if os.path.islink(earlier) or (os.path.lexists(earlier) and not os.path.isdir(earlier)):
+                    # Moving the records through a link would write wherever it points.
+                    what = "a symbolic link" if os.path.islink(earlier) else "not a folder"
+                    raise RunFolderError(f"{earlier} is {what}; a fresh run moves the earlier run's records "
+                                         f"({', '.join(found)}) into a folder there that it creates: move it away, "
+                                         f"or use another --job.dump_folder")
+                target = os.path.join(earlier, stamp)
                 k = 1
-                while os.path.exists(target):
+                while os.path.lexists(target):
                     k += 1
-                    target = os.path.join(self.path, "earlier-runs", f"{stamp}-{k}")
+                    target = os.path.join(earlier, f"{stamp}-{k}")
                 os.makedirs(target)
                 for name in found:
                     os.replace(os.path.join(self.path, name), os.path.join(target, name))

@@ -24,11 +24,25 @@ tokenizer into the Hugging Face folder. The shards are the same bytes for any --
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from titanlike.data.prepare.driver import prepare
 from titanlike.data.prepare.readers import ALL_SUFFIXES, TEXT_FIELDS
+from titanlike.data.prepare.workers import STOP_SIGNALS
 from titanlike.errors import ArgumentParser, UserError
+
+
+class Stopped(BaseException):
+    """A stop signal arrived while prepare ran (a BaseException, as KeyboardInterrupt: no handler keeps it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum: int, frame) -> None:
+    raise Stopped(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.workers < 0:
         p.error(f"--workers {a.workers} must be >= 0")
+    # SIGTERM (a scheduler, `kill`) or SIGHUP (a closed terminal) unwinds like Ctrl-C: the workers stop and
+    # OUT.tmp-<pid> is removed, where the default action would end the process and leave both behind.
+    previous = {sig: signal.signal(sig, _stop) for sig in STOP_SIGNALS}
     try:
         info = prepare(a.out, a.inputs, a.tokenizer, a.workers, a.text_field or "", a.val_fraction, a.shard_tokens,
                        a.overwrite, a.bos_token, a.eos_token, progress=sys.stderr.isatty())
@@ -69,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)
         return 130
+    except Stopped as e:
+        print(f"error: stopped by {signal.Signals(e.signum).name}; nothing was written", file=sys.stderr)
+        return 128 + e.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     tr, va = info["splits"]["train"], info["splits"]["val"]
     rate = (tr["tokens"] + va["tokens"]) / max(info["seconds"], 1e-9)
     dropped = f" ({info['empty_documents_dropped']:,} empty ones dropped)" if info["empty_documents_dropped"] else ""

@@ -11,16 +11,19 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 
 import numpy as np
 
 from titanlike import fs
 from titanlike.config.dataset import DATASET_FORMAT, DATASET_JSON
+from titanlike.config.schema import MAX_WORKERS_PER_CORE, available_cores
 from titanlike.data.prepare.output import check_output, publish
 from titanlike.data.prepare.readers import expand, plan
-from titanlike.data.prepare.workers import tokenized
+from titanlike.data.prepare.workers import STOP_SIGNALS, tokenized
 from titanlike.data.shards import ShardWriter, token_dtype
 from titanlike.errors import UserError
 
@@ -66,6 +69,10 @@ def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, 
         raise UserError(f"--val-fraction {val_fraction} must be in [0, 1)")
     if shard_tokens < 1:
         raise UserError(f"--shard-tokens {shard_tokens} must be >= 1")
+    cores = available_cores()
+    if workers > MAX_WORKERS_PER_CORE * cores:  # as data.num_workers: each one is a process
+        raise UserError(f"--workers {workers} is more than {MAX_WORKERS_PER_CORE} per CPU core ({cores} cores here): "
+                        f"use at most {MAX_WORKERS_PER_CORE * cores} (0 = one per core)")
     given = text_field if isinstance(text_field, list) else [text_field]
     if len(given) not in (1, len(inputs)):
         raise UserError(f"--text-field is given {len(given)} times for {len(inputs)} inputs: give it once (for "
@@ -78,7 +85,7 @@ def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, 
     tok = load_tokenizer(tokenizer, bos_token, eos_token)  # a bad tokenizer.json stops here, before any work
     total_bytes = sum(os.path.getsize(f) for f in files)
     # Every core this process may use (a container or taskset may allow fewer than the machine has).
-    workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) or 1
+    workers = workers or cores
     every = round(1 / val_fraction) if val_fraction > 0 else 0
     dtype = token_dtype(tok.vocab_size)
 
@@ -135,7 +142,7 @@ def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, 
         }
         fs.write_text(os.path.join(tmp, "tokenizer.json"), tok.to_json())
         fs.write_json(os.path.join(tmp, DATASET_JSON), info, indent=1)
-        publish(tmp, out)
+        _publish_uninterrupted(tmp, out)
     except OSError as e:  # a read-only or full disk, a folder we may not write: one line, nothing left behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(f"cannot write the dataset: {fs.describe_os_error(e, tmp)}") from None
@@ -144,6 +151,21 @@ def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, 
         raise
     info["seconds"] = seconds
     return info
+
+
+def _publish_uninterrupted(tmp: str, out: str) -> None:
+    """publish() with Ctrl-C and the stop signals ignored: over an earlier output it moves that output's
+    files into `tmp` before the new ones into place, and a stop in between would remove them with `tmp`.
+    It takes a few renames; a stop that comes then is answered by finishing."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
+        publish(tmp, out)
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, *STOP_SIGNALS)}
+    try:
+        publish(tmp, out)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _split(tokens: np.ndarray, lengths: np.ndarray, first_doc: int, every: int, splits: dict) -> None:

@@ -12,6 +12,7 @@ GPU hour is spent on a mixture that repeats a small source 40 times. Plain Pytho
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -28,6 +29,34 @@ def folder_record(path: str) -> dict:
         raise UserError(f"{path} has no dataset.json: give folders titanlike-prepare wrote")
     read_dataset_info(path)  # its checks: a record training would refuse is refused here too
     return fs.read_json(where, "the dataset record")
+
+
+def check_train_tokens(path: str, record: dict) -> None:
+    """The record's training tokens against its train/ shards' headers: the epochs are computed from it,
+    and an edited count would make a source that repeats 40 times look read once."""
+    from titanlike.data.shards import find_shards
+
+    where = str(dataset_info_path(path))
+    train = os.path.join(os.path.dirname(where), "train")
+    splits = record.get("splits") if isinstance(record, dict) else None
+    recorded = splits.get("train", {}).get("tokens") if isinstance(splits, dict) and isinstance(
+        splits.get("train"), dict) else None
+    held = sum(s.count for s in find_shards(train)) if os.path.isdir(train) else 0
+    if not isinstance(recorded, int) or isinstance(recorded, bool) or recorded != held:
+        shown = f"{recorded:,}" if isinstance(recorded, int) and not isinstance(recorded, bool) else repr(recorded)
+        raise UserError(f"{where} records {shown} training tokens but its train/ shards hold {held:,}: the record "
+                        f"was edited or the shards changed; re-make the data with titanlike-prepare")
+
+
+def token_count(text: str) -> float:
+    """--tokens: a finite number >= 0 (2e9 is how people write it)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0 (e.g. 2e9)")
+    return value
 
 
 def epochs_phrase(name: str, epochs: float) -> str:
@@ -54,6 +83,8 @@ def report(folders: list[str], mix: str, tokens: int) -> list[str]:
                      f"{kind}, {r.get('vocab_size')} ids ({path})")
     if sources:
         shared_dataset_info(sources)  # two tokenizers: the line training would stop with
+    for name, path in named:
+        check_train_tokens(path, records[name])
     if sources and tokens:
         total = sum(s.weight for s in sources)
         lines.append(f"training on {tokens:,} tokens:")
@@ -72,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folders", nargs="*", help="folders titanlike-prepare wrote")
     p.add_argument("--mix", default="", help="a mixture as --data.mix spells it: NAME=FOLDER:WEIGHT,...")
-    p.add_argument("--tokens", type=float, default=0, help="tokens the run trains on (e.g. 2e9)")
+    p.add_argument("--tokens", type=token_count, default=0, help="tokens the run trains on (e.g. 2e9)")
     p.add_argument("--steps", type=int, default=0, help="optimizer steps (with --tokens-per-step)")
     p.add_argument("--tokens-per-step", type=int, default=0, help="global batch × data.seq_len")
     a = p.parse_args(argv)

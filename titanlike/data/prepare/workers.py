@@ -19,12 +19,16 @@ from titanlike.data.prepare.readers import Chunk, read_chunk
 from titanlike.data.shards import token_dtype
 
 _tokenizer = None
+# Signals that stop titanlike-prepare (besides Ctrl-C): the main process cleans up on them (cli.py).
+STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
 
 
 def _init_worker(spec: str, bos: str, eos: str, pool_worker: bool = True) -> None:
     global _tokenizer
     if pool_worker:  # Ctrl-C is the main process's to handle (it stops the pool): no traceback per worker
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for sig in STOP_SIGNALS:  # the main process's handlers (cli.py) are not a worker's: the pool ends it
+            signal.signal(sig, signal.SIG_DFL)
     # Each worker is one core: the tokenizers package's own thread pool would only oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from titanlike.data.tokenizer import load_tokenizer
