@@ -553,6 +553,18 @@ def test_launcher_print_config(tmp_path):
     assert "train step" not in proc.stdout + proc.stderr  # printed, not trained
 
 
+def test_a_printed_config_trains_when_read_back(tmp_path, capsys):
+    """`--job.print_config > saved.toml`, then `--job.config_file saved.toml`: the saved file is a config to
+    train with, not one more request to print (the flag stays on the command line, not in the file)."""
+    from titanlike import preflight
+
+    assert preflight.main(["--job.config_file", DEBUG_TOML, "--job.print_config", "--training.steps", "5"]) == 3
+    saved = write_toml(tmp_path, capsys.readouterr().out)
+    again = load_config(["--job.config_file", saved])
+    assert again.job.print_config is False and again.training.steps == 5
+    assert load_config(["--job.config_file", saved, "--job.print_config"]).job.print_config is True
+
+
 def test_bare_option_needs_a_value_unless_boolean():
     with pytest.raises(ConfigError, match=r"^--training.steps needs a value: an integer$"):
         load_config(["--training.steps", "--compile.enable"])

@@ -13,6 +13,7 @@ only the data check loads): the config schema, the model shapes and the file che
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -28,7 +29,9 @@ WORLD_ENV = "TITANLIKE_PREFLIGHT_WORLD"
 def resolved(cfg: JobConfig) -> JobConfig:
     """The config as the run will use it: [model] with the shape it resolves to (the preset's or the
     data's values where the config leaves them unset), for --job.print_config, which needs no world
-    size (a resolved run's own is ResolvedRun.resolved_config())."""
+    size (a resolved run's own is ResolvedRun.resolved_config()). Printed with `print_config = false`: the
+    request to print is the command line's, and a saved copy of the output is a config that trains."""
+    cfg = dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, print_config=False))
     return with_resolved_shape(cfg, resolve_model(cfg))
 
 

@@ -42,7 +42,8 @@ class Job:
     seed: int = 0
     """Seed for weight init, data order and dropout-free RNG state; same seed, same run."""
     print_config: bool = False
-    """Print the resolved config as TOML and exit without training."""
+    """Print the resolved config as TOML and exit without training. The printed file says `print_config =
+    false`: saved, it trains as `--job.config_file`."""
 
     def validate(self) -> None:
         need(0 <= self.seed < 2**63, f"job.seed = {self.seed} must be in [0, 2^63)")
