@@ -37,9 +37,11 @@ Every option is `--section.key value` (or `--section.key=value`) on the command 
 file named by `--job.config_file`, over the default below. Booleans take `--compile.enable` alone or
 `--compile.enable false`; lists are comma-separated on the command line (`--optimizer.betas 0.9,0.95`)
 and TOML arrays in a file. An option shown as *unset* by default means "decide for me" (see its
-description) and can be set back to unset with `none` or `auto`. `--help` prints this list;
-`--job.print_config` prints the resolved config as TOML; every run writes it to
-`<job.dump_folder>/config.toml`.
+description) and can be set back to unset with `none` or `auto`. `--help` prints this list, each
+option with the value a run with the other arguments uses, in TOML (`./run_train.sh --help`: those of
+`train_configs/debug_model.toml`, the launcher's default config file, such as
+`--job.dump_folder = "./outputs/debug"`); `--job.print_config` prints the resolved config as TOML;
+every run writes it to `<job.dump_folder>/config.toml`.
 
 A TOML file uses the same names:
 

@@ -509,6 +509,22 @@ def test_help_lists_every_key(capsys):
             assert f"--{name}.{f.name} " in out
 
 
+def test_help_shows_the_values_a_run_uses(capsys):
+    """`./run_train.sh --help` passes the launcher's config file (debug_model.toml): each option shows the
+    value a run with those arguments would use, in TOML, beside the schema's default."""
+    from titanlike import preflight
+
+    assert preflight.main(["--job.config_file", DEBUG_TOML, "--training.steps", "7", "--help"]) == 3
+    out = capsys.readouterr().out
+    assert '--job.dump_folder = "./outputs/debug"  (a string; default "./outputs")' in out
+    assert "--training.steps = 7  (an integer; default" in out  # the command line over the file
+    assert "--data.seq_len = 256  (an integer; default" in out
+    assert "--model.tie_embeddings = unset" in out
+    assert preflight.main(["--training.stepz", "7", "--help"]) == 3  # a typo: the defaults, and why
+    out = capsys.readouterr().out
+    assert "--training.steps = 100  (an integer; default 100)" in out and "unknown config key training.stepz" in out
+
+
 # ---- the launcher ---------------------------------------------------------------------------------
 
 

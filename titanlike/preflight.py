@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if any(a in ("-h", "--help") for a in argv):
-            return printed(help_text() + "\n")
+            return printed(help_text(argv) + "\n")
         cfg = load_config(argv)
         if cfg.job.print_config:
             return printed(to_toml(resolved(cfg)))

@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if any(a in ("-h", "--help") for a in argv):
             if rank == 0:
-                print(help_text())
+                print(help_text(argv))
             return 0
         cfg = load_config(argv)
         if cfg.job.print_config:

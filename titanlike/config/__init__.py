@@ -42,8 +42,9 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
     return loader.load(JobConfig, argv, validate, USAGE)
 
 
-def help_text() -> str:
-    return loader.help_text(JobConfig, USAGE)
+def help_text(argv: list[str] | None = None) -> str:
+    """--help: every option with the value a run with `argv` would use, its type, default and meaning."""
+    return loader.help_text(JobConfig, USAGE, argv)
 
 
 def resumable_settings(cfg: JobConfig, schedule: DataSchedule | None = None) -> dict:

@@ -248,8 +248,15 @@ def load(root_cls: type[Root], argv: list[str] | None, validate: Callable[[Root]
     `--help` anywhere prints the usage line and every option, and exits 0."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
-        print(help_text(root_cls, usage))
+        print(help_text(root_cls, usage, argv))
         raise SystemExit(0)
+    cfg = _read(root_cls, argv)
+    validate(cfg)
+    return cfg
+
+
+def _read(root_cls: type[Root], argv: list[str]) -> Root:
+    """Defaults, then the TOML file, then the command line; not validated."""
     overrides = parse_cli(argv)
     cfg = root_cls()
     config_file = [v for s, k, v in overrides if (s, k) == ("job", "config_file")]
@@ -262,7 +269,6 @@ def load(root_cls: type[Root], argv: list[str] | None, validate: Callable[[Root]
                 _set(cfg, section, key, value, path)
     for section, key, value in overrides:
         _set(cfg, section, key, value, "the command line")
-    validate(cfg)
     return cfg
 
 
@@ -301,15 +307,30 @@ def to_toml(cfg: object) -> str:
     return "\n".join(lines)
 
 
-def help_text(root_cls: type, usage: str = "") -> str:
-    """The usage line, then every option with its type, default and docstring, section by section."""
+def help_text(root_cls: type, usage: str = "", argv: list[str] | None = None) -> str:
+    """The usage line, then every option with the value a run with `argv` (the command line, --help left
+    out; run_train.sh passes its config file) would use, in TOML, its type, default and docstring,
+    section by section. Not validated: --help shows what was asked for even where a rule would refuse it."""
     out = [usage, ""] if usage else []
+    args = [a for a in argv or [] if a not in ("-h", "--help")]
+    run: Any = root_cls()
+    try:
+        run = _read(root_cls, args)
+        out += ["Each option: the value a run with these arguments uses (default < the TOML file that",
+                "--job.config_file names < the command line), then its type and the default.", ""]
+    except ConfigError as e:
+        out += [f"These arguments do not load ({e}): each option shows its default.", ""]
     for name, cls in sections_of(root_cls).items():
         out.append(f"[{name}]")
         docs = field_docs(cls)
-        defaults = cls()
+        defaults, values = cls(), getattr(run, name)
         for key, tp in field_types(cls).items():
-            out.append(f"  --{name}.{key} ({describe_type(tp)}; default {getattr(defaults, key)!r})")
+            value, default = (_help_value(getattr(x, key)) for x in (values, defaults))
+            out.append(f"  --{name}.{key} = {value}  ({describe_type(tp)}; default {default})")
             out.append(f"      {docs.get(key, '')}")
         out.append("")
     return "\n".join(out)
+
+
+def _help_value(v: object) -> str:
+    return "unset" if v is None else toml_value(v)
