@@ -383,6 +383,27 @@ def test_export_errors(tmp_path, ref, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_export_of_a_run_folder_names_its_newest_intact_step(tmp_path, capsys):
+    """`titanlike-export RUN_FOLDER OUT`: the dump folder, not a step folder; the line names the newest step
+    of its checkpoint folder that is complete (a half-written or emptied newer one is passed over)."""
+    from titanlike.hf.export import main
+
+    run = tmp_path / "run"
+    for step, files in ((4, (".metadata", "model_args.json")), (6, (".metadata", "model_args.json")), (9, ())):
+        (run / "checkpoint" / f"step-{step}").mkdir(parents=True)
+        for name in files:
+            (run / "checkpoint" / f"step-{step}" / name).write_text("{}")
+    (run / "checkpoint" / "step-12.tmp").mkdir()
+    (run / "metrics.jsonl").write_text("")
+    assert main([str(run), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {run} is a run folder, not a checkpoint: pass a step folder, e.g. {run}/checkpoint/step-6"]
+    assert main([str(run / "checkpoint"), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {run}/checkpoint holds checkpoints, it is not one: pass a step folder, e.g. {run}/checkpoint/step-6"]
+    assert not (tmp_path / "out").exists()
+
+
 def test_export_of_a_folder_with_garbage_is_one_line(trained_run, tmp_path):
     from titanlike.hf import export
 

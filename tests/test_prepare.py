@@ -169,6 +169,16 @@ def test_help_lists_every_extension():
         assert suffix in out
 
 
+def test_usage_names_both_forms(capsys):
+    """The usage line (printed with --help and over every argument error) names --mix-report too."""
+    from titanlike.data.prepare.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    usage = capsys.readouterr().out.split("\n\n")[0]
+    assert "usage: titanlike-prepare " in usage and "titanlike-prepare --mix-report FOLDER" in usage, usage
+
+
 def test_refuses_to_overwrite_and_overwrite_replaces(tmp_path):
     (tmp_path / "a.txt").write_text("first")
     (tmp_path / "b.txt").write_text("second")

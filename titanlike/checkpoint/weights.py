@@ -89,6 +89,18 @@ def load_step_weights(model: torch.nn.Module, margs: ModelArgs, path: str, *, tr
     set_model_state_dict(model, state["model"])
 
 
+def _newest_step(folder: str) -> str | None:
+    """The newest step-N folder in `folder` that is complete (its .metadata and model shape written), else
+    the newest step-N of any kind, else None."""
+    try:
+        steps = sorted((p for p in os.scandir(folder) if p.is_dir() and p.name.startswith("step-")
+                        and p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+    except OSError:
+        return None
+    intact = [p for p in steps if all(os.path.isfile(os.path.join(p.path, n)) for n in (".metadata", MODEL_ARGS))]
+    return (intact or steps)[-1].path if steps else None
+
+
 def step_folder_problem(step_dir: str) -> str | None:
     """Why `step_dir` is not a step folder to read weights from (a message), or None."""
     if not os.path.isdir(step_dir):
@@ -96,10 +108,14 @@ def step_folder_problem(step_dir: str) -> str | None:
     if step_dir.rstrip("/").endswith(".tmp"):
         return f"{step_dir} is a save that never completed; use a complete step-N folder"
     if not (is_dcp_folder(step_dir) and os.path.isfile(os.path.join(step_dir, MODEL_ARGS))):
-        steps = sorted((p for p in os.scandir(step_dir) if p.is_dir() and p.name.startswith("step-")
-                        and p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
-        if steps:
-            return f"{step_dir} holds checkpoints, it is not one: pass a step folder, e.g. {steps[-1].path}"
+        newest = _newest_step(step_dir)
+        if newest:
+            return f"{step_dir} holds checkpoints, it is not one: pass a step folder, e.g. {newest}"
+        # A run's dump folder: its checkpoint folder (checkpoint.folder, "checkpoint" by default) is inside.
+        for sub in sorted(p.path for p in os.scandir(step_dir) if p.is_dir() and not p.is_symlink()):
+            newest = _newest_step(sub)
+            if newest:
+                return f"{step_dir} is a run folder, not a checkpoint: pass a step folder, e.g. {newest}"
         missing = MODEL_ARGS if is_dcp_folder(step_dir) else ".metadata"
         return f"{step_dir} is not a titanlike checkpoint step folder (no {missing})"
     return None

@@ -71,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier output of titanlike-prepare in OUT: only its own files, once the "
                         "new data is complete")
+    # Two commands under one name: the usage argparse writes for this one, then --mix-report's.
+    p.usage = (p.format_usage().removeprefix("usage: ").rstrip("\n")
+               + "\n       titanlike-prepare --mix-report FOLDER [FOLDER ...] [--mix MIX] [--tokens T] [--steps N "
+               "--tokens-per-step T]")
     a = p.parse_args(argv)
     if a.workers < 0:
         p.error(f"--workers {a.workers} must be >= 0")
