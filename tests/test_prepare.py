@@ -108,22 +108,46 @@ def test_hf_tokenizer_and_dataset_json(tmp_path, hf_tokenizer):
     assert tok.bos_id is None and tok.eos_token == "<|endoftext|>"
     train = shard_tokens(tmp_path / "out" / "train")
     val = shard_tokens(tmp_path / "out" / "val")
-    # Every 10th document is held out; the rest train, each tokenized exactly as the tokenizer does.
-    held = [d for i, d in enumerate(DOCS) if i % 10 == 9]
-    kept = [d for i, d in enumerate(DOCS) if i % 10 != 9]
+    # A document is held out while val, with it, keeps within 10 % of the tokens so far; the rest train, each
+    # tokenized exactly as the tokenizer does.
+    held, kept, total, held_tokens = [], [], 0, 0
+    for d in DOCS:
+        n = len(tok.tok.encode(d, add_special_tokens=False).ids) + 1
+        total += n
+        if held_tokens + n <= 0.1 * total:
+            held.append(d)
+            held_tokens += n
+        else:
+            kept.append(d)
     expected = np.concatenate([np.append(tok.tok.encode(d, add_special_tokens=False).ids, tok.eos_id) for d in kept])
     np.testing.assert_array_equal(train, expected)
     assert documents(val, tok) == held
     out = tmp_path / "out"
     assert (out / "tokenizer.json").read_text() == Path(hf_tokenizer).read_text()
     vocab = tok.tok.get_vocab_size()
-    assert info["splits"]["val"]["documents"] == 6 and info["vocab_size"] == vocab and 320 < vocab <= 384
+    assert info["splits"]["val"]["documents"] == len(held) >= 4 and info["vocab_size"] == vocab and 320 < vocab <= 384
     # Training reads dataset.json: the vocabulary is the tokenizer's rounded up to a multiple of 64.
     assert resolve_model_args(load_config(["--data.path", str(out / "train")])).vocab_size == 384
     larger = load_config(["--data.path", str(out / "train"), "--model.vocab_size", "512"])
     assert resolve_model_args(larger).vocab_size == 512
     with pytest.raises(ConfigError, match=f"model.vocab_size = 300 is smaller than the tokenizer's {vocab} ids"):
         resolve_model_args(load_config(["--data.path", str(out / "train"), "--model.vocab_size", "300"]))
+
+
+def test_a_tokenizer_without_end_of_text_lists_its_special_tokens(tmp_path):
+    """The line names the tokens --eos-token could be (the tokenizer's special ones), not only the usual names
+    it looked for."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<doc_end>", "<pad>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(DOCS, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "a.txt").write_text("some text")
+    with pytest.raises(UserError, match=r"its special tokens: <doc_end>, <pad>\)?; name the one that separates "
+                                        r"documents with --eos-token"):
+        prepare(str(tmp_path / "out"), [str(tmp_path / "a.txt")], str(tmp_path / "tokenizer.json"))
 
 
 def test_workers_give_identical_shards(tmp_path, hf_tokenizer, monkeypatch):
@@ -201,6 +225,19 @@ def test_no_validation_documents_says_how_to_get_some(tmp_path):
     assert "pass --val-fraction 0.4" in proc.stderr
     proc = cmd(str(tmp_path / "out5b"), *[str(tmp_path / f"doc{i}.txt") for i in range(5)], "--val-fraction", "0.4")
     assert f"--data.val_path {tmp_path}/out5b/val" in proc.stdout
+
+
+def test_val_fraction_is_a_share_of_tokens(tmp_path):
+    """One long document where every 100th would be held out no longer puts a third of the tokens into val:
+    --val-fraction 0.01 holds out at most 1 % of the tokens (whole documents, the long one kept in train)."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(300):
+        (docs / f"{i:03d}.txt").write_text(("long text " * 2000) if i == 99 else f"short document {i:03d} " * 5)
+    info = prepare(str(tmp_path / "out"), [str(docs)], workers=1, val_fraction=0.01)
+    train, val = info["splits"]["train"]["tokens"], info["splits"]["val"]["tokens"]
+    assert 0.005 < val / (train + val) <= 0.01, (train, val)
+    assert info["val_fraction"] == 0.01
 
 
 def bad_inputs(root: Path) -> list[tuple[list[str], tuple[str, ...]]]:

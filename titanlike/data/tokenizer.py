@@ -111,10 +111,19 @@ class HFTokenizer:
         self.eos_token, self.eos_id = self._special(eos_token, EOS_NAMES, "eos")
         self.bos_token, self.bos_id = self._special(bos_token, BOS_NAMES, "bos")
         if self.eos_id is None:
-            raise TokenizerError(f"{path} has none of the end-of-text tokens {', '.join(EOS_NAMES)}: "
-                                 f"name the one that separates documents with --eos-token")
+            raise TokenizerError(f"{path} has none of the end-of-text tokens {', '.join(EOS_NAMES)} "
+                                 f"({self._special_tokens()}); name the one that separates documents with --eos-token")
         # encode_batch_fast (tokenizers >= 0.20) skips the character offsets we never use.
         self._encode = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
+
+    def _special_tokens(self, most: int = 20) -> str:
+        """The tokenizer's special tokens in id order, for a message: what --eos-token could name."""
+        added: dict = getattr(self.tok, "get_added_tokens_decoder", dict)()
+        names = [t.content for _, t in sorted(added.items()) if getattr(t, "special", False)]
+        if not names:
+            return "it has no special tokens"
+        more = f" and {len(names) - most} more" if len(names) > most else ""
+        return f"its special tokens: {', '.join(names[:most])}{more}"
 
     def _special(self, name: str, candidates: tuple[str, ...], what: str) -> tuple[str | None, int | None]:
         if name:

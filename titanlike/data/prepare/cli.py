@@ -12,8 +12,8 @@ INPUT is a file, a folder (its files of the formats below, recursively) or a glo
 first of text, content, raw_content, body, document, code that it has. With several inputs, the
 summary gives each one's documents and tokens (what a mixture's weights are set from).
 
-Every document becomes [BOS] tokens [EOS] (no BOS when the tokenizer has none). Every k-th document
-(k = 1 / --val-fraction) goes to OUT/val/, the others to OUT/train/. OUT/dataset.json records the
+Every document becomes [BOS] tokens [EOS] (no BOS when the tokenizer has none). Whole documents go to
+OUT/val/ up to --val-fraction of the tokens (never more), the others to OUT/train/. OUT/dataset.json records the
 tokenizer (a copy of its tokenizer.json sits next to it), its vocabulary and bos/eos ids, the token
 counts and the inputs; training reads it to size the model's vocabulary, and the export copies the
 tokenizer into the Hugging Face folder. The shards are the same bytes for any --workers.
@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the JSON field / parquet column holding the text: once for every input, or once per "
                         f"input in their order (default: the first of {', '.join(TEXT_FIELDS)} a file has)")
     p.add_argument("--val-fraction", type=float, default=0.01,
-                   help="share of documents held out for validation: every round(1/f)-th (default 0.01; 0 = none)")
+                   help="share of the tokens held out for validation, at most, as whole documents "
+                        "(default 0.01; 0 = none)")
     p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard file (default 1e8)")
     p.add_argument("--eos-token", default="", help="the token that ends a document (default: found by name)")
     p.add_argument("--bos-token", default="", help="the token that begins a document (default: found by name, or none)")
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{a.out}: {info['documents']:,} documents{dropped}, {info['text_bytes'] / 1e6:,.1f} MB of text "
           f"in {info['seconds']:.1f}s "
           f"({rate:,.0f} tok/s) | train {tr['tokens']:,} tokens in {tr['shards']} shard(s) | "
-          f"val {va['tokens']:,} tokens in {va['shards']} shard(s) | "
+          f"val {va['tokens']:,} tokens ({va['tokens'] / max(1, tr['tokens'] + va['tokens']):.2%}) in {va['shards']} "
+          f"shard(s) | "
           f"{info['tokenizer']['kind']} tokenizer, vocabulary {info['vocab_size']}")
     total = max(1, tr["tokens"] + va["tokens"])
     for source, given in zip(info["sources"], a.inputs) if len(a.inputs) > 1 else ():
@@ -112,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     if va["tokens"]:
         print(f"train with: --data.path {a.out}/train --data.val_path {a.out}/val")
     else:
-        why = ("--val-fraction is 0" if not info["val_every"] else
-               f"every {info['val_every']}th document goes to validation and there are {info['documents']}")
+        why = ("--val-fraction is 0" if not info["val_fraction"] else
+               f"no document fits in --val-fraction {info['val_fraction']:g} of the tokens; there are "
+               f"{info['documents']}")
         more = "give more documents (a text file is one document, a .jsonl line or parquet row one)"
         if info["documents"] >= 2:
             more = f"pass --val-fraction {min(0.5, max(0.01, 2 / info['documents'])):g} or {more}"

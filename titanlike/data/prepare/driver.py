@@ -1,9 +1,10 @@
 """prepare(): inputs in, a dataset folder out.
 
 The readers plan the inputs into chunks, the workers tokenize them, and here each document goes to
-its split (every k-th to val) and into that split's shards; dataset.json and a copy of the tokenizer
-go beside them. Everything is written into OUT.tmp-<pid>/ and moved into OUT only once complete
-(output.py), so Ctrl-C or an error leaves nothing behind.
+its split (val while it keeps within --val-fraction of the tokens: Holdout) and into that split's
+shards; dataset.json and a copy of the tokenizer go beside them. Everything is written into
+OUT.tmp-<pid>/ and moved into OUT only once complete (output.py), so Ctrl-C or an error leaves
+nothing behind.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, 
     total_bytes = sum(os.path.getsize(f) for f in files)
     # Every core this process may use (a container or taskset may allow fewer than the machine has).
     workers = workers or cores
-    every = round(1 / val_fraction) if val_fraction > 0 else 0
+    holdout = Holdout(val_fraction)
     dtype = token_dtype(tok.vocab_size)
 
     tmp = f"{out}.tmp-{os.getpid()}"
@@ -103,7 +104,7 @@ def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, 
         sources: list[dict] = [{"input": os.path.abspath(i), "documents": 0, "tokens": 0, "text_fields": set()}
                                for i in inputs]
         for tokens, lengths, counts in tokenized(chunks, workers, spec, tok.bos_token or "", tok.eos_token or ""):
-            _split(tokens, lengths, n_docs, every, splits)
+            _split(tokens, lengths, holdout.held(lengths), splits)
             n_docs += lengths.size
             text_bytes += counts.text_bytes
             empty += counts.empty_documents
@@ -131,7 +132,7 @@ def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, 
             "empty_documents_dropped": empty,
             "splits": {name: {"tokens": w.total, "documents": w.documents, "shards": w.index}
                        for name, w in splits.items()},
-            "val_every": every,
+            "val_fraction": val_fraction,
             "inputs": [os.path.abspath(i) for i in inputs],
             "sources": [{**s, "text_fields": sorted(s["text_fields"])} for s in sources],
             "files": len(files),
@@ -168,16 +169,46 @@ def _publish_uninterrupted(tmp: str, out: str) -> None:
             signal.signal(sig, handler)
 
 
-def _split(tokens: np.ndarray, lengths: np.ndarray, first_doc: int, every: int, splits: dict) -> None:
-    """Documents first_doc, first_doc + 1, ... to their splits: every `every`-th to val, in order."""
+class Holdout:
+    """Which documents go to val: a document is held out when val, with it, holds at most `fraction` of the
+    tokens so far (its own included), so that val is a share of the tokens, never more, whatever the
+    documents' lengths: a long document stays in train unless there is room for it. Documents of equal
+    length: every round(1 / fraction)-th. A function of the documents in order, so the same for any --workers."""
+
+    def __init__(self, fraction: float):
+        self.fraction, self.total, self.val = fraction, 0, 0
+
+    def held(self, lengths: np.ndarray) -> list[int]:
+        """The documents of this chunk (indices into `lengths`) that go to val."""
+        ends = self.total + np.cumsum(lengths, dtype=np.int64)
+        self.total = int(ends[-1]) if lengths.size else self.total
+        if not self.fraction:
+            return []
+        room = self.fraction * ends.astype(np.float64) * (1 + 1e-9)  # the share of every token up to each document
+        window = max(64, int(4 / self.fraction))  # looked at a few expected gaps at a time: O(documents) in all
+        held: list[int] = []
+        start = 0
+        while start < lengths.size:
+            stop = min(lengths.size, start + window)
+            fits = self.val + lengths[start:stop] <= room[start:stop]
+            if not fits.any():
+                start = stop
+                continue
+            i = start + int(np.argmax(fits))
+            held.append(i)
+            self.val += int(lengths[i])
+            start = i + 1
+        return held
+
+
+def _split(tokens: np.ndarray, lengths: np.ndarray, held: list[int], splits: dict) -> None:
+    """One chunk's documents to their splits, in order: those `held` to val, the others to train."""
     train, val = splits["train"], splits["val"]
-    if not every:
+    if not held:
         train.add(tokens)
         train.documents += lengths.size
         return
     ends = np.cumsum(lengths)
-    # Global index g goes to val when (g + 1) % every == 0.
-    held = [i for i in range((every - 1 - first_doc) % every, lengths.size, every)]
     pos = 0
     for i in held:
         start = int(ends[i] - lengths[i])
