@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,9 @@ def test_offline_run_holds_the_records_and_a_resume_continues_it(tmp_path, monke
     assert any("train/lr" in r for r in rows) and any("train/grad_norm" in r for r in rows)
     assert [r["step"] for r in rows if "val/loss" in r] == [4]
 
+    # A resumed run goes on in the same W&B run (offline: a second folder with the same id). The folder is
+    # named by the second W&B started in: a run of a real length never resumes within the same second.
+    time.sleep(1.0)
     # A resumed run goes on in the same W&B run (offline: a second folder with the same id).
     train_here(dump, *SHORT[:1], "6", *SHORT[2:], "--metrics.enable_wandb", "--checkpoint.enable",
                "--checkpoint.interval", "4")
@@ -70,6 +74,14 @@ def test_offline_run_holds_the_records_and_a_resume_continues_it(tmp_path, monke
     assert len(runs) == 2 and all(r.name == f"run-{run_id}.wandb" for r in runs)
     later = {r["step"] for r in history(runs[1]) if "train/loss" in r}
     assert later == {5, 6}
+
+    # A fresh run into the folder (no checkpoint to resume) moves W&B's files aside with the other records,
+    # and starts a W&B run of its own.
+    train_here(dump, *SHORT, "--metrics.enable_wandb")
+    [moved] = (dump / "earlier-runs").iterdir()
+    assert (moved / "wandb" / "titanlike-run-id").read_text().strip() == run_id
+    [fresh] = offline_runs(dump)
+    assert fresh.name != f"run-{run_id}.wandb"
 
 
 def test_only_the_writer_rank_opens_a_run(tmp_path, monkeypatch):
