@@ -97,6 +97,19 @@ def test_command_on_a_step_folder(tmp_path):
     lines = bad.stderr.strip().splitlines()
     assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ")
 
+    # Export and generate never import torchao, whose import prints notices of its own (an extension it could
+    # not load, a pytree deprecation): transformers imports it when installed, which is not ours to quiet
+    # (docs/troubleshooting.md, "Loading an exported folder in transformers").
+    out = tmp_path / "exported"
+    code = ("import sys; from titanlike.hf import export, generate; "
+            f"assert export.main([{str(step)!r}, {str(out)!r}]) == 0; "
+            f"assert generate.main([{str(out)!r}, '--max-new-tokens', '2', '--device', 'cpu']) == 0; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torchao', 'transformers')))")
+    quiet = run_python("-c", code)
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stdout.splitlines()[-1] == "[]"
+    assert "Failed to load" not in quiet.stderr and "_pytree" not in quiet.stderr
+
 
 # ---- what generate refuses, and what a long prompt costs ------------------------------------------------
 

@@ -50,6 +50,10 @@ def check(cfg: JobConfig, world_size: int) -> ResolvedRun:
             open_shards(s.splits()[0], cfg.data.seq_len, limit, source, f"data source {s.name}")
     elif not run.builtin_corpus:
         open_shards(cfg.data.path, cfg.data.seq_len, limit, source, "data.path")
+    if cfg.metrics.enable_wandb:
+        from titanlike.run.wandb_sink import check_installed
+
+        check_installed()  # found, not imported
     return run
 
 

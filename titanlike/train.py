@@ -34,7 +34,7 @@ from titanlike.model.loss import build_loss, cross_entropy  # noqa: F401  (cross
 from titanlike.model.shape import describe, flops_per_token
 from titanlike.optim import build_optimizer, build_scheduler, clip_and_step
 from titanlike.preflight import resolved
-from titanlike.run import faults, stopping
+from titanlike.run import faults, stopping, wandb_sink
 from titanlike.run.folder import RunFolder
 from titanlike.run.metrics import MetricsLogger
 from titanlike.run.nonfinite import NonFiniteGuard
@@ -62,6 +62,8 @@ class Trainer:
         world, rank, local_rank = world_from_env()
         # The shape, degrees, batch plan, sources and phases: resolved once, as the preflight checked them.
         self.run = resolve_run(cfg, world)
+        if cfg.metrics.enable_wandb:
+            wandb_sink.check_installed()  # before any work, as the preflight does
         self.dims, self.local_rank = self.run.dims, local_rank
         self.global_batch, self.accum_steps = self.dims.global_batch, self.dims.accum_steps
         self.is_main = rank == 0
@@ -143,7 +145,8 @@ class Trainer:
         self.metrics = MetricsLogger(
             cfg.job.dump_folder, is_writer=self.is_main, tensorboard=cfg.metrics.enable_tensorboard,
             device=self.device, flops_per_token=self.flops_per_token, float8_matmul_share=float8_report.matmul_share,
-            purge_step=purge_step)
+            purge_step=purge_step,
+            wandb=(cfg.metrics.wandb_project, cfg.metrics.wandb_name) if cfg.metrics.enable_wandb else None)
         # Float8 follows the weights (initialised or loaded) and updates its scales after each update.
         self.float8.attach(self.optimizer, counters=self.state, metrics=self.metrics, log_freq=cfg.metrics.log_freq)
         self.profiler = Profiler(cfg.profiling, cfg.job.dump_folder, rank, self.device, start_step=self.state.step)

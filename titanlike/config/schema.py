@@ -308,9 +308,20 @@ class Metrics:
     """Log one console line and one metrics.jsonl record every this many steps."""
     enable_tensorboard: bool = True
     """Write TensorBoard scalars to <dump_folder>/tb."""
+    enable_wandb: bool = False
+    """Also send the TensorBoard scalars to Weights & Biases (pip install 'titanlike[wandb]'); W&B's files go to
+    <dump_folder>/wandb, and a resumed run continues the same W&B run. WANDB_MODE=offline needs no account."""
+    wandb_project: str = "titanlike"
+    """The W&B project the run goes to (the entity is W&B's own setting: WANDB_ENTITY, or your default)."""
+    wandb_name: str = ""
+    """The W&B run's display name ("" = the dump folder's name)."""
 
     def validate(self) -> None:
         need(self.log_freq >= 1, f"metrics.log_freq = {self.log_freq} must be >= 1")
+        bad = [c for c in "/\\#?%:" if c in self.wandb_project]
+        need(bool(self.wandb_project.strip()) and len(self.wandb_project) <= 128 and not bad,
+             f"metrics.wandb_project = {self.wandb_project!r}: a W&B project name is 1 to 128 characters, "
+             f"none of / \\ # ? % :")
 
 
 @dataclass

@@ -27,7 +27,7 @@ from titanlike.errors import UserError
 
 logger = logging.getLogger("titanlike")
 
-RECORDS = ("metrics.jsonl", "metrics.dropped.jsonl", "tb", "config.toml")
+RECORDS = ("metrics.jsonl", "metrics.dropped.jsonl", "tb", "wandb", "config.toml")
 
 
 class RunFolderError(UserError):

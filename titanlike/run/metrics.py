@@ -1,4 +1,4 @@
-"""What a run reports: one console line, one metrics.jsonl record and TensorBoard scalars per log step.
+"""What a run reports: one console line, one metrics.jsonl record and TensorBoard (and W&B) scalars per log step.
 
 Throughput is measured over the steps between two log points, after the first step (which
 pays for compilation and warm-up), with one device synchronisation per log point and none in
@@ -20,6 +20,7 @@ import torch
 
 from titanlike import fs
 from titanlike.run.progress import format_duration
+from titanlike.run.wandb_sink import WandbSink
 
 logger = logging.getLogger("titanlike")
 
@@ -96,7 +97,8 @@ def _quiet_tensorboard_thread_errors() -> None:
 
 class MetricsLogger:
     def __init__(self, folder: str, *, is_writer: bool, tensorboard: bool, device: torch.device,
-                 flops_per_token: int, float8_matmul_share: float, purge_step: int | None = None):
+                 flops_per_token: int, float8_matmul_share: float, purge_step: int | None = None,
+                 wandb: tuple[str, str] | None = None):
         self.is_writer = is_writer
         self.device = device
         self.flops_per_token = flops_per_token
@@ -107,6 +109,7 @@ class MetricsLogger:
             logger.warning(f"no bf16 peak known for GPU {self.device_name!r}: MFU will show as n/a")
         self.jsonl: fs.AppendFile | None = None
         self.tb = None
+        self.wandb: WandbSink | None = None
         self._notes: dict = {}  # values that join the next record (float8's weight health)
         if is_writer:
             os.makedirs(folder, exist_ok=True)
@@ -114,6 +117,8 @@ class MetricsLogger:
             if tensorboard:
                 # purge_step: a resumed run's events replace those the interrupted attempt wrote after it.
                 self.tb = TensorBoard(os.path.join(folder, "tb"), purge_step)
+            if wandb is not None:  # (project, run name): the same scalars to Weights & Biases (wandb_sink.py)
+                self.wandb = WandbSink(folder, *wandb)
         self._window_start: float | None = None
         self._window_tokens = 0
         self._window_data_s = 0.0
@@ -215,13 +220,15 @@ class MetricsLogger:
         if self.jsonl:
             clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
             self.jsonl.write_line(json.dumps({"kind": prefix, **clean}))
-        if self.tb:
+        if self.tb or self.wandb:
             tag = f"{prefix}/{record['source']}" if "source" in record else prefix
+            scalars = {}
             for k, v in record.items():
                 values = v if isinstance(v, dict) else {"": v}
                 for name, x in values.items():
                     if k != "step" and isinstance(x, (int, float)) and x is not None:
-                        self.tb.add_scalar(f"{tag}/{k}/{name}" if name else f"{tag}/{k}", x, step)
+                        scalars[f"{tag}/{k}/{name}" if name else f"{tag}/{k}"] = x
+            self.scalars(step, scalars)
         if not console:
             return
         if self.device.type != "cuda":
@@ -235,16 +242,20 @@ class MetricsLogger:
         self._notes.update(values)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        """TensorBoard only (per-layer detail that would swamp metrics.jsonl); only the writer rank writes."""
+        """TensorBoard and W&B only (per-layer detail that would swamp metrics.jsonl); only the writer rank writes."""
         if self.tb:
             for tag, v in values.items():
                 self.tb.add_scalar(tag, v, step)
+        if self.wandb:
+            self.wandb.log(step, values)
 
     def close(self) -> None:
         if self.jsonl:
             self.jsonl.close()
         if self.tb:
             self.tb.close()
+        if self.wandb:
+            self.wandb.close()
 
 
 def format_line(prefix: str, r: dict, total_steps: int | None = None, eta_s: float | None = None) -> str:
