@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import metrics, train_here
-from test_data_mixture import prepared
 from titanlike.config import ConfigError, load_config
+from titanlike.data.prepare.driver import prepare
 from titanlike.data.shards import write_shard
 from titanlike.model.decoder import Transformer
 from titanlike.model.masks import (
@@ -249,7 +249,13 @@ def test_flex_kernel_options_keep_attention_as_accurate():
 def test_block_causal_trains_on_a_cpu(tmp_path):
     """Backward through the dense mask: a short run on short documents (several in a window), whose
     losses differ from a causal run's on the same windows."""
-    data = prepared(tmp_path, "short", 40, "a short document")
+    # Documents of 12-14 tokens, so that every 64-token window holds several of them whatever the split.
+    text = tmp_path / "short-text"
+    text.mkdir()
+    for i in range(200):
+        (text / f"{i:03d}.txt").write_text(f"doc {i} ends")
+    prepare(str(tmp_path / "short"), [str(text)], workers=1, val_fraction=0.2)
+    data = tmp_path / "short"
     run = ("--training.steps", "2", "--data.seq_len", "64", "--training.local_batch_size", "2",
            "--metrics.log_freq", "1", "--validation.enable", "false", "--metrics.enable_tensorboard", "false",
            "--data.path", f"{data}/train")
