@@ -84,6 +84,18 @@ def test_a_pickle_in_the_runs_own_checkpoint_folder_never_runs(trained_run, tmp_
     assert steps_in(dump / "checkpoint") == ["step-2", "step-4", "step-6", "step-98.damaged", "step-99.damaged"]
 
 
+def assert_refused_as_unsigned(dump: Path, corpus, step: Path) -> None:
+    """The run stops in one line naming `step`'s manifest as not signed with this user's key, before
+    any training step, and changes nothing in its folder."""
+    before = snapshot(dump)
+    proc = train(dump, corpus, *MORE, check=False)
+    assert proc.returncode == 2
+    (line,) = error_lines(proc.stderr)
+    assert line.startswith(f"error: {step}/manifest.json is not signed with this user's checkpoint key")
+    assert "train step" not in proc.stderr
+    assert snapshot(dump) == before
+
+
 def test_an_edited_trainer_state_with_fresh_checksums_is_refused(trained_run, tmp_path, corpus):
     """Editing trainer_state.json and recomputing its size and checksums in the manifest breaks the
     manifest's signature: the run refuses in one line and changes nothing."""
@@ -99,14 +111,7 @@ def test_an_edited_trainer_state_with_fresh_checksums_is_refused(trained_run, tm
     if "sha256" in entry:
         entry["sha256"] = hashlib.sha256(raw).hexdigest()
     (step / "manifest.json").write_text(json.dumps(manifest))
-    before = snapshot(dump)
-
-    proc = train(dump, corpus, *MORE, check=False)
-    assert proc.returncode == 2
-    (line,) = error_lines(proc.stderr)
-    assert line.startswith(f"error: {step}/manifest.json is not signed with this user's checkpoint key")
-    assert "train step" not in proc.stderr
-    assert snapshot(dump) == before
+    assert_refused_as_unsigned(dump, corpus, step)
 
 
 def test_every_load_checks_the_checksums(trained_run, tmp_path, corpus):
@@ -172,13 +177,7 @@ def test_a_step_folder_signed_with_another_key_is_refused(trained_run, tmp_path,
     manifest = json.loads((foreign / "manifest.json").read_text())
     manifest["signature"] = sign(b"another account's key", manifest["files"], manifest["metadata_sha256"])
     (foreign / "manifest.json").write_text(json.dumps(manifest))
-    before = snapshot(dump)
-    proc = train(dump, corpus, *MORE, check=False)
-    assert proc.returncode == 2
-    (line,) = error_lines(proc.stderr)
-    assert line.startswith(f"error: {foreign}/manifest.json is not signed with this user's checkpoint key")
-    assert "train step" not in proc.stderr
-    assert snapshot(dump) == before
+    assert_refused_as_unsigned(dump, corpus, foreign)
 
 # ---- one owner per checkpoint folder -------------------------------------------------------------------
 
