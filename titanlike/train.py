@@ -93,11 +93,9 @@ class Trainer:
                                    self.global_batch, self.dp_rank, self.dims.dp, cfg.job.seed,
                                    pin_memory=self.device.type == "cuda", validation=cfg.validation.enable)
         self.loader = self.data.loader
-        if self.is_main and cfg.validation.enable and not self.data.val:
-            where, fix = (("no source of the schedule has a val/ split", "prepare the sources with a val/ split")
-                          if self.data.mixed else ("data.val_path is unset", "set --data.val_path"))
-            logger.info(f"validation: no held-out data ({where}): the run reports training loss only; {fix}, "
-                        f"or --validation.enable false to silence this")
+        missing = self.data.missing_validation() if cfg.validation.enable else None
+        if self.is_main and missing:
+            logger.info(missing)
 
         # ---- 3. Model: meta → float8 → AC → compile → FSDP → materialise → init ----------------------
         with torch.device("meta"):

@@ -16,7 +16,7 @@ import os
 from titanlike.config import loader
 from titanlike.config.loader import ConfigError, field_docs, to_toml
 from titanlike.config.schema import JobConfig, validate_across_sections
-from titanlike.config.sources import SINGLE, DataSchedule, schedule_of
+from titanlike.config.sources import SINGLE, DataSchedule
 
 __all__ = ["ConfigError", "JobConfig", "field_docs", "help_text", "load_config", "resume_note", "resumable_settings",
            "sections", "to_toml", "validate"]
@@ -47,12 +47,11 @@ def help_text(argv: list[str] | None = None) -> str:
     return loader.help_text(JobConfig, USAGE, argv)
 
 
-def resumable_settings(cfg: JobConfig, schedule: DataSchedule | None = None) -> dict:
+def resumable_settings(cfg: JobConfig, schedule: DataSchedule) -> dict:
     """The settings a resume may change, by option name: a checkpoint records them, and a resume logs
-    one line for each that changed; the configured value applies. `schedule`: [data] as already parsed
-    (the resolved run's; else parsed here)."""
+    one line for each that changed; the configured value applies. `schedule`: [data] as the resolved
+    run parsed it."""
     o, s = cfg.optimizer, cfg.lr_scheduler
-    schedule = schedule_of(cfg.data) if schedule is None else schedule
     return {"optimizer.lr": o.lr, "optimizer.weight_decay": o.weight_decay, "optimizer.betas": list(o.betas),
             "optimizer.eps": o.eps, "lr_scheduler.warmup_steps": s.warmup_steps,
             "lr_scheduler.decay_ratio": s.decay_ratio, "lr_scheduler.decay_type": s.decay_type,

@@ -55,6 +55,15 @@ class RunData:
         total = sum(shares[n] for n in self.val)
         return {n: shares[n] / total if total else 1 / len(self.val) for n in self.val}
 
+    def missing_validation(self) -> str | None:
+        """With validation on but no held-out data anywhere: the line that says so (None otherwise)."""
+        if self.val:
+            return None
+        where, fix = (("no source of the schedule has a val/ split", "prepare the sources with a val/ split")
+                      if self.mixed else ("data.val_path is unset", "set --data.val_path"))
+        return (f"validation: no held-out data ({where}): the run reports training loss only; {fix}, "
+                f"or --validation.enable false to silence this")
+
     def val_total(self, losses: dict[str, float]) -> float:
         """Validation's total: each source's loss weighted by val_weights() (docs/data.md)."""
         return sum(w * losses[name] for name, w in self.val_weights().items())
