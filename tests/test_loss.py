@@ -175,8 +175,8 @@ def test_fused_chunked_loss_backward_runs_once():
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_two_rank_fsdp_chunked_loss_matches_whole(tmp_path, corpus, tie):
-    """Under FSDP2 (2 gloo ranks) the output layer's weight is gathered by its module's hooks: the
-    chunked loss calls the module, so every step's loss and gradient norm match the whole-logits run."""
+    """Under FSDP2 (2 gloo ranks) the fused chunked loss runs inside the output layer's FSDP hooks
+    (its `loss_sum`): every step's loss and gradient norm match the whole-logits run."""
     common = ["--training.steps", "4", "--metrics.log_freq", "1", "--model.tie_embeddings", str(tie).lower(),
               "--training.local_batch_size", "2", "--data.seq_len", "64"]
     run_train(tmp_path / "whole", *common, nproc=2, corpus=corpus)
@@ -190,3 +190,31 @@ def test_two_rank_fsdp_chunked_loss_matches_whole(tmp_path, corpus, tie):
     for a, b in grad_norms:
         assert b == pytest.approx(a, rel=1e-4)
 
+
+
+@pytest.mark.parametrize("reshard", ["default", "always"])
+def test_fsdp_chunked_loss_is_fused_with_the_gathered_weight(tmp_path, reshard):
+    """Under FSDP2 (one gloo rank, in this process) the output layer's `loss_sum` runs as a forward:
+    the chunked loss reads the gathered weight, computes each chunk's logits once (whole logits'
+    matmul FLOPs, no recomputation in backward), and gives the unsharded model's loss and gradients;
+    with the output layer resharded after forward too."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titanlike.parallel.fsdp import apply_fsdp
+
+    want_model, inputs, targets = model_and_batch()
+    want_loss, want_grads = loss_and_grads(want_model, inputs, targets, 0)
+    whole = matmul_flops(lambda: loss_and_grads(want_model, inputs, targets, 0))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model, _, _ = model_and_batch()
+        apply_fsdp(model, init_device_mesh("cpu", (1,)), None, reshard)
+        assert fuses(model.output)
+        assert matmul_flops(lambda: loss_and_grads(model, inputs, targets, 16)) == whole
+        loss, grads = loss_and_grads(model, inputs, targets, 16)
+        torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad.full_tensor(), want_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    finally:
+        dist.destroy_process_group()

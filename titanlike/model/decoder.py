@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titanlike.model.loss import LinearCrossEntropy
 from titanlike.model.masks import document_mask, masked_attention
 from titanlike.model.shape import ModelArgs
 
@@ -131,6 +132,22 @@ class TransformerBlock(nn.Module):
         return self.body(*args)
 
 
+class OutputLayer(nn.Linear):
+    """The output layer: a bias-free Linear from the hidden states to the vocabulary, with the fused
+    chunked loss (model/loss.py) as a second forward method. The loss reads the weight, which FSDP
+    gathers only around a forward: parallel/fsdp.py registers `loss_sum` as one, so inside it the
+    weight is the gathered one, FSDP casts `h` to the compute dtype, and the weight's gradient is
+    reduce-scattered after backward as after `forward`'s."""
+
+    def __init__(self, dim: int, vocab_size: int):
+        super().__init__(dim, vocab_size, bias=False)
+
+    def loss_sum(self, h: torch.Tensor, targets: torch.Tensor, chunk_tokens: int, ce_grad: Callable) -> torch.Tensor:
+        """Summed cross-entropy of this layer's logits of h (tokens × dim) against targets (tokens),
+        `chunk_tokens` at a time, its gradients computed in forward (`LinearCrossEntropy`)."""
+        return LinearCrossEntropy.apply(h, self.weight, targets, chunk_tokens, ce_grad)
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, document_end: int | None = None):
         """`document_end`: the data's end-of-document id, which args.attn_mask = block_causal masks at;
@@ -142,7 +159,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = OutputLayer(args.dim, args.vocab_size)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Rotary tables are derived state: rebuilt by init_weights(), never checkpointed.

@@ -8,14 +8,15 @@ logits never exist. With a 128K vocabulary the logits of a 4096-token micro-batc
 at any moment.
 
 The chunked loss comes in two kinds:
-- Fused (`LinearCrossEntropy`, one process with a plain bf16/fp32 output layer): each chunk's
-  gradients, for the hidden states and the output weight, are computed in forward while its logits
-  exist, and kept for backward (tokens × dim and vocab × dim: small next to the logits). The output
-  layer's three matmuls run once each, as over whole logits.
-- Recomputed (`chunked_output_loss`, under FSDP or with a float8 output layer): each chunk runs
-  under activation checkpointing and backward recomputes its logits, one more output-layer matmul
-  per chunk. It *calls* the output layer (`output(h_chunk)`), never reads its weight: FSDP gathers
-  the weight in the module's forward hooks, and a float8 output layer does its casts there.
+- Fused (`LinearCrossEntropy`, a bias-free high-precision output layer, on one process or under
+  FSDP): each chunk's gradients, for the hidden states and the output weight, are computed in
+  forward while its logits exist, and kept for backward (tokens × dim and vocab × dim: small next to
+  the logits). The output layer's three matmuls run once each, as over whole logits. It runs as the
+  output layer's `loss_sum`, which FSDP treats as a forward (the gathered weight is only there).
+- Recomputed (`chunked_output_loss`, a float8 output layer): each chunk runs under activation
+  checkpointing and backward recomputes its logits, one more output-layer matmul per chunk. It
+  *calls* the output layer (`output(h_chunk)`), never reads its weight: a float8 output layer does
+  its casts in its forward.
 
 Compiled on one process (no FSDP), the whole-logits loss compiles the final norm, the output layer
 and the cross-entropy as one graph (`head_loss`), so the norm, the casts of the output layer's input
@@ -136,10 +137,10 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 
 def fuses(output: nn.Module) -> bool:
-    """Whether the chunked loss may read `output`'s weight and compute its gradients in forward: a
-    plain Linear without bias on one process. Not a float8 layer (its casts happen in its forward)
-    nor one FSDP manages (its hooks gather the weight): those are called, chunk by chunk."""
-    return type(output) is nn.Linear and output.bias is None
+    """Whether the chunked loss may compute the output layer's gradients in forward: the model's own
+    bias-free output layer, with its `loss_sum` (under FSDP too). Not a float8 layer (its casts
+    happen in its forward): that one is called, chunk by chunk."""
+    return callable(getattr(output, "loss_sum", None)) and getattr(output, "bias", None) is None
 
 
 def build_loss(chunk_tokens: int, compile: bool, compile_head: bool = False) -> LossFn:
@@ -170,9 +171,7 @@ def build_loss(chunk_tokens: int, compile: bool, compile_head: bool = False) -> 
         def head(norm: nn.Module, output: nn.Module, h: torch.Tensor) -> torch.Tensor:
             h = norm(h)
             if torch.is_grad_enabled() and fuses(output):
-                total = LinearCrossEntropy.apply(h.flatten(0, 1), output.weight, targets.flatten(0, 1),
-                                                 chunk_tokens, ce_grad)
-                return total / targets.numel()
+                return output.loss_sum(h.flatten(0, 1), targets.flatten(0, 1), chunk_tokens, ce_grad) / targets.numel()
             return chunked_output_loss(output, h, targets, chunk_tokens, ce_sum)
 
         return model(inputs, head=head)

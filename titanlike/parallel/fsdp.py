@@ -60,7 +60,7 @@ class GradientsInComputePool:
 
 
 def apply_fsdp(model: Transformer, mesh, param_dtype: torch.dtype | None, reshard: str) -> None:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     blocks_reshard = reshard != "never"
@@ -80,8 +80,12 @@ def apply_fsdp(model: Transformer, mesh, param_dtype: torch.dtype | None, reshar
         # A tied weight lives in both modules, so then the root group owns it instead.
         shard(model.tok_embeddings, reshard_after_forward=blocks_reshard)
         # Backward starts right at the output layer: resharding it after forward only to
-        # gather it again at once would waste an all-gather.
-        shard([model.norm, model.output], reshard_after_forward=reshard == "always")
+        # gather it again at once would waste an all-gather. Alone in its group (the final norm's
+        # gain goes with the root's), so that its second forward, the chunked loss's `loss_sum`,
+        # gathers and reduce-scatters it as `forward` does: FSDP hooks a method of one module.
+        shard(model.output, reshard_after_forward=reshard == "always")
+        if hasattr(model.output, "loss_sum"):  # not a float8 output layer
+            register_fsdp_forward_method(model.output, "loss_sum")
     shard(model, reshard_after_forward=reshard == "always")
     if gradients_in_compute_pool:
         comm = GradientsInComputePool()
