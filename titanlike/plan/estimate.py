@@ -187,7 +187,8 @@ def estimate(s: Shape) -> Estimate:
         # weight's gradient in the compute dtype and the hidden states' gradient kept until backward, the bf16
         # copy of the weight.
         chunk = min(s.chunk_tokens, s.tokens)
-        head = CHUNK_BYTES * chunk * a.vocab_size + 2 * vocab_dim + 2 * s.tokens * a.dim + (0 if sharded else 2 * vocab_dim)
+        weight_copy = 0 if sharded else 2 * vocab_dim  # FSDP's gathered bf16 weight is that copy already
+        head = CHUNK_BYTES * chunk * a.vocab_size + 2 * vocab_dim + 2 * s.tokens * a.dim + weight_copy
     else:
         per_logit = (HEAD_BYTES_EAGER if not s.compile else HEAD_BYTES_SHARDED if sharded else HEAD_BYTES_ONE_PROCESS)
         head = per_logit * s.tokens * a.vocab_size
