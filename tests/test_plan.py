@@ -181,3 +181,19 @@ def test_the_preflight_refuses_an_unreachable_target_before_any_work():
                           "train_configs/llama3_1b.toml", "--training.fit_gib", "5"],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "training.fit_gib = 5" in out.stderr
+
+
+@pytest.mark.slow  # a CPU training step: about 18 s
+def test_a_run_with_fit_gib_trains_with_the_chosen_levers_and_records_them(tmp_path):
+    """The debug model on the CPU: 0.1 GiB is below its estimate as configured (0.137), and selective `op`
+    recompute is the cheapest lever that fits; the trainer says so in one line and config.toml records it."""
+    from titanlike.train import main
+
+    folder = tmp_path / "run"
+    assert main(["--training.steps", "1", "--training.fit_gib", "0.1", "--job.dump_folder", str(folder),
+                 "--validation.enable", "false", "--metrics.enable_tensorboard", "false"]) == 0
+    saved = load_config(["--job.config_file", str(folder / "config.toml")])
+    assert (saved.activation_checkpoint.mode, saved.activation_checkpoint.selective_ac_option) == ("selective", "op")
+    # A resume from the saved file keeps every setting: the fit has nothing left to change.
+    again, line = fit_to_target(saved, ["--job.config_file", str(folder / "config.toml")], 1)
+    assert again == saved and line is not None and "no lever needed" in line

@@ -106,16 +106,16 @@ def fit_to_target(cfg: JobConfig, argv: list[str], world: int) -> tuple[JobConfi
         smallest = min(every, key=lambda f: f.reserved_gib)
         singles = [f for f in every if len(f.choices) == 1]
         closest = min(singles, key=lambda f: f.reserved_gib, default=None)
-        lever = (f"; the lever that comes closest alone is {' '.join(closest.flags)} ({closest.reserved_gib:.1f} GiB)"
+        lever = (f"; the lever that comes closest alone is {' '.join(closest.flags)} ({closest.reserved_gib:.3g} GiB)"
                  if closest else "")
         raise UserError(f"training.fit_gib = {target:g}: no combination of levers fits; the smallest estimate is "
-                        f"{smallest.reserved_gib:.1f} GiB per GPU (with {' '.join(smallest.flags) or 'none'}){lever}"
+                        f"{smallest.reserved_gib:.3g} GiB per GPU (with {' '.join(smallest.flags) or 'none'}){lever}"
                         f" (levers you set are kept: {', '.join(sorted(given & {c.key for c in CHOICES})) or 'none'})")
     if not best.choices:
-        return cfg, (f"training.fit_gib = {target:g}: the run as configured fits (estimate {now:.1f} GiB per GPU); "
+        return cfg, (f"training.fit_gib = {target:g}: the run as configured fits (estimate {now:.3g} GiB per GPU); "
                      f"no lever needed")
-    return best.cfg, (f"training.fit_gib = {target:g}: the run as configured needs about {now:.1f} GiB per GPU; "
-                      f"chose {' '.join(best.flags)} (estimate {best.reserved_gib:.1f} GiB, about "
+    return best.cfg, (f"training.fit_gib = {target:g}: the run as configured needs about {now:.3g} GiB per GPU; "
+                      f"chose {' '.join(best.flags)} (estimate {best.reserved_gib:.3g} GiB, about "
                       f"{best.speed:.0%} of the speed): the fastest levers that fit (titanlike-plan shows the rest)")
 
 
