@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from titanlike.config import loader
+from titanlike.config import loader, validate
 from titanlike.config.dims import parallel_dims
 from titanlike.config.schema import JobConfig
 from titanlike.errors import UserError
@@ -70,12 +70,12 @@ def combinations(cfg: JobConfig, world: int, given: set[str], card_gib: float | 
                         and c.value == ac_value(cfg)), 0.0)
     out = []
     for combo in itertools.product(*candidates(cfg, given)):
-        chosen = tuple(sorted((c for c in combo if c is not None), key=lambda c: c.cost))
+        chosen = tuple(sorted((c for c in combo if c is not None), key=lambda c: c.cost_at(world)))
         new: JobConfig | None = cfg
         speed = 1.0
         for c in chosen:
             new = apply(new, c, global_batch) if new is not None else None
-            speed *= 1 - (c.cost - ac_cost_now if c.key == "activation_checkpoint.mode" else c.cost)
+            speed *= 1 - (c.cost - ac_cost_now if c.key == "activation_checkpoint.mode" else c.cost_at(world))
         if new is None:
             continue
         reserved = estimate_run(new, world, card_gib).reserved_gib
@@ -114,6 +114,7 @@ def fit_to_target(cfg: JobConfig, argv: list[str], world: int) -> tuple[JobConfi
     if not best.choices:
         return cfg, (f"training.fit_gib = {target:g}: the run as configured fits (estimate {now:.3g} GiB per GPU); "
                      f"no lever needed")
+    validate(best.cfg)  # each lever is a valid setting; the combination must be one too
     return best.cfg, (f"training.fit_gib = {target:g}: the run as configured needs about {now:.3g} GiB per GPU; "
                       f"chose {' '.join(best.flags)} (estimate {best.reserved_gib:.3g} GiB, about "
                       f"{best.speed:.0%} of the speed): the fastest levers that fit (titanlike-plan shows the rest)")

@@ -28,6 +28,11 @@ class Choice:
     """Where the cost comes from: a benchmark report, or `estimate: why`."""
     usable: Callable[[JobConfig], bool] = lambda cfg: True
     """Whether the lever exists for this config (a field another version may lack, compile needed, ...)."""
+    cost_sharded: float | None = None
+    """The cost under FSDP (more than one GPU), where it differs."""
+
+    def cost_at(self, world: int) -> float:
+        return self.cost if world == 1 or self.cost_sharded is None else self.cost_sharded
 
     @property
     def flag(self) -> str:
@@ -40,7 +45,9 @@ def _has(section: str, key: str) -> Callable[[JobConfig], bool]:
 
 CHOICES: tuple[Choice, ...] = (
     Choice("training.loss_chunk_tokens", 4096, 0.0,
-           f"{B}2026-11-23-one-gpu-fused-chunked-loss-1b-32gb.md: 124m fused chunks +0.3 % (noise), 3.8 GiB less"),
+           f"{B}2026-11-23-one-gpu-fused-chunked-loss-1b-32gb.md: 124m fused chunks +0.3 % (noise), 3.8 GiB less; "
+           f"under FSDP each chunk's logits are recomputed in backward: 7 % on 1b "
+           f"({B}2026-11-23-one-gpu-measure-chunked-loss.md)", cost_sharded=0.07),
     Choice("parallel.reshard_after_forward", "always", 0.019,
            f"{B}2026-11-22-bf16-residual-fused-clip.md: keeping 1b's gathered weights is worth 1.8-1.9 %"),
     Choice("optimizer.state_dtype", "8bit", 0.046,
