@@ -39,9 +39,6 @@ FLOAT8_NONE_SHARE = 0.63
 # few casts kept beside them: bytes per token per block, per unit of model width (8b on two H200s: 104.1 GiB
 # tensorwise against 103.5 in bf16, with float8 all-gather saving 0.4 GiB of gathered weights).
 FLOAT8_OP_EXTRA_PER_DIM = 0.5
-# Eager blocks (no compile) keep what compile's partitioner would recompute: the norms' outputs, SwiGLU's
-# activation and the rotated q and k. Estimated, not measured: no eager large-model run is recorded.
-EAGER_EXTRA = True
 # Whole logits under FSDP: the head is eager (its hooks gather the output weight) and only the
 # cross-entropy is compiled; bytes per logit held at the start of backward (logits, their gradient and the
 # loss's fp32 work), against 4 for the compiled head on one process.
@@ -69,7 +66,7 @@ class Estimate:
     """Bytes per GPU by category, at the peak of a step, and the reserved peak they add up to."""
 
     rows: tuple[tuple[str, float], ...]
-    """(category, GiB) in the order the report prints them; categories not at the peak say so in their name."""
+    """(category, GiB) at the peak, in the order the report prints them; categories with nothing left out."""
     allocated_gib: float
     reserved_gib: float
     notes: tuple[str, ...] = ()
@@ -85,7 +82,6 @@ class Shape:
     args: ModelArgs
     dims: ParallelDims
     tokens: int  # per micro-batch on one rank
-    seq_len: int
     ac_mode: str
     ac_option: str
     ac_budget: float
@@ -107,7 +103,7 @@ def shape_of(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, card_gib: floa
     float8_ag = dims.dp_shard > 1 and fp8.recipe == "tensorwise" and (ag is None or ag)
     gathered = 2 * count_params(args)[0]
     reshard = resolve_reshard(cfg.parallel.reshard_after_forward, gathered, int(card_gib * GIB) if card_gib else None)
-    return Shape(args, dims, t.local_batch_size * cfg.data.seq_len, cfg.data.seq_len, ac.mode, ac.selective_ac_option,
+    return Shape(args, dims, t.local_batch_size * cfg.data.seq_len, ac.mode, ac.selective_ac_option,
                  ac.memory_budget, float8, float8_ag, cfg.compile.enable, t.loss_chunk_tokens,
                  cfg.optimizer.state_dtype, reshard, bool(getattr(cfg.parallel, "cpu_offload", False)))
 
@@ -131,7 +127,8 @@ def none_bytes_per_token(a: ModelArgs) -> float:
 
 
 def eager_extra_per_token(a: ModelArgs) -> float:
-    """Eager blocks keep what compile recomputes: two norm outputs, SiLU's output, rotated q and k."""
+    """Eager blocks keep what compile's partitioner would recompute: two norm outputs, SiLU's output,
+    the rotated q and k. Estimated: no eager run of a large model is recorded."""
     return 4 * a.dim + 2 * a.ffn_dim + 2 * (a.dim + a.n_kv_heads * a.head_dim)
 
 
