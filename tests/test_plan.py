@@ -21,6 +21,7 @@ B = "docs/benchmarks/"
 FIX = f"{B}2026-11-26-8b-memory-breakdown.md"
 FUSED = f"{B}2026-11-23-one-gpu-fused-chunked-loss-1b-32gb.md"
 HEAD = f"{B}2026-11-23-one-gpu-124m-compiled-head-1b-32gb.md"
+TIER = f"{B}2026-11-24-gpu-test-tier.md"
 CAP = "--training.gpu_memory_limit_gib 31"
 
 # (config file, overrides, world, card GiB, measured peak reserved GiB from metrics.jsonl, where it is recorded).
@@ -40,8 +41,10 @@ MEASURED = [
     (C + "rtx5090_124m.toml", "--fp8.recipe none --training.local_batch_size 32", 1, H100, 26.8, HEAD),
     (C + "rtx5090_124m.toml", "--fp8.recipe none --training.local_batch_size 32 --training.loss_chunk_tokens 16384",
      1, H100, 23.0, FUSED),
-    (C + "rtx5090_124m.toml", "--fp8.recipe none --training.local_batch_size 64", 1, H100, 52.8,
-     f"{B}2026-11-24-gpu-test-tier.md"),
+    (C + "rtx5090_124m.toml", "--fp8.recipe none --training.local_batch_size 64", 1, H100, 52.8, TIER),
+    (C + "rtx5090_124m.toml", "--training.local_batch_size 64", 1, H100, 38.6, TIER),
+    (C + "rtx5090_124m.toml", CAP, 1, H100, 15.6, FUSED),  # as shipped: delayed tensorwise, `measure`
+    (C + "llama3_1b.toml", "--fp8.scaling delayed --fp8.amax_every 4", 1, H100, 47.0, TIER),
 ]
 
 
