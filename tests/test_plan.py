@@ -22,6 +22,8 @@ FIX = f"{B}2026-11-26-8b-memory-breakdown.md"
 FUSED = f"{B}2026-11-23-one-gpu-fused-chunked-loss-1b-32gb.md"
 HEAD = f"{B}2026-11-23-one-gpu-124m-compiled-head-1b-32gb.md"
 TIER = f"{B}2026-11-24-gpu-test-tier.md"
+LEVERS = f"{B}2026-11-26-memory-levers-and-estimator.md"
+ONE = C + "llama3_1b.toml"
 CAP = "--training.gpu_memory_limit_gib 31"
 
 # (config file, overrides, world, card GiB, measured peak reserved GiB from metrics.jsonl, where it is recorded).
@@ -45,6 +47,16 @@ MEASURED = [
     (C + "rtx5090_124m.toml", "--training.local_batch_size 64", 1, H100, 38.6, TIER),
     (C + "rtx5090_124m.toml", CAP, 1, H100, 15.6, FUSED),  # as shipped: delayed tensorwise, `measure`
     (C + "llama3_1b.toml", "--fp8.scaling delayed --fp8.amax_every 4", 1, H100, 47.0, TIER),
+    (C + "llama3_8b.toml", "--fp8.recipe none", 2, H200, 103.8, LEVERS),
+    (C + "llama3_8b.toml", "--fp8.recipe none --training.loss_chunk_tokens 4096", 2, H200, 99.7, LEVERS),
+    (C + "llama3_8b.toml", "", 2, H200, 103.7, LEVERS),
+    (C + "llama3_8b.toml", "--training.loss_chunk_tokens 4096", 2, H200, 100.3, LEVERS),
+    (ONE, "--model.flavor 3b --fp8.recipe none --training.local_batch_size 4", 1, H200, 93.3, LEVERS),
+    (ONE, "--model.flavor 3b --training.local_batch_size 4 --training.loss_chunk_tokens 4096", 1, H200, 75.4, LEVERS),
+    (ONE, "--training.loss_chunk_tokens 4096", 1, H200, 43.6, LEVERS),
+    (ONE, "--activation_checkpoint.mode full --optimizer.state_dtype 8bit", 1, H200, 20.3, LEVERS),
+    (ONE, "--model.flavor 3b --fp8.recipe none --training.local_batch_size 4", 2, H200, 79.1, LEVERS),
+    (ONE, "--fp8.recipe none --training.loss_chunk_tokens 4096", 2, H200, 47.3, LEVERS),
 ]
 
 
@@ -59,6 +71,8 @@ def test_the_estimate_is_within_10_percent_of_every_recorded_peak(config, overri
 
 def test_the_measurements_span_models_world_sizes_and_levers():
     assert {r[0] for r in MEASURED} >= {C + "llama3_8b.toml", C + "llama3_1b.toml"}
+    assert any("--model.flavor 3b" in r[1] and r[2] == 1 for r in MEASURED)
+    assert any("--model.flavor 3b" in r[1] and r[2] == 2 for r in MEASURED)
     assert {r[2] for r in MEASURED} == {1, 2}
     assert any("8bit" in r[0] for r in MEASURED) and any("loss_chunk" in r[1] for r in MEASURED)
 

@@ -39,10 +39,11 @@ FLOAT8_NONE_SHARE = 0.63
 # few casts kept beside them: bytes per token per block, per unit of model width (8b on two H200s: 104.1 GiB
 # tensorwise against 103.5 in bf16, with float8 all-gather saving 0.4 GiB of gathered weights).
 FLOAT8_OP_EXTRA_PER_DIM = 0.5
-# Whole logits under FSDP: the head is eager (its hooks gather the output weight) and only the
-# cross-entropy is compiled; bytes per logit held at the start of backward (logits, their gradient and the
-# loss's fp32 work), against 4 for the compiled head on one process.
-HEAD_BYTES_ONE_PROCESS = 4.0
+# Whole logits: bytes per logit held at the start of backward (bf16 logits and their gradient, less what
+# compile's fused head frees early). One process, compiled head: 1b with full recompute and 8-bit moments
+# (20.3 GiB), where the logits are most of the peak. Under FSDP the head is eager (its hooks gather the
+# output weight) and only the cross-entropy is compiled.
+HEAD_BYTES_ONE_PROCESS = 3.2
 HEAD_BYTES_SHARDED = 4.5
 HEAD_BYTES_EAGER = 10.0  # bf16 logits, the fp32 upcast and log-softmax kept, a gradient: estimated
 # The chunked loss: bytes per element of one chunk's logits at once (bf16 logits, their bf16 gradient, and
@@ -120,10 +121,10 @@ def op_bytes_per_token(a: ModelArgs) -> float:
 
 
 def none_bytes_per_token(a: ModelArgs) -> float:
-    """No recompute, compiled: `op`'s tensors and w2's input (SwiGLU's product), which `op` recomputes;
-    with QK-norm also the normalised q and k that attention reads."""
-    qk = 2 * (a.dim + a.n_kv_heads * a.head_dim) if a.qk_norm else 0
-    return op_bytes_per_token(a) + 2 * a.ffn_dim + qk
+    """No recompute, compiled: `op`'s tensors, w2's input (SwiGLU's product) and the rotated q and k that
+    attention's backward reads, which `op` recomputes; with QK-norm also the normalised q and k."""
+    qk = 2 * (a.dim + a.n_kv_heads * a.head_dim)
+    return op_bytes_per_token(a) + 2 * a.ffn_dim + qk * (2 if a.qk_norm else 1)
 
 
 def eager_extra_per_token(a: ModelArgs) -> float:

@@ -88,8 +88,10 @@ def best_fit(cfg: JobConfig, world: int, target_gib: float, given: set[str],
     """The fastest combination whose estimate is at most `target_gib` (None if none is), and all of them."""
     every = combinations(cfg, world, given, card_gib or target_gib)
     fitting = [f for f in every if f.reserved_gib <= target_gib]
-    # Fastest first; at the same speed the fewest changes (a free lever is not applied where nothing needs it).
-    best = min(fitting, key=lambda f: (-round(f.speed, 6), len(f.choices), f.reserved_gib), default=None)
+    if every[0].reserved_gib <= target_gib:  # the run as configured fits: change nothing
+        return every[0], every
+    # Fastest first; at the same speed the smallest estimate (a free lever buys room for the estimate's error).
+    best = min(fitting, key=lambda f: (-round(f.speed, 6), f.reserved_gib, len(f.choices)), default=None)
     return best, every
 
 
