@@ -95,6 +95,26 @@ def test_levers_lower_the_estimate():
         assert estimate_run(load_config(base + lever), 1, H100).reserved_gib < now, lever
 
 
+def test_hsdp_keeps_the_gradients_in_the_reduce_scatter_pool_and_offload_keeps_the_state_on_the_host():
+    import dataclasses
+
+    from titanlike.config.dims import parallel_dims
+    from titanlike.config.resolve import resolve_model
+    from titanlike.plan.estimate import estimate, shape_of
+
+    eight_b = ["--job.config_file", str(ROOT / C / "llama3_8b.toml")]
+    fsdp = estimate_run(load_config(eight_b), 2, H200)
+    hsdp = estimate_run(load_config(eight_b + ["--parallel.dp_shard", "2", "--parallel.dp_replicate", "2"]), 4, H200)
+    assert hsdp.row("HSDP") == pytest.approx(14.96, abs=0.01)
+    assert hsdp.reserved_gib == pytest.approx(fsdp.reserved_gib + hsdp.row("HSDP"))
+    cfg = load_config(eight_b)
+    shape = shape_of(cfg, resolve_model(cfg).args, parallel_dims(cfg, 2), H200)
+    offloaded = estimate(dataclasses.replace(shape, cpu_offload=True))
+    assert offloaded.row("parameters") == offloaded.row("optimizer") == offloaded.row("gradients") == 0
+    assert fsdp.reserved_gib - offloaded.reserved_gib > 14.96 + 29.92
+    assert any("host memory" in note for note in offloaded.notes)
+
+
 # ---- titanlike-plan ------------------------------------------------------------------------------------
 
 

@@ -170,11 +170,15 @@ def estimate(s: Shape) -> Estimate:
     a, dims = s.args, s.dims
     total, embed = count_params(a)
     shard = dims.dp_shard if dims.sharded else 1
-    sharded = dims.sharded
-    weights = 4 * total / shard
-    grads = 4 * total / shard
-    moments = MOMENT_BYTES[s.state_dtype] * total / shard
+    sharded = dims.sharded or s.cpu_offload  # offload runs FSDP even on one GPU
     on_gpu = 0.0 if s.cpu_offload else 1.0  # FSDP's CPU offload keeps these three in host memory
+    weights = on_gpu * 4 * total / shard
+    grads = on_gpu * 4 * total / shard
+    moments = on_gpu * MOMENT_BYTES[s.state_dtype] * total / shard
+    # HSDP keeps torch's own reduce-scatter buffers: the gradients then sit in that stream's pool, which the
+    # activations freed in backward never refill (8b on two GPUs before they moved: +14.96 GiB, measured).
+    rs_pool = grads if dims.dp_replicate > 1 else 0.0
+    grads -= rs_pool
 
     kept, recompute = block_bytes(s)
     embedding_out = s.tokens * a.dim * 2
@@ -215,19 +219,19 @@ def estimate(s: Shape) -> Estimate:
     # The start of backward: every block's activations and the loss's; gradients exist only from an earlier
     # micro-batch.
     held_grads = grads if dims.accum_steps > 1 else 0.0
-    start = on_gpu * (weights + moments + held_grads) + kept + embedding_out + final_norm + head + gathered
+    start = weights + moments + held_grads + kept + embedding_out + final_norm + head + gathered
     # The end of backward: gradients whole, the last recomputed block and one block's unsharded gradient
     # (bf16, and fp32 for the reduce-scatter under FSDP) at once.
     unsharded_grad = 6 * block_params if sharded else 0.0
-    end = on_gpu * (weights + moments + grads) + recompute + unsharded_grad + gathered
+    end = weights + moments + grads + recompute + unsharded_grad + gathered
     allocated = max(start, end)
-    reserved = allocated * (1 + ALLOCATOR_SLACK) + ag_pool
+    reserved = allocated * (1 + ALLOCATOR_SLACK) + ag_pool + rs_pool
     at_start = start >= end
     where = "start of backward" if at_start else "end of backward"
     rows = [
-        ("parameters (fp32" + (f", 1/{shard} each" if sharded else "") + ")", weights * on_gpu),
-        ("gradients (fp32)", (held_grads if at_start else grads) * on_gpu),
-        (f"optimizer state (AdamW, {s.state_dtype} moments)", moments * on_gpu),
+        ("parameters (fp32" + (f", 1/{shard} each" if sharded else "") + ")", weights),
+        ("gradients (fp32)", held_grads if at_start else grads),
+        (f"optimizer state (AdamW, {s.state_dtype} moments)", moments),
         ("activations kept for backward" + ac_words(s), kept + embedding_out if at_start else recompute),
         ("logits and their gradient" + (f" (chunks of {s.chunk_tokens} tokens)" if s.chunk_tokens else " (whole)"),
          head + final_norm if at_start else 0.0),
@@ -236,11 +240,12 @@ def estimate(s: Shape) -> Estimate:
         ("FSDP one block's unsharded gradient", 0.0 if at_start else unsharded_grad),
         ("allocator slack (reserved beyond allocated)", allocated * ALLOCATOR_SLACK),
         ("FSDP all-gather stream's pool (blocks being gathered)", ag_pool),
+        ("HSDP: the gradients in the reduce-scatter stream's pool", rs_pool),
     ]
     notes = [f"the peak comes at the {where}"]
     if s.cpu_offload:
         notes.append("parallel.cpu_offload: weights, gradients and AdamW's moments live in host memory "
-                     f"({(weights + grads + moments) / GIB:.1f} GiB of it)")
+                     f"({16 * total / shard / GIB:.1f} GiB of it with fp32 moments)")
     return Estimate(tuple((n, b / GIB) for n, b in rows if b), allocated / GIB, reserved / GIB, tuple(notes))
 
 
