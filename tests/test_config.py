@@ -253,6 +253,7 @@ INVALID = [
     (["--training.steps", "0"], "training.steps = 0 must be >= 1"),
     (["--training.max_norm", "-1"], "training.max_norm = -1.0 must be >= 0"),
     (["--training.gpu_memory_limit_gib", "-2"], "training.gpu_memory_limit_gib = -2.0 must be >= 0"),
+    (["--training.fit_gib", "-1"], "training.fit_gib = -1.0 must be >= 0"),
     (["--optimizer.lr", "0"], "optimizer.lr = 0.0 must be > 0"),
     (["--optimizer.weight_decay", "-0.1"], "optimizer.weight_decay = -0.1 must be >= 0"),
     (["--optimizer.betas", "0.9"], "optimizer.betas = [0.9] must be two numbers in [0, 1)"),

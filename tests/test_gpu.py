@@ -290,3 +290,23 @@ def test_block_causal_trains_compiled(tmp_path):
     losses = [r["loss"] for r in metrics(tmp_path)]
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
     assert "attention within each document" in log
+
+
+def test_fit_gib_chooses_levers_that_fit_on_the_gpu(tmp_path):
+    """`124m` at 65,536 tokens a micro-batch needs about 26 GiB as configured; `--training.fit_gib 16` picks
+    the loss in chunks and selective recompute (titanlike/plan), says so in one line, and the run's peak
+    reserved memory stays under 16 GiB, within 10 % of the estimate."""
+    from titanlike.config import load_config
+    from titanlike.plan.estimate import estimate_run
+
+    _, log = gpu_run(tmp_path, "--model.flavor", "124m", "--data.seq_len", "2048", "--training.local_batch_size", "32",
+                     "--compile.enable", "--training.steps", "6", "--metrics.log_freq", "1", "--validation.enable",
+                     "false", "--training.fit_gib", "16")
+    line = re.search(r"training\.fit_gib = 16: .* chose (.*) \(estimate ([\d.]+) GiB", log)
+    assert line, log[-3000:]
+    assert "--training.loss_chunk_tokens 4096" in line.group(1) and "selective_ac_option op" in line.group(1)
+    saved = load_config(["--job.config_file", str(tmp_path / "config.toml")])
+    assert saved.training.loss_chunk_tokens == 4096 and saved.activation_checkpoint.mode == "selective"
+    peak = max(r["mem_reserved_gib"] for r in metrics(tmp_path))
+    estimate = estimate_run(saved, 1, torch.cuda.get_device_properties(0).total_memory / 2**30).reserved_gib
+    assert peak <= 16 and abs(peak / estimate - 1) <= 0.10, (peak, estimate)

@@ -79,6 +79,9 @@ NEVER = [
     ("titanlike.checkpoint", "titanlike.run.metrics", "checkpoint and metrics know nothing of each other"),
     ("titanlike.run.metrics", "titanlike.checkpoint", "checkpoint and metrics know nothing of each other"),
     ("titanlike.run.metrics", "titanlike.data", "data and metrics know nothing of each other"),
+    ("titanlike.plan", "titanlike.parallel", "plan/ is plain Python (the preflight runs it): never parallel/"),
+    ("titanlike.plan", "titanlike.float8", "plan/ is plain Python (the preflight runs it): never float8/"),
+    ("titanlike.plan", "titanlike.train", "plan/ is plain Python (the preflight runs it): never the trainer"),
 ]
 CONFIG_MAY_REACH = ("titanlike.config", "titanlike.model", *SHARED)
 """config/ is the root of the flow: it imports nothing of titanlike but model/'s plain shapes (and the

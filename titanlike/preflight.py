@@ -21,6 +21,7 @@ from titanlike.config import JobConfig, help_text, load_config, to_toml
 from titanlike.config.resolve import resolve_model, with_resolved_shape
 from titanlike.config.run import ResolvedRun, resolve_run
 from titanlike.errors import UserError
+from titanlike.plan.fit import fitted
 
 PRINTED = 3
 WORLD_ENV = "TITANLIKE_PREFLIGHT_WORLD"
@@ -90,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(argv)
         if cfg.job.print_config:
             return printed(to_toml(resolved(cfg)))
-        run = check(cfg, world_size())
+        world = world_size()
+        cfg = fitted(cfg, argv, world)  # training.fit_gib: a target nothing reaches stops here
+        run = check(cfg, world)
         from titanlike.run.folder import check_not_in_use
 
         check_not_in_use(run.dump_folder, run.checkpoint_folder)  # a second run into a folder in use

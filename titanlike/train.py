@@ -33,6 +33,7 @@ from titanlike.model.decoder import Transformer
 from titanlike.model.loss import build_loss, cross_entropy  # noqa: F401  (cross_entropy: tests use it from here)
 from titanlike.model.shape import describe, flops_per_token
 from titanlike.optim import build_optimizer, build_scheduler, clip_and_step
+from titanlike.plan.fit import fitted
 from titanlike.preflight import resolved
 from titanlike.run import faults, stopping, wandb_sink
 from titanlike.run.folder import RunFolder
@@ -112,7 +113,8 @@ class Trainer:
         # FSDP over the mesh (bf16 compute through its mixed precision), or one rank under autocast.
         self.autocast = parallel.shard_model(model, self.mesh, self.device, mixed_precision=t.mixed_precision,
                                              reshard=cfg.parallel.reshard_after_forward,
-                                             memory_limit_gib=t.gpu_memory_limit_gib, log=self.is_main)
+                                             memory_limit_gib=min(filter(None, (t.gpu_memory_limit_gib, t.fit_gib)),
+                                                                  default=0.0), log=self.is_main)
         model.to_empty(device=self.device)
         model.init_weights(cfg.job.seed, cfg.data.seq_len)
         self.model = model
@@ -321,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 print(to_toml(resolved(cfg)), end="")
             return 0
+        # training.fit_gib: the fastest levers whose estimate fits, one line saying which (config.toml records them).
+        cfg = fitted(cfg, argv, world, say=logger.info if rank == 0 else None)
         trainer = Trainer(cfg)
         return trainer.train()
     except KeyboardInterrupt:

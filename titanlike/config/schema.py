@@ -190,6 +190,11 @@ class Training:
     gpu_memory_limit_gib: float = 0.0
     """Cap this process's CUDA memory at this many GiB, e.g. 31 to prove a job fits an RTX 5090 while
     running on a larger GPU (0 = no cap)."""
+    fit_gib: float = 0.0
+    """Fit the run in this many GiB per GPU (0 = off): before the first step, apply the fastest levers whose
+    estimate fits (titanlike-plan: loss chunks, 8-bit moments, recompute, smaller micro-batches, ...), log one
+    line saying which, and record them in config.toml. Options you set yourself are kept; no fitting
+    combination is an error. docs/memory.md."""
     loss_chunk_tokens: int = 0
     """Compute the output layer and the loss this many tokens at a time, so that the whole
     (tokens × vocab) logits never exist (0 = off: whole logits). On one process each chunk's
@@ -219,6 +224,7 @@ class Training:
         need(self.max_norm >= 0, f"training.max_norm = {self.max_norm} must be >= 0 (0 = no clipping)")
         need(self.loss_chunk_tokens >= 0,
              f"training.loss_chunk_tokens = {self.loss_chunk_tokens} must be >= 0 (0 = off)")
+        need(self.fit_gib >= 0, f"training.fit_gib = {self.fit_gib} must be >= 0 (0 = off)")
         need(self.gpu_memory_limit_gib >= 0,
              f"training.gpu_memory_limit_gib = {self.gpu_memory_limit_gib} must be >= 0 (0 = no cap)")
 

@@ -12,25 +12,14 @@ import logging
 import torch
 import torch.distributed as dist
 
+from titanlike.config.speed import resolve_reshard
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import count_params
 from titanlike.parallel.device import device_memory_bytes
 
+__all__ = ["apply_fsdp", "resolve_reshard", "shard_model"]
+
 logger = logging.getLogger("titanlike")
-
-# `reshard_after_forward = default` keeps the gathered weights from forward to backward (so backward
-# all-gathers nothing) when all of them, in bf16, take at most this share of a GPU's memory: 1b on
-# two H200s trains faster that way, for a little more memory
-# (docs/benchmarks/2026-11-22-bf16-residual-fused-clip.md). An 8b (16 GB) stays resharded.
-KEEP_GATHERED_MAX_SHARE = 1 / 16
-
-
-def resolve_reshard(reshard: str, gathered_bytes: int, memory_bytes: int | None) -> str:
-    """parallel.reshard_after_forward as apply_fsdp takes it: `default` becomes `never` for a model
-    whose gathered weights are small next to the GPU's memory; anything else is left as it is."""
-    if reshard == "default" and memory_bytes and gathered_bytes <= KEEP_GATHERED_MAX_SHARE * memory_bytes:
-        return "never"
-    return reshard
 
 
 class GradientsInComputePool:

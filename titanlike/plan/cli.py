@@ -1,0 +1,104 @@
+"""`titanlike-plan --job.config_file F --world N [--section.key value ...]`: the per-GPU memory of a run by
+category, the cards it fits on, and for those it does not, the levers that would make it fit, cheapest
+first. No torch: it answers in about a second on any machine."""
+
+from __future__ import annotations
+
+import sys
+
+from titanlike.config import load_config
+from titanlike.config.dims import parallel_dims
+from titanlike.config.resolve import resolve_model
+from titanlike.errors import UserError
+from titanlike.model.shape import count_params
+from titanlike.plan.estimate import CONTEXT_GIB, NCCL_GIB, estimate_run
+from titanlike.plan.fit import best_fit, given_keys
+
+USAGE = ("usage: titanlike-plan --job.config_file FILE --world N [--section.key value ...]\n"
+         "  the per-GPU memory of that run at N GPUs, the cards it fits, and the levers that would make it fit")
+
+# Cards by the memory torch sees on them (GiB): RTX 4090, RTX 5090, H100 80GB, H200.
+CARDS = ((24, "24 GB (RTX 4090)", 23.99), (32, "32 GB (RTX 5090)", 31.84), (80, "80 GB (H100)", 79.65),
+         (141, "141 GB (H200)", 140.4))
+
+
+def usable_gib(card_gib: float, world: int) -> float:
+    """What torch can allocate on a card: its memory less the CUDA context and workspaces, and NCCL's
+    buffers with more than one GPU."""
+    return card_gib - CONTEXT_GIB - (NCCL_GIB if world > 1 else 0.0)
+
+
+def split_world(argv: list[str]) -> tuple[int, list[str]]:
+    """--world N (or --world=N) out of the arguments; the rest are the run's options."""
+    world, rest, i = 1, [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--world" or arg.startswith("--world="):
+            text = arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 1 if "=" in arg else 2
+            if not (text.isdigit() and 1 <= int(text) <= 2**24):
+                raise UserError(f"--world {text!r}: the number of GPUs must be a whole number >= 1")
+            world = int(text)
+            continue
+        rest.append(arg)
+        i += 1
+    return world, rest
+
+
+def report(argv: list[str]) -> str:
+    world, rest = split_world(argv)
+    cfg = load_config(rest)
+    # What the command line sets stays; what the TOML file sets is what a lever may change: the question
+    # here is what would make this config fit (training.fit_gib keeps the file's settings too).
+    given = given_keys(rest, with_file=False)
+    args = resolve_model(cfg).args
+    dims = parallel_dims(cfg, world)
+    biggest = estimate_run(cfg, world, CARDS[-1][2])
+    t = cfg.training
+    lines = [f"{cfg.model.flavor}: {count_params(args)[0] / 1e9:.2f}B parameters, {world} GPU(s) "
+             f"(dp_shard {dims.dp_shard}), micro-batch {t.local_batch_size} × {cfg.data.seq_len} tokens × "
+             f"{dims.accum_steps} per step, float8 {cfg.fp8.recipe}, compile {'on' if cfg.compile.enable else 'off'}",
+             "", f"per GPU, at the peak of a step (GiB; FSDP settings as on a {CARDS[-1][1]} card):"]
+    width = max(len(n) for n, _ in biggest.rows)
+    lines += [f"  {name:<{width}}  {gib:7.2f}" for name, gib in biggest.rows]
+    lines += [f"  {'peak reserved (estimate, ±10 %)':<{width}}  {biggest.reserved_gib:7.2f}"]
+    lines += [f"  ({note})" for note in biggest.notes]
+    lines += ["", f"fits on (usable = what torch can allocate: the card less {CONTEXT_GIB:g} GiB for the CUDA context"
+              + (f" and {NCCL_GIB:g} for NCCL" if world > 1 else "") + "):"]
+    for _, name, card in CARDS:
+        usable = usable_gib(card, world)
+        e = estimate_run(cfg, world, card)
+        if e.reserved_gib <= usable:
+            lines.append(f"  {name}: fits ({e.reserved_gib:.1f} of {usable:.1f} GiB)")
+            continue
+        best, every = best_fit(cfg, world, usable, given, card)
+        if best is None:
+            smallest = min(every, key=lambda f: f.reserved_gib)
+            lines.append(f"  {name}: does not fit ({e.reserved_gib:.1f} GiB of {usable:.1f}); no lever is enough "
+                         f"(at best {smallest.reserved_gib:.1f} GiB with {' '.join(smallest.flags)})")
+        else:
+            lines.append(f"  {name}: does not fit ({e.reserved_gib:.1f} GiB of {usable:.1f}); fits with "
+                         f"{' '.join(best.flags)} → {best.reserved_gib:.1f} GiB, about {best.speed:.0%} of the speed")
+    lines += ["", "levers: --training.fit_gib G picks the fastest that fit; docs/memory.md lists each with its cost"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
+    try:
+        print(report(argv))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cli() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,272 @@
+"""Per-GPU memory of a training run, estimated from its config and world size without torch.
+
+The model is first principles (bytes per parameter, bytes per token per block) with a few constants
+calibrated against the peaks that `metrics.jsonl` recorded on H100s and H200s (`mem_reserved_gib`, the
+peak reserved since start); tests/test_plan.py holds those measurements and checks every estimate
+against them. Where memory goes, by category:
+
+- the fp32 weights, their fp32 gradients and AdamW's two moments: sharded over dp_shard under FSDP,
+  whole on one process;
+- what each block keeps for backward, by activation-checkpointing mode (the matmul outputs selective
+  `op` keeps were measured tensor by tensor on `8b`: docs/benchmarks/2026-11-26-8b-memory-breakdown.md);
+- the output layer's logits and their gradient, or with training.loss_chunk_tokens one chunk's logits
+  and the gradients the fused loss keeps (the output weight's, the hidden states');
+- FSDP's gathered weights (blocks resharded after forward or kept), its all-gather stream's own pool;
+- the caching allocator's slack between what is allocated and what it reserves.
+
+The peak is the larger of two moments of a step: the start of backward (every block's activations and
+the logits' gradient; gradients only when an earlier micro-batch left them) and the end of backward
+(gradients whole, activations gone).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from titanlike.config.dims import ParallelDims
+from titanlike.config.schema import JobConfig
+from titanlike.config.speed import resolve_reshard
+from titanlike.model.shape import ModelArgs, count_params
+
+GIB = 2**30
+
+# ---- constants calibrated against recorded measurements (tests/test_plan.py MEASURED) -------------------
+# Float8 Linears keep their inputs for backward in float8 (1 byte) rather than bf16: without recompute a
+# block keeps this share of its bf16 bytes (1b on one H100: 46.3 GiB tensorwise against 56.9 in bf16).
+FLOAT8_NONE_SHARE = 0.63
+# With selective `op` the kept matmul outputs are bf16 either way, and float8 adds its amax reductions and a
+# few casts kept beside them: bytes per token per block, per unit of model width (8b on two H200s: 104.1 GiB
+# tensorwise against 103.5 in bf16, with float8 all-gather saving 0.4 GiB of gathered weights).
+FLOAT8_OP_EXTRA_PER_DIM = 0.5
+# Whole logits: bytes per logit held at the start of backward (bf16 logits and their gradient, less what
+# compile's fused head frees early). One process, compiled head: 1b with full recompute and 8-bit moments
+# (20.3 GiB), where the logits are most of the peak. Under FSDP the head is eager (its hooks gather the
+# output weight) and only the cross-entropy is compiled.
+HEAD_BYTES_ONE_PROCESS = 3.2
+HEAD_BYTES_SHARDED = 4.5
+HEAD_BYTES_EAGER = 10.0  # bf16 logits, the fp32 upcast and log-softmax kept, a gradient: estimated
+# The chunked loss: bytes per element of one chunk's logits at once (bf16 logits, their bf16 gradient, and
+# fp32 work of the softmax): 124m at chunks of 16,384 and 1b at 4,096 on one H100.
+CHUNK_BYTES = 6.0
+# What the caching allocator reserves beyond what is allocated (block rounding, fragmentation, the
+# temporaries of compiled kernels): a share of the peak allocated.
+ALLOCATOR_SLACK = 0.04
+# Memory a card has that torch cannot allocate: the CUDA context, cuBLAS workspaces, NCCL's buffers with more
+# than one process. Usable = the card's memory less this.
+CONTEXT_GIB = 1.0
+NCCL_GIB = 0.5
+
+# AdamW's two moments: fp32 (8 bytes a parameter), or torchao's 8-bit blockwise moments (1 byte each and an
+# fp32 scale per block of 256 values).
+MOMENT_BYTES = {"fp32": 8.0, "8bit": 2.0 * (1 + 4 / 256)}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes per GPU by category, at the peak of a step, and the reserved peak they add up to."""
+
+    rows: tuple[tuple[str, float], ...]
+    """(category, GiB) at the peak, in the order the report prints them; categories with nothing left out."""
+    allocated_gib: float
+    reserved_gib: float
+    notes: tuple[str, ...] = ()
+
+    def row(self, name: str) -> float:
+        return sum(g for n, g in self.rows if n.startswith(name))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the estimate reads of a run: the model's shape, the degrees and the options that move memory."""
+
+    args: ModelArgs
+    dims: ParallelDims
+    tokens: int  # per micro-batch on one rank
+    ac_mode: str
+    ac_option: str
+    ac_budget: float
+    float8: bool
+    float8_all_gather: bool
+    compile: bool
+    chunk_tokens: int
+    state_dtype: str
+    reshard: str  # as resolved: never, default or always
+    cpu_offload: bool = False
+
+
+def shape_of(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, card_gib: float | None) -> Shape:
+    """The run's memory-relevant options, with `parallel.reshard_after_forward = default` resolved as FSDP
+    resolves it on a card of `card_gib` (parallel/fsdp.py resolve_reshard)."""
+    t, ac, fp8 = cfg.training, cfg.activation_checkpoint, cfg.fp8
+    float8 = fp8.recipe != "none"
+    ag = fp8.enable_fsdp_float8_all_gather
+    float8_ag = dims.dp_shard > 1 and fp8.recipe == "tensorwise" and (ag is None or ag)
+    gathered = 2 * count_params(args)[0]
+    reshard = resolve_reshard(cfg.parallel.reshard_after_forward, gathered, int(card_gib * GIB) if card_gib else None)
+    return Shape(args, dims, t.local_batch_size * cfg.data.seq_len, ac.mode, ac.selective_ac_option,
+                 ac.memory_budget, float8, float8_ag, cfg.compile.enable, t.loss_chunk_tokens,
+                 cfg.optimizer.state_dtype, reshard, bool(getattr(cfg.parallel, "cpu_offload", False)))
+
+
+# ---- activations ------------------------------------------------------------------------------------
+
+
+def op_bytes_per_token(a: ModelArgs) -> float:
+    """Selective `op`, bf16: the stacked q/k/v output, the attention output and its fp32 log-sum-exp, the
+    two residual-stream tensors the norms' backward reads, the two SwiGLU inputs (w1's and w3's outputs).
+    Measured on 8b: 1.443 GiB a block at 16,384 tokens, this formula's 1.440 plus the embedding's share."""
+    kv = a.n_kv_heads * a.head_dim
+    return 2 * (a.dim + 2 * kv) + 2 * a.dim + 4 * a.n_heads + 4 * a.dim + 4 * a.ffn_dim
+
+
+def none_bytes_per_token(a: ModelArgs) -> float:
+    """No recompute, compiled: `op`'s tensors, w2's input (SwiGLU's product) and the rotated q and k that
+    attention's backward reads, which `op` recomputes; with QK-norm also the normalised q and k."""
+    qk = 2 * (a.dim + a.n_kv_heads * a.head_dim)
+    return op_bytes_per_token(a) + 2 * a.ffn_dim + qk * (2 if a.qk_norm else 1)
+
+
+def eager_extra_per_token(a: ModelArgs) -> float:
+    """Eager blocks keep what compile's partitioner would recompute: two norm outputs, SiLU's output,
+    the rotated q and k. Estimated: no eager run of a large model is recorded."""
+    return 4 * a.dim + 2 * a.ffn_dim + 2 * (a.dim + a.n_kv_heads * a.head_dim)
+
+
+def block_bytes(s: Shape) -> tuple[float, float]:
+    """(bytes all blocks keep for backward, bytes one block recomputing in backward holds at once)."""
+    a, n, layers = s.args, s.tokens, s.args.n_layers
+    none = none_bytes_per_token(a) + (0 if s.compile else eager_extra_per_token(a))
+    op = op_bytes_per_token(a)
+    if s.float8:
+        none *= FLOAT8_NONE_SHARE
+        op += FLOAT8_OP_EXTRA_PER_DIM * a.dim
+    block_input = 2 * a.dim  # a fully recomputed block keeps its input only
+    if s.ac_mode == "none":
+        return layers * none * n, 0.0
+    if s.ac_mode == "budget":
+        return layers * none * n * s.ac_budget, 0.0
+    if s.ac_mode == "selective" and s.ac_option == "op":
+        return layers * op * n, 0.0
+    every = 1 if s.ac_mode == "full" else int(s.ac_option)
+    recomputed = math.ceil(layers / every)
+    kept = (layers - recomputed) * none + recomputed * block_input
+    return kept * n, none * n
+
+
+def block_bytes_recomputed_whole(s: Shape) -> int:
+    """Blocks that full or every-N selective recompute whole (they keep only their input)."""
+    if s.ac_mode == "full":
+        return s.args.n_layers
+    if s.ac_mode == "selective" and s.ac_option != "op":
+        return math.ceil(s.args.n_layers / int(s.ac_option))
+    return 0
+
+
+# ---- the estimate -----------------------------------------------------------------------------------------
+
+
+def estimate(s: Shape) -> Estimate:
+    a, dims = s.args, s.dims
+    total, embed = count_params(a)
+    shard = dims.dp_shard if dims.sharded else 1
+    sharded = dims.sharded or s.cpu_offload  # offload runs FSDP even on one GPU
+    on_gpu = 0.0 if s.cpu_offload else 1.0  # FSDP's CPU offload keeps these three in host memory
+    weights = on_gpu * 4 * total / shard
+    grads = on_gpu * 4 * total / shard
+    moments = on_gpu * MOMENT_BYTES[s.state_dtype] * total / shard
+    # HSDP keeps torch's own reduce-scatter buffers: the gradients then sit in that stream's pool, which the
+    # activations freed in backward never refill (8b on two GPUs before they moved: +14.96 GiB, measured).
+    rs_pool = grads if dims.dp_replicate > 1 else 0.0
+    grads -= rs_pool
+
+    kept, recompute = block_bytes(s)
+    embedding_out = s.tokens * a.dim * 2
+    final_norm = s.tokens * a.dim * 2
+    vocab_dim = a.vocab_size * a.dim
+    if s.chunk_tokens:
+        # Fused: one chunk's logits, their bf16 gradient and the softmax's fp32 work at a time, the output
+        # weight's gradient in the compute dtype and the hidden states' gradient kept until backward, the bf16
+        # copy of the weight.
+        chunk = min(s.chunk_tokens, s.tokens)
+        weight_copy = 0 if sharded else 2 * vocab_dim  # FSDP's gathered bf16 weight is that copy already
+        head = CHUNK_BYTES * chunk * a.vocab_size + 2 * vocab_dim + 2 * s.tokens * a.dim + weight_copy
+    else:
+        per_logit = (HEAD_BYTES_EAGER if not s.compile else HEAD_BYTES_SHARDED if sharded else HEAD_BYTES_ONE_PROCESS)
+        head = per_logit * s.tokens * a.vocab_size
+
+    block_params = (total - embed - (0 if a.tie_embeddings else vocab_dim) - a.dim) / a.n_layers
+    # Backward reads each Linear's weight in the compute dtype: on one process autocast's bf16 copy (float8:
+    # the weight cast to float8 and its transpose), kept by every block that is not recomputed whole. Under
+    # FSDP the gathered bf16 weights are that copy already; float8 still keeps its casts.
+    # Selective `op` and full recompute redo the casts in backward instead.
+    copy_bytes = 2.0 if (s.float8 or not sharded) and not (s.ac_mode == "selective" and s.ac_option == "op") else 0.0
+    kept += copy_bytes * block_params * (a.n_layers - block_bytes_recomputed_whole(s))
+    gathered, ag_pool = 0.0, 0.0
+    if sharded:
+        block_gathered = block_params * (1 if s.float8_all_gather else 2)
+        output_gathered = 0.0 if a.tie_embeddings else 2 * vocab_dim
+        if s.reshard == "never":
+            # Every weight stays gathered from forward to backward, in the all-gather stream's pool.
+            gathered = a.n_layers * block_gathered + 2 * embed + output_gathered
+        else:
+            # The output layer is kept gathered (backward starts there); the blocks and the embedding are
+            # gathered one or two at a time into the all-gather stream's own pool.
+            gathered = output_gathered if s.reshard == "default" else 0.0
+            ag_pool = 2 * block_gathered + 2 * embed
+            if s.reshard == "always":
+                ag_pool += output_gathered
+    # The start of backward: every block's activations and the loss's; gradients exist only from an earlier
+    # micro-batch.
+    held_grads = grads if dims.accum_steps > 1 else 0.0
+    start = weights + moments + held_grads + kept + embedding_out + final_norm + head + gathered
+    # The end of backward: gradients whole, the last recomputed block and one block's unsharded gradient
+    # (bf16, and fp32 for the reduce-scatter under FSDP) at once.
+    unsharded_grad = 6 * block_params if sharded else 0.0
+    end = weights + moments + grads + recompute + unsharded_grad + gathered
+    allocated = max(start, end)
+    reserved = allocated * (1 + ALLOCATOR_SLACK) + ag_pool + rs_pool
+    at_start = start >= end
+    where = "start of backward" if at_start else "end of backward"
+    rows = [
+        ("parameters (fp32" + (f", 1/{shard} each" if sharded else "") + ")", weights),
+        ("gradients (fp32)", held_grads if at_start else grads),
+        (f"optimizer state (AdamW, {s.state_dtype} moments)", moments),
+        ("activations kept for backward" + ac_words(s), kept + embedding_out if at_start else recompute),
+        ("logits and their gradient" + (f" (chunks of {s.chunk_tokens} tokens)" if s.chunk_tokens else " (whole)"),
+         head + final_norm if at_start else 0.0),
+        ("FSDP gathered weights" + (" (all, kept from forward to backward)" if s.reshard == "never" else
+                                    " (the output layer, kept)"), gathered),
+        ("FSDP one block's unsharded gradient", 0.0 if at_start else unsharded_grad),
+        ("allocator slack (reserved beyond allocated)", allocated * ALLOCATOR_SLACK),
+        ("FSDP all-gather stream's pool (blocks being gathered)", ag_pool),
+        ("HSDP: the gradients in the reduce-scatter stream's pool", rs_pool),
+    ]
+    notes = [f"the peak comes at the {where}"]
+    if s.cpu_offload:
+        notes.append("parallel.cpu_offload: weights, gradients and AdamW's moments live in host memory "
+                     f"({16 * total / shard / GIB:.1f} GiB of it with fp32 moments)")
+    return Estimate(tuple((n, b / GIB) for n, b in rows if b), allocated / GIB, reserved / GIB, tuple(notes))
+
+
+def ac_words(s: Shape) -> str:
+    if s.ac_mode == "selective":
+        what = "selective, op" if s.ac_option == "op" else f"selective, every {s.ac_option}th block recomputed"
+    elif s.ac_mode == "budget":
+        what = f"budget {s.ac_budget}"
+    else:
+        what = s.ac_mode
+    return f" ({what}, {s.tokens:,} tokens{', float8' if s.float8 else ''}{'' if s.compile else ', eager'})"
+
+
+def estimate_run(cfg: JobConfig, world: int, card_gib: float | None = None) -> Estimate:
+    """The estimate for a validated config at `world` ranks, with parallel.reshard_after_forward = default
+    resolved for a card of `card_gib` (or training.gpu_memory_limit_gib when set, as the trainer does).
+    ConfigError (one line) for a world size or batch that does not work, as the preflight says it."""
+    from titanlike.config.dims import parallel_dims
+    from titanlike.config.resolve import resolve_model
+
+    dims = parallel_dims(cfg, world)
+    cap = cfg.training.gpu_memory_limit_gib
+    card = min(cap, card_gib) if cap and card_gib else cap or card_gib
+    return estimate(shape_of(cfg, resolve_model(cfg).args, dims, card))

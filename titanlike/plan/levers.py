@@ -1,0 +1,130 @@
+"""The levers that lower a run's memory, and what each costs in speed: data, one entry a lever value.
+
+A lever is a config key and the values it may take to save memory, each with the share of tokens/s it
+costs and where that figure comes from (a measurement in docs/benchmarks/, or an estimate, said so). A new
+lever (a new `activation_checkpoint.selective_ac_option`, say) is one more entry. Costs of levers combined
+multiply: a run with two levers keeps (1 − a)(1 − b) of its speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from titanlike.config.schema import JobConfig
+
+B = "docs/benchmarks/"
+
+
+@dataclass(frozen=True)
+class Choice:
+    key: str
+    """The config key, as the flag names it (training.loss_chunk_tokens)."""
+    value: object
+    cost: float
+    """Share of tokens/s this value costs against the run without the lever."""
+    source: str
+    """Where the cost comes from: a benchmark report, or `estimate: why`."""
+    usable: Callable[[JobConfig], bool] = lambda cfg: True
+    """Whether the lever exists for this config (a field another version may lack, compile needed, ...)."""
+    cost_sharded: float | None = None
+    """The cost under FSDP (more than one GPU), where it differs."""
+
+    def cost_at(self, world: int) -> float:
+        return self.cost if world == 1 or self.cost_sharded is None else self.cost_sharded
+
+    @property
+    def flag(self) -> str:
+        return f"--{self.key} {self.value}"
+
+
+def _has(section: str, key: str) -> Callable[[JobConfig], bool]:
+    return lambda cfg: hasattr(getattr(cfg, section), key)
+
+
+CHOICES: tuple[Choice, ...] = (
+    Choice("training.loss_chunk_tokens", 4096, 0.0,
+           f"{B}2026-11-23-one-gpu-fused-chunked-loss-1b-32gb.md: 124m fused chunks +0.3 % (noise), 3.8 GiB less; "
+           f"on 8b over two GPUs 0.999× (bf16) and 0.995× (tensorwise) for 3.4-4.1 GiB less "
+           f"({B}2026-11-26-memory-levers-and-estimator.md)", cost_sharded=0.005),
+    Choice("parallel.reshard_after_forward", "always", 0.019,
+           f"{B}2026-11-22-bf16-residual-fused-clip.md: keeping 1b's gathered weights is worth 1.8-1.9 %"),
+    Choice("optimizer.state_dtype", "8bit", 0.046,
+           f"{B}2026-11-23-one-gpu-fused-chunked-loss-1b-32gb.md: torchao's 8-bit step, 4.6 % of a 1b step"),
+    Choice("activation_checkpoint.mode", "selective:op", 0.03,
+           "estimate: op recomputes elementwise ops only (norms, RoPE, SwiGLU), no matmul"),
+    Choice("activation_checkpoint.mode", "budget:0.5", 0.05,
+           f"{B}2026-11-23-one-gpu-fused-chunked-loss-1b-32gb.md: budgeted 1b runs 3-7 % slower",
+           usable=lambda cfg: cfg.compile.enable),
+    Choice("activation_checkpoint.mode", "selective:2", 0.12,
+           "estimate: half of full recompute (every 2nd block recomputed whole)"),
+    Choice("activation_checkpoint.mode", "full", 0.25,
+           "estimate: one more forward of every block, about a third of its step's FLOPs; on 1b in 31 GiB full "
+           f"recompute ran 0.84 of the uncapped speed ({B}2026-11-23-one-gpu-fused-chunked-loss-1b-32gb.md)"),
+    Choice("training.local_batch_size", "1/2", 0.03,
+           "estimate: per halving of the micro-batch (more micro-batches, the same global batch): each "
+           "micro-batch pays fixed per-step work (weight casts, gathers, gradient accumulation)"),
+    Choice("training.local_batch_size", "1/4", 0.07, "estimate: two halvings"),
+    Choice("training.local_batch_size", "1/8", 0.12, "estimate: three halvings"),
+    Choice("parallel.cpu_offload", True, 0.6,
+           "estimate: weights, gradients and AdamW's state in host memory, the optimizer step on the CPU: very slow",
+           usable=_has("parallel", "cpu_offload")),
+)
+
+# The AC modes, from the one that keeps most to the one that keeps least, as Choice values spell them.
+AC_ORDER = ("none", "budget:0.5", "selective:op", "selective:2", "full")
+
+
+def ac_value(cfg: JobConfig) -> str:
+    ac = cfg.activation_checkpoint
+    if ac.mode == "selective":
+        return f"selective:{ac.selective_ac_option}"
+    return f"budget:{ac.memory_budget}" if ac.mode == "budget" else ac.mode
+
+
+def apply(cfg: JobConfig, choice: Choice, global_batch: int) -> JobConfig | None:
+    """The config with one lever value applied; None where it does not apply (a micro-batch that does not
+    divide the current one). `global_batch`: the run's, which a smaller micro-batch keeps."""
+    section, key = choice.key.split(".")
+    if choice.key == "activation_checkpoint.mode":
+        mode, _, option = str(choice.value).partition(":")
+        ac = cfg.activation_checkpoint
+        changes: dict[str, object] = {"mode": mode}  # a Literal field: the values are AC_ORDER's, checked below
+        if mode == "selective":
+            changes["selective_ac_option"] = option
+        elif mode == "budget":
+            changes["memory_budget"] = float(option)
+        new = dataclasses.replace(ac, **changes)  # type: ignore[arg-type]
+        new.validate()
+        return dataclasses.replace(cfg, activation_checkpoint=new)
+    if choice.key == "training.local_batch_size":
+        t = cfg.training
+        divisor = int(str(choice.value).split("/")[1])
+        if t.local_batch_size % divisor:
+            return None
+        # The global batch stays: the micro-batches grow in number (gradient accumulation).
+        return dataclasses.replace(cfg, training=dataclasses.replace(
+            t, local_batch_size=t.local_batch_size // divisor, global_batch_size=global_batch))
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{key: choice.value})})
+
+
+def flags(cfg: JobConfig, choices: tuple[Choice, ...], global_batch: int) -> list[str]:
+    """The command-line flags that set these choices on `cfg` (the micro-batch as a number, with the global
+    batch it keeps)."""
+    out = []
+    for c in choices:
+        if c.key == "training.local_batch_size":
+            out.append(f"--training.local_batch_size {cfg.training.local_batch_size // int(str(c.value)[2:])} "
+                       f"--training.global_batch_size {global_batch}")
+        elif c.key == "activation_checkpoint.mode":
+            mode, _, option = str(c.value).partition(":")
+            out.append(f"--activation_checkpoint.mode {mode}")
+            if mode == "selective":
+                out.append(f"--activation_checkpoint.selective_ac_option {option}")
+            elif mode == "budget":
+                out.append(f"--activation_checkpoint.memory_budget {option}")
+        else:
+            value = str(c.value).lower() if isinstance(c.value, bool) else c.value
+            out.append(f"--{c.key} {value}")
+    return out
