@@ -115,6 +115,9 @@ class LinearCrossEntropy(torch.autograd.Function):
                     torch.mm(grad_logits, w, out=grad_h[start:start + chunk_tokens])
                 if grad_w is not None:
                     torch.addmm(grad_w, grad_logits.t(), x_chunk, out=grad_w)  # adds in the matmul: no product copy
+                # Freed now, not when the next chunk's replaces it: else the next logits and their
+                # gradient would be allocated beside it (a third chunk's worth, 1 GiB on 8b).
+                del grad_logits
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (h.dtype, weight.dtype)
         ctx.spent = False
