@@ -11,6 +11,7 @@ rank no FSDP is applied: the plain model trains under bf16 autocast (single-GPU 
     activation_checkpoint.py  what each block keeps for backward (activation_checkpoint.mode)
     compile.py                per-block torch.compile
     fsdp.py                   FSDP2 and its mixed precision, or autocast on one rank
+    offload.py                FSDP2's CPU offload: where the state lives, the host memory it needs
 
 The degrees themselves (dp_replicate × dp_shard, micro-batches) are plain arithmetic on the config,
 resolved once before any worker starts (titanlike/config/).
@@ -26,8 +27,9 @@ from titanlike.parallel.device import (
     pick_device,
 )
 from titanlike.parallel.fsdp import apply_fsdp, resolve_reshard, shard_model
+from titanlike.parallel import offload
 from titanlike.parallel.mesh import destroy_process_group, init_distributed, mean_over_ranks
 
 __all__ = ["allocator_settings", "apply_activation_checkpointing", "apply_compile", "apply_fsdp", "configure_device",
            "default_allocator_settings", "destroy_process_group", "device_memory_bytes", "init_distributed",
-           "mean_over_ranks", "pick_device", "resolve_reshard", "shard_model"]
+           "mean_over_ranks", "offload", "pick_device", "resolve_reshard", "shard_model"]
