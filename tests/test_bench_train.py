@@ -23,3 +23,25 @@ def test_leading_assignments_are_the_variants_environment():
     env, words = split_env(["--fp8.filter_fqns=output", "A=1"])
     assert env == {} and words == ["--fp8.filter_fqns=output", "A=1"]
     assert split_env(["--data.seq_len", "4096"]) == ({}, ["--data.seq_len", "4096"])
+
+
+def test_levers_are_valid_overrides_of_the_default_config():
+    """Every lever of --levers is a set of options the trainer accepts (checked as the preflight does)."""
+    import shlex
+
+    from titanlike.config import load_config
+
+    bench = load_bench_train()
+    assert [name for name, _ in bench.LEVERS][0] == "default"
+    for name, overrides in bench.LEVERS:
+        load_config(["--job.config_file", str(bench.ROOT / "train_configs" / "llama3_8b.toml"), *shlex.split(overrides)])
+
+
+def test_table_says_what_each_variant_saves_against_the_first():
+    bench = load_bench_train()
+    row = {"tps": 100.0, "mfu": None, "tflops": 1.0, "float8_share": None, "first_step_s": 1.0, "loss": 2.0}
+    text = bench.table([{"variant": "default", "mem_gib": 50.0, **row},
+                        {"variant": "ac_full", "mem_gib": 30.5, **row, "tps": 80.0}])
+    lines = text.splitlines()
+    assert "GiB saved" in lines[0]
+    assert lines[3].split()[:3] == ["ac_full", "80", "0.80x"] and lines[3].split()[6:8] == ["30.5", "19.5"]
