@@ -4,7 +4,8 @@
 
 Float8 comes first so compile sees the float8 casts and fuses them; AC before compile so the
 recomputation is part of each compiled block; FSDP last so it shards the final modules. With one
-rank no FSDP is applied: the plain model trains under bf16 autocast (single-GPU mode).
+rank no FSDP is applied: the plain model trains under bf16 autocast (single-GPU mode), unless it
+offloads to the CPU, which FSDP does (over a one-rank mesh).
 
     device.py                 which device, the CUDA allocator's settings, a memory cap, deterministic kernels
     mesh.py                   the process group, the DeviceMesh, means over ranks
@@ -17,6 +18,7 @@ The degrees themselves (dp_replicate × dp_shard, micro-batches) are plain arith
 resolved once before any worker starts (titanlike/config/).
 """
 
+from titanlike.parallel import offload
 from titanlike.parallel.activation_checkpoint import apply_activation_checkpointing
 from titanlike.parallel.compile import apply_compile
 from titanlike.parallel.device import (
@@ -27,7 +29,6 @@ from titanlike.parallel.device import (
     pick_device,
 )
 from titanlike.parallel.fsdp import apply_fsdp, resolve_reshard, shard_model
-from titanlike.parallel import offload
 from titanlike.parallel.mesh import destroy_process_group, init_distributed, mean_over_ranks
 
 __all__ = ["allocator_settings", "apply_activation_checkpointing", "apply_compile", "apply_fsdp", "configure_device",

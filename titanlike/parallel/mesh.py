@@ -23,9 +23,12 @@ def init_distributed(dims, device: torch.device, timeout_s: int, cpu_offload: bo
         # Offloaded gradients are host tensors: the gradient norm's all-reduce runs on them, on gloo.
         backend = "cuda:nccl,cpu:gloo"
     # One process without torchrun has no rendezvous address: an in-process store is all it needs.
-    single = {} if dims.sharded else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=device if device.type == "cuda" else None, **single)
+    timeout, device_id = datetime.timedelta(seconds=timeout_s), device if device.type == "cuda" else None
+    if dims.sharded:
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+    else:
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id, store=dist.HashStore(), rank=0,
+                                world_size=1)
     if dims.dp_replicate > 1:
         return init_device_mesh(device.type, (dims.dp_replicate, dims.dp_shard),
                                 mesh_dim_names=("dp_replicate", "dp_shard"))
