@@ -355,3 +355,12 @@ def test_selective_op_names_compiled_trains_as_op(tmp_path, corpus, recipe):
     gpu_run(tmp_path / "light", *common, "--activation_checkpoint.selective_ac_option", "op:wqkv,w1", corpus=corpus)
     gpu_run(tmp_path / "op", *common, "--activation_checkpoint.selective_ac_option", "op", corpus=corpus)
     assert_close_losses(train_losses(tmp_path / "light"), train_losses(tmp_path / "op"), range(1, 9))
+
+
+def test_one_gpu_cpu_offload_with_8bit_moments_and_compiled_float8(tmp_path, corpus):
+    """Offload beside the other levers: torchao's 8-bit AdamW updating host tensors (its compiled update
+    on the CPU), compiled blocks, tensorwise float8 (weights gathered in bf16): finite, falling losses."""
+    gpu_run(tmp_path, *OFFLOAD_COMMON, "--parallel.cpu_offload", "--optimizer.state_dtype", "8bit", "--compile.enable",
+            "--fp8.recipe", "tensorwise", "--fp8.auto_filter", "false", corpus=corpus)
+    losses = train_losses(tmp_path)
+    assert all(math.isfinite(v) for v in losses.values()) and losses[8] < losses[1] - 0.5, losses

@@ -57,7 +57,7 @@ def test_host_bytes_per_rank():
     # 8B parameters over 2 shards: fp32 weights and gradients (8 B) and fp32 moments (8 B) = 16 B each.
     assert offload.host_bytes_per_rank(8 * 10**9, 2, "fp32", False) == 64 * 10**9
     assert offload.host_bytes_per_rank(10**9, 1, "8bit", False) == int(10.04 * 10**9)
-    # A background save's pinned copy: weights (4 B) and moments again.
+    # A background save's host copy: weights (4 B) and moments again.
     assert offload.host_bytes_per_rank(10**9, 1, "fp32", True) == 28 * 10**9
 
 

@@ -78,7 +78,7 @@ class Trainer:
         if offload:  # before any model is built: the host must hold the state the GPU gives up
             parallel.offload.check_host_memory(
                 count_params(self.run.model.args)[0], self.dims.dp_shard, cfg.optimizer.state_dtype,
-                cfg.checkpoint.async_mode == "async_with_pinned_mem",
+                cfg.checkpoint.enable and cfg.checkpoint.async_mode != "disabled",
                 local_ranks=parallel.offload.local_ranks(), log=self.is_main)
             threads = parallel.offload.cpu_threads(parallel.offload.local_ranks())
             if threads:
@@ -127,9 +127,10 @@ class Trainer:
                                              reshard=cfg.parallel.reshard_after_forward,
                                              memory_limit_gib=t.gpu_memory_limit_gib, log=self.is_main,
                                              offload_policy=parallel.offload.policy(offload))
-        # Offloaded, the weights are made and initialised in host memory; the buffers compute on the GPU.
+        # Offloaded, the weights live in host memory but are drawn on the GPU (the numbers of a run
+        # without offload), and the buffers (rotary tables) stay on the GPU, where the forward reads them.
         model.to_empty(device=parallel.offload.param_device(self.device, offload))
-        model.init_weights(cfg.job.seed, cfg.data.seq_len)
+        model.init_weights(cfg.job.seed, cfg.data.seq_len, device=self.device)
         parallel.offload.buffers_to(model, self.device)
         self.model = model
         # loss_fn(model, inputs, targets): over whole logits, or chunk by chunk (training.loss_chunk_tokens);

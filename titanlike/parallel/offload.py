@@ -51,12 +51,12 @@ def buffers_to(model: nn.Module, device: torch.device) -> None:
                 setattr(module, name, buf.to(device))
 
 
-def host_bytes_per_rank(n_params: int, dp_shard: int, state_dtype: str, pinned_checkpoint: bool) -> int:
+def host_bytes_per_rank(n_params: int, dp_shard: int, state_dtype: str, background_saves: bool) -> int:
     """Host memory one rank's offloaded state takes: weights, gradients and moments of its 1/dp_shard,
-    plus, with checkpoint.async_mode = async_with_pinned_mem, the pinned copy of weights and moments a
-    background save stages."""
+    plus, with background saves (checkpoint.async_mode), the host copy of weights and moments a save
+    stages while training goes on (checkpoint/staging.py)."""
     per_param = WEIGHT_AND_GRAD_BYTES + MOMENT_BYTES[state_dtype]
-    if pinned_checkpoint:
+    if background_saves:
         per_param += 4 + MOMENT_BYTES[state_dtype]
     return int(n_params * per_param / dp_shard)
 
@@ -74,18 +74,18 @@ def host_available_bytes(meminfo: str = "/proc/meminfo") -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_host_memory(n_params: int, dp_shard: int, state_dtype: str, pinned_checkpoint: bool, *,
+def check_host_memory(n_params: int, dp_shard: int, state_dtype: str, background_saves: bool, *,
                       local_ranks: int, log: bool) -> None:
     """Say what the offloaded state needs (one log line) and stop with one line if a host lacks it.
 
     Every rank on a host offloads its own shard, so a host needs `local_ranks` times one rank's bytes.
     The verdict is agreed over every rank (hosts differ), so that all stop together or none does."""
-    per_rank = host_bytes_per_rank(n_params, dp_shard, state_dtype, pinned_checkpoint)
+    per_rank = host_bytes_per_rank(n_params, dp_shard, state_dtype, background_saves)
     need, have = per_rank * local_ranks, host_available_bytes()
     if log:
         logger.info(f"cpu offload: {per_rank / GiB:.1f} GiB of host memory a rank ({n_params / 1e9:.2f}B parameters: "
                     f"fp32 weights and gradients, {state_dtype} AdamW moments, over dp_shard {dp_shard}"
-                    f"{', and a pinned copy for background saves' if pinned_checkpoint else ''}), "
+                    f"{', and the copy a background save stages' if background_saves else ''}), "
                     f"{need / GiB:.1f} GiB for the {local_ranks} rank(s) of this host; {have / GiB:.1f} GiB available")
     short = torch.tensor([float(need - have), float(need), float(-have)], dtype=torch.float64)
     if dist.is_initialized():
