@@ -14,7 +14,11 @@ is reported separately as "first step").
 `--levers` runs one config through each memory lever in turn (LEVERS: the default, then one lever a
 run) and the table says what each saves against the first and at what speed:
 
-    python scripts/bench_train.py --config train_configs/llama3_8b.toml --ngpu 2 --steps 6 --log-freq 1 --levers
+    python scripts/bench_train.py --config train_configs/llama3_1b.toml --ngpu 1 --steps 8 --log-freq 1 --levers
+    python scripts/bench_train.py --config train_configs/llama3_8b.toml --ngpu 2 --steps 6 --log-freq 1 \
+        --levers default,ac_op_wqkv_wo_w1,ac_op_wqkv_w1,cpu_offload
+
+`--levers NAME,NAME` runs only those (the first is what the others are compared with).
 """
 
 from __future__ import annotations
@@ -127,7 +131,9 @@ def main() -> None:
     p.add_argument("--log-freq", type=int, default=5)
     p.add_argument("--ngpu", type=int, default=1)
     p.add_argument("--variant", action="append", default=[], help="name=overrides")
-    p.add_argument("--levers", action="store_true", help="run the memory levers (LEVERS) after any --variant")
+    p.add_argument("--levers", nargs="?", const="all", default="",
+                   help="run the memory levers (LEVERS) after any --variant: all, or a comma-separated list of "
+                        "their names (the first is what the others are compared with)")
     p.add_argument("--corpus", default="",
                    help="a cache folder ($TITANLIKE_CACHE) holding an already-built corpus to reuse")
     p.add_argument("--out", default="", help="write the results as JSON here")
@@ -135,7 +141,12 @@ def main() -> None:
     args = p.parse_args(argv)
     args.common = common
     if args.levers:
-        args.variant += [f"{name}={overrides}" for name, overrides in LEVERS]
+        levers = dict(LEVERS)
+        names = list(levers) if args.levers == "all" else [n.strip() for n in args.levers.split(",") if n.strip()]
+        unknown = [n for n in names if n not in levers]
+        if unknown:
+            p.error(f"--levers: no lever {', '.join(unknown)}; the levers are {', '.join(levers)}")
+        args.variant += [f"{name}={levers[name]}" for name in names]
     if not args.variant:
         p.error("name at least one --variant, or --levers")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_train_"))

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
+
+import pytest
 
 
 def load_bench_train():
@@ -46,3 +49,20 @@ def test_table_says_what_each_variant_saves_against_the_first():
     lines = text.splitlines()
     assert "GiB saved" in lines[0]
     assert lines[3].split()[:3] == ["ac_full", "80", "0.80x"] and lines[3].split()[6:8] == ["30.5", "19.5"]
+
+
+def test_levers_by_name_and_a_wrong_name_in_one_line(monkeypatch, tmp_path, capsys):
+    """--levers NAME,NAME runs those levers in that order; a name that is no lever stops argparse's way."""
+    bench = load_bench_train()
+    ran = []
+    monkeypatch.setattr(bench, "run_variant", lambda name, words, *a: ran.append((name, words)) or
+                        {"variant": name, "rc": 1, "error": "not run"})
+    argv = ["bench_train.py", "--workdir", str(tmp_path), "--levers", "default,ac_op_wqkv_w1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench.main()
+    assert ran == [("default", []), ("ac_op_wqkv_w1", ["--activation_checkpoint.mode", "selective",
+                                                         "--activation_checkpoint.selective_ac_option", "op:wqkv,w1"])]
+    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--levers", "default,ac_light"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "--levers: no lever ac_light; the levers are default, loss_chunk_4096" in capsys.readouterr().err
