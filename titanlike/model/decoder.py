@@ -233,5 +233,8 @@ class Transformer(nn.Module):
             if isinstance(param, DTensor):
                 # Every rank drew the same full tensor; keep the local slice, no communication.
                 full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-            param.copy_(full.to(device=param.device, dtype=param.dtype))
+                # Shard into shard: copy_ converts the dtype and, offloaded, moves it to the host.
+                param.to_local().copy_(full.to_local())
+            else:
+                param.copy_(full)
         self.init_rope(seq_len, device)
