@@ -38,9 +38,6 @@ rc=0
 TITANLIKE_PREFLIGHT_WORLD=$((NGPU * NNODES)) "$PYTHON" -m titanlike.preflight --job.config_file "$CONFIG_FILE" "$@" || rc=$?
 [ "$rc" -eq 3 ] && exit 0
 [ "$rc" -ne 0 ] && exit "$rc"
-# The launcher's thread default, marked as such: a run whose CPU does real work (parallel.cpu_offload's
-# optimizer step) shares the host's cores among its ranks instead; a user's own setting stays.
-[ -z "${OMP_NUM_THREADS:-}" ] && export TITANLIKE_OMP_DEFAULT=1
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$([ "$NGPU" -gt 1 ] && echo 1 || nproc)}"
 if [ "$((NGPU * NNODES))" -eq 1 ]; then
   # One process needs no torchrun, and without it the exit code (2 for a mistake the user can

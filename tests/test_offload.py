@@ -84,7 +84,7 @@ def test_host_memory_check_says_what_it_needs_and_refuses_a_host_without_it(monk
 def test_cpu_threads_share_the_cores_unless_the_user_chose():
     cores = len(__import__("os").sched_getaffinity(0))
     assert offload.cpu_threads(1, {}) == cores
-    assert offload.cpu_threads(1, {"OMP_NUM_THREADS": "1", "TITANLIKE_OMP_DEFAULT": "1"}) == cores  # the launcher's
+    assert offload.cpu_threads(1, {"OMP_NUM_THREADS": "1"}) == cores  # torchrun's and the launcher's default
     assert offload.cpu_threads(1, {"OMP_NUM_THREADS": "3"}) is None  # the user's
     assert offload.cpu_threads(10**6, {}) == 1
 

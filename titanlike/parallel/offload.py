@@ -98,10 +98,11 @@ def check_host_memory(n_params: int, dp_shard: int, state_dtype: str, background
 
 
 def cpu_threads(local_ranks: int, environ=os.environ) -> int | None:
-    """Threads for the CPU update of each rank: the host's cores shared among its ranks. run_train.sh
-    starts every rank of a multi-GPU run with one thread (OMP_NUM_THREADS=1, right when the CPU only
-    feeds the GPU); offloaded, the CPU runs the optimizer step, the slow part. None: the user chose."""
-    if environ.get("OMP_NUM_THREADS") and not environ.get("TITANLIKE_OMP_DEFAULT"):
+    """Threads for each rank's CPU update: the host's cores shared among its ranks. torchrun and
+    run_train.sh start every rank of a multi-GPU run with one thread (OMP_NUM_THREADS=1: right when
+    the CPU only feeds the GPU); offloaded, the CPU runs the optimizer step, the slow part, so 1 is
+    taken for that default. None: any other OMP_NUM_THREADS, which is the user's choice to keep."""
+    if environ.get("OMP_NUM_THREADS", "") not in ("", "1"):
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, local_ranks))
