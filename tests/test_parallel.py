@@ -171,6 +171,58 @@ def test_selective_op_keeps_the_named_matmul_outputs(option, recomputed):
         assert torch.equal(grads[name], want[name]), name
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["none", "rowwise"])
+def test_selective_op_names_under_compile_and_float8(monkeypatch, recipe):
+    """Compiled, the policy runs while the block is traced: each trace asks checkpoint() for fresh
+    contexts and sees the block's five matmuls in forward order (float8's converted Linears included:
+    one mm each), so op:wqkv,w1 keeps the first and third; the gradients are the uncompiled ones'."""
+    import torch.utils.checkpoint as checkpoint_module
+
+    from titanlike.float8 import Float8Converter
+    from titanlike.float8.options import Float8Options
+
+    real = checkpoint_module.create_selective_checkpoint_contexts
+    traces: list[list[str]] = []
+
+    def spy(policy):
+        decisions: list[str] = []
+        traces.append(decisions)
+
+        def recorded(ctx, op, *args, **kwargs):
+            out = policy(ctx, op, *args, **kwargs)
+            if op in (torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default):
+                decisions.append(out.name)
+            return out
+
+        return real(recorded)
+
+    monkeypatch.setattr(checkpoint_module, "create_selective_checkpoint_contexts", spy)
+
+    def run(compiled: bool) -> dict:
+        torch._dynamo.reset()
+        model = Transformer(ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=50))
+        model.init_weights(0, 16)
+        if recipe != "none":
+            options = Float8Options(recipe=recipe, emulate=True)
+            Float8Converter(options).convert(model, device=torch.device("cpu"))
+        parallel.apply_activation_checkpointing(model, "selective", "op:wqkv,w1")
+        if compiled:
+            parallel.apply_compile(model)
+        block = model.layers[0]
+        x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        block(x, model.rope_cos[:16], model.rope_sin[:16]).pow(2).mean().backward()
+        return {"x": x.grad, **{name: p.grad for name, p in block.named_parameters()}}
+
+    want = run(compiled=False)
+    traces.clear()
+    got = run(compiled=True)
+    kept = ["MUST_SAVE", "PREFER_RECOMPUTE", "MUST_SAVE", "PREFER_RECOMPUTE", "PREFER_RECOMPUTE"]
+    assert traces and all(decisions == kept for decisions in traces), traces
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def budgeted_block_run(budget: float) -> tuple[int, dict]:
     """(bytes the compiled blocks keep for backward, the gradients) under mode = budget."""
     torch._dynamo.reset()  # compile each budget's graphs afresh
