@@ -10,6 +10,15 @@ in a shell: `--variant "ctas16=NCCL_MAX_CTAS=16 --fp8.recipe tensorwise"`. Each 
 `torchrun --nproc_per_node=N run_train.sh ...`, one after the other on the same machine. Tokens/s
 is the median over the logged windows after the first window (the first step, with compilation,
 is reported separately as "first step").
+
+`--levers` runs one config through each memory lever in turn (LEVERS: the default, then one lever a
+run) and the table says what each saves against the first and at what speed:
+
+    python scripts/bench_train.py --config train_configs/llama3_1b.toml --ngpu 1 --steps 8 --log-freq 1 --levers
+    python scripts/bench_train.py --config train_configs/llama3_8b.toml --ngpu 2 --steps 6 --log-freq 1 \
+        --levers default,ac_op_wqkv_wo_w1,ac_op_wqkv_w1,cpu_offload
+
+`--levers NAME,NAME` runs only those (the first is what the others are compared with).
 """
 
 from __future__ import annotations
@@ -27,6 +36,21 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+# The memory levers, one a run, against the config as it is. cpu_offload turns float8 all-gather off,
+# which it cannot do (a tensorwise config gathers in float8 on more than one GPU); a no-op otherwise.
+SELECTIVE = "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option"
+LEVERS = [
+    ("default", ""),
+    ("loss_chunk_4096", "--training.loss_chunk_tokens 4096"),
+    ("adamw_8bit", "--optimizer.state_dtype 8bit"),
+    ("ac_full", "--activation_checkpoint.mode full"),
+    ("ac_op_wqkv_wo_w1", f"{SELECTIVE} op:wqkv,wo,w1"),
+    ("ac_op_wqkv_w1", f"{SELECTIVE} op:wqkv,w1"),
+    ("reshard_always", "--parallel.reshard_after_forward always"),
+    ("cpu_offload", "--parallel.cpu_offload --fp8.enable_fsdp_float8_all_gather false"),
+]
 
 
 def split_env(words: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -77,8 +101,9 @@ def run_variant(name: str, overrides: list[str], args, workdir: Path, extra_env:
 
 def table(results: list[dict]) -> str:
     base = next((r["tps"] for r in results if r.get("tps")), None)
+    base_mem = next((r["mem_gib"] for r in results if r.get("tps")), None)
     head = (f"{'variant':<24} {'tok/s/GPU':>10} {'vs first':>8} {'MFU%':>6} {'TFLOPS':>7} {'fp8 share':>9} "
-            f"{'mem GiB':>8} {'first step s':>12} {'loss':>7}")
+            f"{'mem GiB':>8} {'GiB saved':>9} {'first step s':>12} {'loss':>7}")
     lines = [head, "-" * len(head)]
     for r in results:
         if r.get("tps") is None:
@@ -89,7 +114,7 @@ def table(results: list[dict]) -> str:
         share = f"{r['float8_share']:.0%}" if r.get("float8_share") is not None else "-"
         lines.append(
             f"{r['variant']:<24} {r['tps']:>10,.0f} {ratio:>8} {mfu:>6} {r['tflops']:>7.1f} {share:>9} "
-            f"{r['mem_gib']:>8.1f} {r['first_step_s']:>12.1f} {r['loss']:>7.3f}"
+            f"{r['mem_gib']:>8.1f} {base_mem - r['mem_gib']:>9.1f} {r['first_step_s']:>12.1f} {r['loss']:>7.3f}"
         )
     return "\n".join(lines)
 
@@ -105,13 +130,25 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--log-freq", type=int, default=5)
     p.add_argument("--ngpu", type=int, default=1)
-    p.add_argument("--variant", action="append", required=True, help="name=overrides")
+    p.add_argument("--variant", action="append", default=[], help="name=overrides")
+    p.add_argument("--levers", nargs="?", const="all", default="",
+                   help="run the memory levers (LEVERS) after any --variant: all, or a comma-separated list of "
+                        "their names (the first is what the others are compared with)")
     p.add_argument("--corpus", default="",
                    help="a cache folder ($TITANLIKE_CACHE) holding an already-built corpus to reuse")
     p.add_argument("--out", default="", help="write the results as JSON here")
     p.add_argument("--workdir", default="", help="keep run folders and logs here (default: a temp dir)")
     args = p.parse_args(argv)
     args.common = common
+    if args.levers:
+        levers = dict(LEVERS)
+        names = list(levers) if args.levers == "all" else [n.strip() for n in args.levers.split(",") if n.strip()]
+        unknown = [n for n in names if n not in levers]
+        if unknown:
+            p.error(f"--levers: no lever {', '.join(unknown)}; the levers are {', '.join(levers)}")
+        args.variant += [f"{name}={levers[name]}" for name in names]
+    if not args.variant:
+        p.error("name at least one --variant, or --levers")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_train_"))
     workdir.mkdir(parents=True, exist_ok=True)
     results = []

@@ -310,3 +310,77 @@ def test_fit_gib_chooses_levers_that_fit_on_the_gpu(tmp_path):
     peak = max(r["mem_reserved_gib"] for r in metrics(tmp_path))
     estimate = estimate_run(saved, 1, torch.cuda.get_device_properties(0).total_memory / 2**30).reserved_gib
     assert peak <= 16 and abs(peak / estimate - 1) <= 0.10, (peak, estimate)
+
+
+# One GPU with parallel.cpu_offload runs FSDP over one rank (bf16 weights gathered from host fp32 shards)
+# where the plain run uses autocast: the same model and data, rounded differently, so losses agree to
+# bf16 noise, not bit for bit.
+OFFLOAD_COMMON = ("--training.steps", "8", "--metrics.log_freq", "1", "--validation.enable", "false",
+                  "--data.seq_len", "256", "--training.local_batch_size", "4")
+OFFLOAD_RTOL = 0.02
+
+
+def assert_close_losses(a: dict[int, float], b: dict[int, float], steps) -> None:
+    assert sorted(a) == sorted(b) == list(steps), (a, b)
+    for s in a:
+        assert math.isfinite(a[s]) and abs(a[s] - b[s]) < OFFLOAD_RTOL * b[s], (s, a[s], b[s])
+
+
+def test_one_gpu_cpu_offload_trains_as_without(tmp_path, corpus):
+    """parallel.cpu_offload on one GPU: the weights and AdamW live on the host (said at start, with the
+    host memory they take), the losses follow the run without offload, and it learns."""
+    _, log = gpu_run(tmp_path / "off", *OFFLOAD_COMMON, "--parallel.cpu_offload", corpus=corpus)
+    assert re.search(r"cpu offload: [\d.]+ GiB of host memory a rank", log), log[-3000:]
+    gpu_run(tmp_path / "plain", *OFFLOAD_COMMON, corpus=corpus)
+    off, plain = train_losses(tmp_path / "off"), train_losses(tmp_path / "plain")
+    assert_close_losses(off, plain, range(1, 9))
+    assert off[8] < off[1] - 0.5, off
+
+
+@pytest.mark.parametrize("first,then", [("offload", "plain"), ("plain", "offload")])
+def test_cpu_offload_checkpoint_resumes_the_other_way(tmp_path, corpus, first, then):
+    """A step saved with the state on the host resumes on the GPU, and the other way round: the
+    resumed steps follow the uninterrupted run's."""
+    flag = {"offload": ("--parallel.cpu_offload",), "plain": ()}
+    saving = (*OFFLOAD_COMMON, "--checkpoint.enable", "--checkpoint.interval", "4")
+    gpu_run(tmp_path / "whole", *saving, *flag[first], corpus=corpus)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "whole" / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
+    _, log = gpu_run(resumed, *saving, *flag[then], corpus=corpus)
+    assert "resumed from" in log, log[-3000:]
+    assert_close_losses(train_losses(resumed), {s: v for s, v in train_losses(tmp_path / "whole").items() if s > 4},
+                        range(5, 9))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: offloaded FSDP over NCCL")
+def test_two_gpus_cpu_offload_matches_without(tmp_path, corpus):
+    """Two GPUs: FSDP with the shards on the host and the update on the CPU (fused AdamW there, on the GPU
+    without), against the same sharding on the GPUs; the gradient norm is all-reduced over host tensors."""
+    common = (*OFFLOAD_COMMON, "--training.global_batch_size", "8")
+    run_train(tmp_path / "off", *common, "--parallel.cpu_offload", nproc=2, device="cuda", corpus=corpus)
+    run_train(tmp_path / "plain", *common, nproc=2, device="cuda", corpus=corpus)
+    off, plain = metrics(tmp_path / "off"), metrics(tmp_path / "plain")
+    assert_close_losses({r["step"]: r["loss"] for r in off}, {r["step"]: r["loss"] for r in plain}, range(1, 9))
+    for a, b in zip(off, plain):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=0.05), (a, b)
+
+
+@pytest.mark.parametrize("recipe", ["none", "rowwise"])
+def test_selective_op_names_compiled_trains_as_op(tmp_path, corpus, recipe):
+    """activation_checkpoint.selective_ac_option = op:wqkv,w1, compiled, with bf16 or real float8 matmuls
+    (_scaled_mm): the policy finds the block's Linears by order at trace time and the run follows the
+    one that keeps every matmul output (the same arithmetic, recomputed)."""
+    common = (*OFFLOAD_COMMON, "--compile.enable", "--activation_checkpoint.mode", "selective",
+              "--fp8.recipe", recipe, "--fp8.auto_filter", "false")
+    gpu_run(tmp_path / "light", *common, "--activation_checkpoint.selective_ac_option", "op:wqkv,w1", corpus=corpus)
+    gpu_run(tmp_path / "op", *common, "--activation_checkpoint.selective_ac_option", "op", corpus=corpus)
+    assert_close_losses(train_losses(tmp_path / "light"), train_losses(tmp_path / "op"), range(1, 9))
+
+
+def test_one_gpu_cpu_offload_with_8bit_moments_and_compiled_float8(tmp_path, corpus):
+    """Offload beside the other levers: torchao's 8-bit AdamW updating host tensors (its compiled update
+    on the CPU), compiled blocks, tensorwise float8 (weights gathered in bf16): finite, falling losses."""
+    gpu_run(tmp_path, *OFFLOAD_COMMON, "--parallel.cpu_offload", "--optimizer.state_dtype", "8bit", "--compile.enable",
+            "--fp8.recipe", "tensorwise", "--fp8.auto_filter", "false", corpus=corpus)
+    losses = train_losses(tmp_path)
+    assert all(math.isfinite(v) for v in losses.values()) and losses[8] < losses[1] - 0.5, losses

@@ -73,7 +73,8 @@ def test_hsdp_two_replicas_matches_single_process(tmp_path, corpus, single):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,option", [("full", "op"), ("selective", "op"), ("selective", "2")])
+@pytest.mark.parametrize("mode,option", [("full", "op"), ("selective", "op"), ("selective", "op:wqkv,w1"),
+                                         ("selective", "2")])
 def test_activation_checkpointing_same_losses(tmp_path, corpus, single, mode, option):
     run_train(tmp_path, *COMMON, "--activation_checkpoint.mode", mode,
               "--activation_checkpoint.selective_ac_option", option, corpus=corpus)
@@ -122,6 +123,104 @@ def test_activation_checkpointing_recomputes_what_it_should():
     # Every 2nd block fully: blocks 0 and 2.
     calls, every2 = recompute_profile("selective", "2")
     assert calls == [2, 1, 2, 1] and every2[silu] == 2 and none[mm] < every2[mm] < full[mm]
+
+
+class RecomputedLinears(TorchDispatchMode):
+    """Which of a block's Linears run their forward matmul again during backward: a matmul whose
+    second input is a Linear's weight as forward passes it (weight.t(), strides (1, in_features));
+    backward's own matmuls take the weight untransposed or not at all."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.weights = {m.weight.data_ptr(): name.rsplit(".", 1)[-1] for name, m in block.named_modules()
+                        if isinstance(m, torch.nn.Linear)}
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mm.default and args[1].stride()[0] == 1 and args[1].data_ptr() in self.weights:
+            self.names.append(self.weights[args[1].data_ptr()])
+        return func(*args, **(kwargs or {}))
+
+
+def block_backward(option: str | None) -> tuple[list[str], dict]:
+    """(the Linears whose forward matmul reran in backward, the gradients) of one block under
+    selective AC with `option` (None: no AC), uncompiled."""
+    model = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=50))
+    model.init_weights(0, 16)
+    parallel.apply_activation_checkpointing(model, "none" if option is None else "selective", option or "op")
+    block = model.layers[0]
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    out = block(x, model.rope_cos[:16], model.rope_sin[:16])
+    with RecomputedLinears(block) as seen:
+        out.pow(2).mean().backward()
+    return seen.names, {"x": x.grad, **{name: p.grad for name, p in block.named_parameters()}}
+
+
+@pytest.mark.parametrize("option,recomputed", [
+    ("op", []), ("op:wqkv,wo,w1", ["w3"]), ("op:wqkv,w1", ["wo", "w3"]),
+    ("op:wqkv,wo,w1,w3,w2", []), ("op:w2", ["wqkv", "wo", "w1", "w3"])])
+def test_selective_op_keeps_the_named_matmul_outputs(option, recomputed):
+    """op:NAMES keeps exactly the named Linears' outputs: backward reruns the others' matmuls (in forward
+    order; w2's never, as backward needs its input, not its output) and no kept one, and the gradients
+    are bit for bit those without checkpointing."""
+    names, grads = block_backward(option)
+    assert names == recomputed
+    _, want = block_backward(None)
+    assert grads.keys() == want.keys()
+    for name in want:
+        assert torch.equal(grads[name], want[name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["none", "rowwise"])
+def test_selective_op_names_under_compile_and_float8(monkeypatch, recipe):
+    """Compiled, the policy runs while the block is traced: each trace asks checkpoint() for fresh
+    contexts and sees the block's five matmuls in forward order (float8's converted Linears included:
+    one mm each), so op:wqkv,w1 keeps the first and third; the gradients are the uncompiled ones'."""
+    import torch.utils.checkpoint as checkpoint_module
+
+    from titanlike.float8 import Float8Converter
+    from titanlike.float8.options import Float8Options
+
+    real = checkpoint_module.create_selective_checkpoint_contexts
+    traces: list[list[str]] = []
+
+    def spy(policy):
+        decisions: list[str] = []
+        traces.append(decisions)
+
+        def recorded(ctx, op, *args, **kwargs):
+            out = policy(ctx, op, *args, **kwargs)
+            if op in (torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default):
+                decisions.append(out.name)
+            return out
+
+        return real(recorded)
+
+    monkeypatch.setattr(checkpoint_module, "create_selective_checkpoint_contexts", spy)
+
+    def run(compiled: bool) -> dict:
+        torch._dynamo.reset()
+        model = Transformer(ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=50))
+        model.init_weights(0, 16)
+        if recipe != "none":
+            options = Float8Options(recipe=recipe, emulate=True)
+            Float8Converter(options).convert(model, device=torch.device("cpu"))
+        parallel.apply_activation_checkpointing(model, "selective", "op:wqkv,w1")
+        if compiled:
+            parallel.apply_compile(model)
+        block = model.layers[0]
+        x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        block(x, model.rope_cos[:16], model.rope_sin[:16]).pow(2).mean().backward()
+        return {"x": x.grad, **{name: p.grad for name, p in block.named_parameters()}}
+
+    want = run(compiled=False)
+    traces.clear()
+    got = run(compiled=True)
+    kept = ["MUST_SAVE", "PREFER_RECOMPUTE", "MUST_SAVE", "PREFER_RECOMPUTE", "PREFER_RECOMPUTE"]
+    assert traces and all(decisions == kept for decisions in traces), traces
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def budgeted_block_run(budget: float) -> tuple[int, dict]:

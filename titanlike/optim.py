@@ -15,7 +15,9 @@ if TYPE_CHECKING:
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: list[float], eps: float,
-                    device_type: str, state_dtype: str = "fp32") -> torch.optim.Optimizer:
+                    device_type: str, state_dtype: str = "fp32", host_params: bool = False) -> torch.optim.Optimizer:
+    """`host_params`: the parameters live in host memory while the model computes on a GPU
+    (parallel.cpu_offload); the update then runs on the CPU."""
     # Norm gains (1-D) take no weight decay: shrinking them toward zero only fights the norm.
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
@@ -26,8 +28,10 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: lis
         # fp32's bytes; tensors under 4096 values (norm gains) keep fp32 moments. Its LR is a tensor in
         # each param group, which the schedule fills in place (resume_schedule, LambdaLR).
         return _adamw_8bit()(groups, lr=lr, betas=(betas[0], betas[1]), eps=eps)
-    # Fused AdamW is one kernel for all parameters on CUDA; foreach is the fast path on CPU.
-    fused = device_type == "cuda"
+    # Fused AdamW is one kernel for all parameters on CUDA; foreach is the fast path on CPU for a
+    # CPU run's small models. Offloaded, the CPU update is the slow part of a step and torch's fused
+    # CPU kernel is several times faster than foreach (67M parameters, 2 cores: 0.12 s against 0.57 s).
+    fused = device_type == "cuda" or host_params
     return torch.optim.AdamW(groups, lr=lr, betas=(betas[0], betas[1]), eps=eps, fused=fused, foreach=not fused)
 
 

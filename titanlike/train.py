@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from titanlike import parallel
 from titanlike.checkpoint.manager import CheckpointManager
-from titanlike.config import JobConfig, help_text, load_config, to_toml
+from titanlike.config import ConfigError, JobConfig, help_text, load_config, to_toml
 from titanlike.config.dims import world_from_env
 from titanlike.config.run import resolve_run
 from titanlike.data.build import build_run_data
@@ -31,7 +31,7 @@ from titanlike.float8 import Float8Converter
 from titanlike.hf.initial import load_initial_weights
 from titanlike.model.decoder import Transformer
 from titanlike.model.loss import build_loss, cross_entropy  # noqa: F401  (cross_entropy: tests use it from here)
-from titanlike.model.shape import describe, flops_per_token
+from titanlike.model.shape import count_params, describe, flops_per_token
 from titanlike.optim import build_optimizer, build_scheduler, clip_and_step
 from titanlike.plan.fit import fitted
 from titanlike.preflight import resolved
@@ -70,7 +70,20 @@ class Trainer:
         self.is_main = rank == 0
         self.device = parallel.pick_device(t.device, local_rank)
         parallel.configure_device(self.device, t.gpu_memory_limit_gib, t.deterministic)
-        self.mesh = parallel.init_distributed(self.dims, self.device, cfg.parallel.backend_timeout_s)
+        offload = cfg.parallel.cpu_offload
+        if offload and self.device.type != "cuda":
+            raise ConfigError("parallel.cpu_offload moves the training state from a GPU to host memory, and no CUDA "
+                              "GPU is visible: drop --parallel.cpu_offload")
+        self.mesh = parallel.init_distributed(self.dims, self.device, cfg.parallel.backend_timeout_s,
+                                              cpu_offload=offload)
+        if offload:  # before any model is built: the host must hold the state the GPU gives up
+            parallel.offload.check_host_memory(
+                count_params(self.run.model.args)[0], self.dims.dp_shard, cfg.optimizer.state_dtype,
+                cfg.checkpoint.enable and cfg.checkpoint.async_mode != "disabled",
+                local_ranks=parallel.offload.local_ranks(), log=self.is_main)
+            threads = parallel.offload.cpu_threads(parallel.offload.local_ranks())
+            if threads:
+                torch.set_num_threads(threads)
         torch.manual_seed(cfg.job.seed)
         # The dump folder is this run's alone (a lock; checked writable before any work).
         self.run_folder = RunFolder(cfg.job.dump_folder, self.is_main)
@@ -114,18 +127,22 @@ class Trainer:
         self.autocast = parallel.shard_model(model, self.mesh, self.device, mixed_precision=t.mixed_precision,
                                              reshard=cfg.parallel.reshard_after_forward,
                                              memory_limit_gib=min(filter(None, (t.gpu_memory_limit_gib, t.fit_gib)),
-                                                                  default=0.0), log=self.is_main)
-        model.to_empty(device=self.device)
-        model.init_weights(cfg.job.seed, cfg.data.seq_len)
+                                                                  default=0.0), log=self.is_main,
+                                             offload_policy=parallel.offload.policy(offload))
+        # Offloaded, the weights live in host memory but are drawn on the GPU (the numbers of a run
+        # without offload), and the buffers (rotary tables) stay on the GPU, where the forward reads them.
+        model.to_empty(device=parallel.offload.param_device(self.device, offload))
+        model.init_weights(cfg.job.seed, cfg.data.seq_len, device=self.device)
+        parallel.offload.buffers_to(model, self.device)
         self.model = model
         # loss_fn(model, inputs, targets): over whole logits, or chunk by chunk (training.loss_chunk_tokens);
         # on one process, compiled, the final norm + output layer + loss are one graph (model/loss.py).
-        self.loss_fn = build_loss(t.loss_chunk_tokens, cfg.compile.enable, compile_head=not self.dims.sharded)
+        self.loss_fn = build_loss(t.loss_chunk_tokens, cfg.compile.enable, compile_head=self.mesh is None)
 
         # ---- 4. Optimizer, LR schedule and the run's counters ------------------------------------------
         o, s = cfg.optimizer, cfg.lr_scheduler
         self.optimizer = build_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, self.device.type,
-                                         o.state_dtype)
+                                         o.state_dtype, host_params=offload)
         self.scheduler = build_scheduler(self.optimizer, t.steps, s.warmup_steps, s.decay_ratio, s.decay_type,
                                          s.min_lr_factor)
         self.state = TrainState()
@@ -194,7 +211,8 @@ class Trainer:
         self.state.tokens_seen += self.global_batch * self.cfg.data.seq_len
         local_tokens = self.accum_steps * self.cfg.training.local_batch_size * self.cfg.data.seq_len  # this rank's
         self.metrics.add_tokens(local_tokens, data_wait)
-        self.window.append(torch.stack([step_loss, grad_norm.float(), skipped]))
+        # Offloaded, the gradients (so their norm) are on the host: gather the step's numbers on the device.
+        self.window.append(torch.stack([step_loss, grad_norm.float().to(self.device), skipped.to(self.device)]))
         return grad_norm
 
     @torch.no_grad()

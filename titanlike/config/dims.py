@@ -76,6 +76,7 @@ def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
     """The degrees and the batch plan a config means at this world size; ConfigError (one line) if none."""
     t = cfg.training
     dp_replicate, dp_shard = resolve_dims(world_size, cfg.parallel.dp_shard, cfg.parallel.dp_replicate)
+    check_offload(cfg, dp_replicate, dp_shard)
     dp = dp_replicate * dp_shard
     global_batch = t.global_batch_size or t.local_batch_size * dp
     if global_batch % (t.local_batch_size * dp):
@@ -84,3 +85,18 @@ def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
             f"data-parallel degree = {t.local_batch_size} × {dp} = {t.local_batch_size * dp}"
         )
     return ParallelDims(world_size, dp_replicate, dp_shard, global_batch, global_batch // (t.local_batch_size * dp))
+
+
+def check_offload(cfg: JobConfig, dp_replicate: int, dp_shard: int) -> None:
+    """parallel.cpu_offload against the degrees this world size resolves to (config-only rules: the schema)."""
+    if not cfg.parallel.cpu_offload:
+        return
+    if dp_replicate > 1:
+        raise ConfigError(
+            f"parallel.cpu_offload works with plain FSDP, not HSDP (parallel.dp_replicate resolves to {dp_replicate}): "
+            f"set --parallel.dp_replicate 1")
+    fp8 = cfg.fp8
+    if fp8.recipe == "tensorwise" and fp8.enable_fsdp_float8_all_gather is None and dp_shard > 1:
+        raise ConfigError(
+            "parallel.cpu_offload cannot all-gather weights in float8, which tensorwise turns on with more than one "
+            "shard: set --fp8.enable_fsdp_float8_all_gather false")

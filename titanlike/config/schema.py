@@ -426,9 +426,25 @@ def validate_across_sections(cfg: JobConfig) -> None:
         cfg.activation_checkpoint.mode != "budget" or cfg.compile.enable,
         "activation_checkpoint.mode = budget is carried out by torch.compile's partitioner: set --compile.enable",
     )
+    offload_rules(cfg)
     need(cfg.checkpoint.load_step == -1 or cfg.checkpoint.enable,
          f"checkpoint.load_step = {cfg.checkpoint.load_step} resumes from a checkpoint: it needs --checkpoint.enable")
     need(
         cfg.training.nonfinite != "rollback" or cfg.checkpoint.enable,
         "training.nonfinite = rollback reloads the last checkpoint: it needs --checkpoint.enable",
     )
+
+
+def offload_rules(cfg: JobConfig) -> None:
+    """parallel.cpu_offload against the other sections (the degrees at a world size: dims.check_offload)."""
+    if not cfg.parallel.cpu_offload:
+        return
+    need(cfg.training.device != "cpu",
+         "parallel.cpu_offload moves weights, gradients and optimizer state from the GPU to host memory: a run "
+         "with training.device = cpu has nothing to offload; drop --parallel.cpu_offload")
+    need(not cfg.fp8.enable_fsdp_float8_all_gather,
+         "parallel.cpu_offload cannot all-gather weights in float8 (the offloaded weights are fp32 on the host): "
+         "set --fp8.enable_fsdp_float8_all_gather false")
+    need(cfg.parallel.dp_replicate in (1, -1),
+         f"parallel.cpu_offload works with plain FSDP, not HSDP (parallel.dp_replicate = {cfg.parallel.dp_replicate}): "
+         f"set --parallel.dp_replicate 1")

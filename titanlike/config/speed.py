@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from titanlike.config.loader import need
+from titanlike.model.shape import BLOCK_MATMULS
 
 # `reshard_after_forward = default` keeps the gathered weights from forward to backward (so backward
 # all-gathers nothing) when all of them, in bf16, take at most this share of a GPU's memory: 1b on
@@ -35,6 +36,12 @@ class Parallel:
     output layer, and for none of them when all weights in bf16 take at most 1/16 of a GPU's memory."""
     backend_timeout_s: int = 600
     """Seconds a collective may wait for another rank before the run fails with its name."""
+    cpu_offload: bool = False
+    """Keep the sharded weights, gradients and AdamW state in (pinned) host memory and run the
+    optimizer step on the CPU (FSDP2's CPU offload): the GPU holds only the gathered weights and the
+    activations, for a model that does not fit otherwise, at a cost in speed. Needs host memory of
+    16 bytes a parameter (fp32 weights, gradients, two moments) over dp_shard per rank, checked at
+    start; works on one GPU too (FSDP over one rank). Not with float8 all-gather, HSDP or a CPU run."""
 
     def validate(self) -> None:
         """Checks without a world size; those with one are parallel.resolve_dims and train.preflight."""
@@ -119,8 +126,10 @@ class ActivationCheckpoint:
     """Recompute activations in backward: none, full (every block), selective (see option), or
     budget (compiled blocks keep memory_budget of their activations; needs compile.enable)."""
     selective_ac_option: str = "op"
-    """With mode = selective: "op" saves matmul outputs and float8 amax reductions and recomputes
-    the rest; an integer k checkpoints every k-th block fully."""
+    """With mode = selective: "op" saves every matmul's output, attention's and the float8 amax
+    reductions and recomputes the rest; "op:NAMES" saves only the named Linears' outputs (of wqkv,
+    wo, w1, w3, w2; e.g. op:wqkv,wo,w1 or op:wqkv,w1: less memory, more recomputation); an integer
+    k checkpoints every k-th block fully."""
     memory_budget: float = 0.5
     """With mode = budget: the share (0, 1] of its activations each compiled graph keeps for
     backward; compile's partitioner recomputes the rest, cheapest to recompute first (elementwise
@@ -132,6 +141,28 @@ class ActivationCheckpoint:
         option = self.selective_ac_option
         if self.mode == "selective":  # the option means nothing in the other modes
             need(
-                option == "op" or (option.isascii() and option.isdigit() and int(option) >= 1),
-                f"activation_checkpoint.selective_ac_option = {option!r} must be 'op' or a positive integer",
+                option.startswith("op") or (option.isascii() and option.isdigit() and int(option) >= 1),
+                f"activation_checkpoint.selective_ac_option = {option!r} must be 'op', 'op:' and Linears' names "
+                f"or a positive integer",
             )
+            if option.startswith("op"):
+                names = _op_names(option)
+                need(option == "op" or (option.startswith("op:") and bool(names)
+                                        and all(n in BLOCK_MATMULS for n in names) and len(set(names)) == len(names)),
+                     f"activation_checkpoint.selective_ac_option = {option!r}: after 'op:' name the Linears whose "
+                     f"outputs to keep, each once, of {', '.join(BLOCK_MATMULS)} (e.g. op:wqkv,wo,w1)")
+
+
+def _op_names(option: str) -> list[str]:
+    return [n.strip() for n in option[3:].split(",") if n.strip()] if option.startswith("op:") else []
+
+
+def matmul_outputs_kept(option: str) -> tuple[str, ...] | None:
+    """The Linears whose outputs selective_ac_option keeps (in BLOCK_MATMULS order): all of them for
+    "op", the named ones for "op:NAMES", None for an every-k-th-block option."""
+    if option == "op":
+        return BLOCK_MATMULS
+    if option.startswith("op:"):
+        names = set(_op_names(option))
+        return tuple(n for n in BLOCK_MATMULS if n in names)
+    return None

@@ -209,8 +209,8 @@ class Transformer(nn.Module):
 
     # ---- initialisation ------------------------------------------------------------------
 
-    def init_rope(self, seq_len: int) -> None:
-        device = self.tok_embeddings.weight.device
+    def init_rope(self, seq_len: int, device: torch.device | None = None) -> None:
+        device = device or self.tok_embeddings.weight.device
         self.rope_cos, self.rope_sin = rope_tables(self.args.head_dim, seq_len, self.args.rope_theta, device)
 
     def init_std(self, name: str) -> float:
@@ -228,8 +228,10 @@ class Transformer(nn.Module):
         return 0.02
 
     @torch.no_grad()
-    def init_weights(self, seed: int, seq_len: int) -> None:
-        """Deterministic, sharding-independent init: each full parameter from its own generator."""
+    def init_weights(self, seed: int, seq_len: int, device: torch.device | None = None) -> None:
+        """Deterministic, sharding-independent init: each full parameter from its own generator.
+        `device`: where the numbers are drawn and the rotary tables live, if not where the parameters
+        are: weights offloaded to the host are drawn on their GPU, the same numbers as without offload."""
         from torch.distributed.tensor import DTensor, distribute_tensor
 
         if self.args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
@@ -238,9 +240,9 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         for index, (name, param) in enumerate(self.named_parameters()):
             std = self.init_std(name)
-            device = param.device
-            gen = torch.Generator(device=device).manual_seed(seed * 100_003 + index)
-            full = torch.empty(param.shape, dtype=torch.float32, device=device)
+            draw = device or param.device
+            gen = torch.Generator(device=draw).manual_seed(seed * 100_003 + index)
+            full = torch.empty(param.shape, dtype=torch.float32, device=draw)
             if std == 0.0:
                 full.fill_(1.0)
             else:
@@ -248,5 +250,8 @@ class Transformer(nn.Module):
             if isinstance(param, DTensor):
                 # Every rank drew the same full tensor; keep the local slice, no communication.
                 full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-            param.copy_(full.to(param.dtype))
-        self.init_rope(seq_len)
+                # Shard into shard: copy_ converts the dtype and, offloaded, moves it to the host.
+                param.to_local().copy_(full.to_local())
+            else:
+                param.copy_(full)
+        self.init_rope(seq_len, device)

@@ -59,6 +59,11 @@ class ModelArgs:
 
 ATTN_MASKS = ("causal", "block_causal")
 
+# A block's Linears in the order its forward runs them (model/decoder.py): attention's stacked q/k/v
+# and output projections, then the feed-forward's gate, up and down. Selective activation
+# checkpointing names the ones whose outputs it keeps by these names and finds them by this order.
+BLOCK_MATMULS = ("wqkv", "wo", "w1", "w3", "w2")
+
 PRESETS: dict[str, ModelArgs] = {
     # A few million parameters: trains visibly in a minute on a laptop CPU. Its vocabulary
     # covers the built-in byte tokenizer (258 ids) rounded up to a multiple of 64.

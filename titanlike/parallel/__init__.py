@@ -4,18 +4,21 @@
 
 Float8 comes first so compile sees the float8 casts and fuses them; AC before compile so the
 recomputation is part of each compiled block; FSDP last so it shards the final modules. With one
-rank no FSDP is applied: the plain model trains under bf16 autocast (single-GPU mode).
+rank no FSDP is applied: the plain model trains under bf16 autocast (single-GPU mode), unless it
+offloads to the CPU, which FSDP does (over a one-rank mesh).
 
     device.py                 which device, the CUDA allocator's settings, a memory cap, deterministic kernels
     mesh.py                   the process group, the DeviceMesh, means over ranks
     activation_checkpoint.py  what each block keeps for backward (activation_checkpoint.mode)
     compile.py                per-block torch.compile
     fsdp.py                   FSDP2 and its mixed precision, or autocast on one rank
+    offload.py                FSDP2's CPU offload: where the state lives, the host memory it needs
 
 The degrees themselves (dp_replicate × dp_shard, micro-batches) are plain arithmetic on the config,
 resolved once before any worker starts (titanlike/config/).
 """
 
+from titanlike.parallel import offload
 from titanlike.parallel.activation_checkpoint import apply_activation_checkpointing
 from titanlike.parallel.compile import apply_compile
 from titanlike.parallel.device import (
@@ -30,4 +33,4 @@ from titanlike.parallel.mesh import destroy_process_group, init_distributed, mea
 
 __all__ = ["allocator_settings", "apply_activation_checkpointing", "apply_compile", "apply_fsdp", "configure_device",
            "default_allocator_settings", "destroy_process_group", "device_memory_bytes", "init_distributed",
-           "mean_over_ranks", "pick_device", "resolve_reshard", "shard_model"]
+           "mean_over_ranks", "offload", "pick_device", "resolve_reshard", "shard_model"]

@@ -1,5 +1,6 @@
 """Activation checkpointing: what each block keeps for backward and what it recomputes
-(activation_checkpoint.mode: none, full, selective by op or every N blocks, or a memory budget)."""
+(activation_checkpoint.mode: none, full, selective by op (every matmul's output or the ones named) or
+every N blocks, or a memory budget)."""
 
 from __future__ import annotations
 
@@ -7,26 +8,48 @@ from functools import partial
 
 import torch
 
+from titanlike.config.speed import matmul_outputs_kept
 from titanlike.model.decoder import Transformer
+from titanlike.model.shape import BLOCK_MATMULS
 
 
-def _save_matmuls_policy():
-    """Op-level selective AC: keep matmul, attention and float8 amax outputs; recompute the rest."""
-    from torch.utils.checkpoint import CheckpointPolicy
+def _save_policy_context(keep: frozenset[int] | None):
+    """Op-level selective AC: keep attention and float8 amax outputs, and the outputs of the block's
+    matmuls whose place in the block's forward is in `keep` (None: all of them); recompute the rest.
+
+    Returns a `context_fn` for torch.utils.checkpoint. The policy sees aten ops, not modules, so it
+    tells the block's Linears apart by their order: the k-th matmul (mm, or float8's _scaled_mm) of a
+    block's forward is the k-th of BLOCK_MATMULS (model/shape.py; a test checks the decoder keeps that
+    order). Each call of the block gets a fresh count, made when checkpoint() asks for its contexts,
+    and the forward and a recomputation count apart (torch versions that ask the policy again while
+    recomputing give it is_recompute = True). Compiled, the policy runs once, while the block is traced.
+    """
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     aten = torch.ops.aten
-    save = {aten.mm.default, aten._scaled_mm.default, aten.max.default, aten.amax.default,
+    save = {aten.max.default, aten.amax.default,
             aten._scaled_dot_product_flash_attention.default,
             aten._scaled_dot_product_efficient_attention.default}
     if hasattr(aten, "_scaled_dot_product_cudnn_attention"):
         save.add(aten._scaled_dot_product_cudnn_attention.default)
     if hasattr(torch.ops.higher_order, "flex_attention"):  # model.attn_mask = block_causal
         save.add(torch.ops.higher_order.flex_attention)
+    matmuls = {aten.mm.default, aten._scaled_mm.default}
 
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+    def context():
+        seen = {False: 0, True: 0}  # matmuls so far in this call's forward, and in its recomputation
 
-    return policy
+        def policy(ctx, op, *args, **kwargs):
+            if op in matmuls:
+                index = seen[ctx.is_recompute]
+                seen[ctx.is_recompute] += 1
+                kept = keep is None or index in keep
+                return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return context
 
 
 def _checkpointed(body, *args, context_fn=None):
@@ -48,11 +71,10 @@ def apply_activation_checkpointing(model: Transformer, mode: str, option: str, b
 
         functorch_config.activation_memory_budget = budget
         return
-    if mode == "selective" and option == "op":
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-        policy = _save_matmuls_policy()
-        runner = partial(_checkpointed, context_fn=partial(create_selective_checkpoint_contexts, policy))
+    kept = matmul_outputs_kept(option) if mode == "selective" else None
+    if kept is not None:
+        keep = None if kept == BLOCK_MATMULS else frozenset(BLOCK_MATMULS.index(name) for name in kept)
+        runner = partial(_checkpointed, context_fn=_save_policy_context(keep))
         for block in model.blocks():
             block.checkpoint_fn = runner
         return

@@ -48,18 +48,22 @@ class GradientsInComputePool:
         return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
-def apply_fsdp(model: Transformer, mesh, param_dtype: torch.dtype | None, reshard: str) -> None:
+def apply_fsdp(model: Transformer, mesh, param_dtype: torch.dtype | None, reshard: str,
+               offload_policy=None) -> None:
+    """`offload_policy`: FSDP's CPUOffloadPolicy (parallel/offload.py), or None to keep everything on the GPU."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    offload = {} if offload_policy is None else {"offload_policy": offload_policy}
     blocks_reshard = reshard != "never"
     # Plain FSDP on GPUs: gradients from the compute stream's pool. HSDP keeps torch's own buffers (its
     # all-reduce runs on yet another stream), and so does a torch without custom reduce-scatters.
-    gradients_in_compute_pool = mesh.device_type == "cuda" and mesh.ndim == 1
+    # Offloaded, the gradients leave the GPU as soon as they are reduced: no pool to share.
+    gradients_in_compute_pool = mesh.device_type == "cuda" and mesh.ndim == 1 and offload_policy is None
     modules = []
 
     def shard(module, reshard_after_forward: bool) -> None:
-        sharded = fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        sharded = fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, **offload)
         # Modules sharded together (a list) share one FSDP state: set it through the first.
         modules.append(sharded[0] if isinstance(sharded, (list, tuple)) else sharded)
 
@@ -84,15 +88,16 @@ def apply_fsdp(model: Transformer, mesh, param_dtype: torch.dtype | None, reshar
 
 
 def shard_model(model: Transformer, mesh, device: torch.device, *, mixed_precision: str, reshard: str,
-                memory_limit_gib: float, log: bool) -> contextlib.AbstractContextManager:
-    """FSDP over `mesh` (None: one rank, nothing to shard). bf16 compute on a GPU: FSDP casts the
-    gathered weights; one rank uses autocast instead. Returns the context each forward runs in."""
+                memory_limit_gib: float, log: bool, offload_policy=None) -> contextlib.AbstractContextManager:
+    """FSDP over `mesh` (None: one rank, nothing to shard; a one-rank mesh when offloading). bf16 compute
+    on a GPU: FSDP casts the gathered weights; one rank uses autocast instead. Returns the context each
+    forward runs in."""
     gpu_bf16 = device.type == "cuda" and mixed_precision == "bf16"
     if mesh is None:
         return torch.autocast("cuda", dtype=torch.bfloat16) if gpu_bf16 else contextlib.nullcontext()
     gathered = 2 * count_params(model.args)[0]  # bytes of every weight gathered in bf16
     chosen = resolve_reshard(reshard, gathered, device_memory_bytes(device, memory_limit_gib))
-    apply_fsdp(model, mesh, torch.bfloat16 if gpu_bf16 else None, chosen)
+    apply_fsdp(model, mesh, torch.bfloat16 if gpu_bf16 else None, chosen, offload_policy)
     if log and chosen != reshard:
         logger.info(f"FSDP keeps the gathered weights from forward to backward ({gathered / 1e9:.1f} GB in bf16, "
                     f"small next to the GPU's memory); --parallel.reshard_after_forward always frees them")

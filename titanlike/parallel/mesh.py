@@ -10,16 +10,25 @@ import torch
 import torch.distributed as dist
 
 
-def init_distributed(dims, device: torch.device, timeout_s: int):
-    """Start the process group and build the mesh; None with one rank (no process group at all).
+def init_distributed(dims, device: torch.device, timeout_s: int, cpu_offload: bool = False):
+    """Start the process group and build the mesh; None with one rank (no process group at all),
+    unless `cpu_offload`: FSDP is what offloads, so one rank gets a process group and mesh of its own.
     `dims`: the resolved degrees (dp_replicate, dp_shard, sharded)."""
-    if not dims.sharded:
+    if not dims.sharded and not cpu_offload:
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+    if cpu_offload and device.type == "cuda":
+        # Offloaded gradients are host tensors: the gradient norm's all-reduce runs on them, on gloo.
+        backend = "cuda:nccl,cpu:gloo"
+    # One process without torchrun has no rendezvous address: an in-process store is all it needs.
+    timeout, device_id = datetime.timedelta(seconds=timeout_s), device if device.type == "cuda" else None
+    if dims.sharded:
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+    else:
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id, store=dist.HashStore(), rank=0,
+                                world_size=1)
     if dims.dp_replicate > 1:
         return init_device_mesh(device.type, (dims.dp_replicate, dims.dp_shard),
                                 mesh_dim_names=("dp_replicate", "dp_shard"))
