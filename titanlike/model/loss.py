@@ -174,7 +174,8 @@ def build_loss(chunk_tokens: int, compile: bool, compile_head: bool = False) -> 
         def head(norm: nn.Module, output: nn.Module, h: torch.Tensor) -> torch.Tensor:
             h = norm(h)
             if torch.is_grad_enabled() and fuses(output):
-                return output.loss_sum(h.flatten(0, 1), targets.flatten(0, 1), chunk_tokens, ce_grad) / targets.numel()
+                loss_sum: Callable = output.loss_sum  # type: ignore[assignment]
+                return loss_sum(h.flatten(0, 1), targets.flatten(0, 1), chunk_tokens, ce_grad) / targets.numel()
             return chunked_output_loss(output, h, targets, chunk_tokens, ce_sum)
 
         return model(inputs, head=head)
