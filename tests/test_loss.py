@@ -197,7 +197,8 @@ def test_fsdp_chunked_loss_is_fused_with_the_gathered_weight(tmp_path, reshard):
     """Under FSDP2 (one gloo rank, in this process) the output layer's `loss_sum` runs as a forward:
     the chunked loss reads the gathered weight, computes each chunk's logits once (whole logits'
     matmul FLOPs, no recomputation in backward), and gives the unsharded model's loss and gradients;
-    with the output layer resharded after forward too."""
+    also with the output layer freed after forward and not gathered for backward (reshard default:
+    backward needs no output weight)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -209,7 +210,7 @@ def test_fsdp_chunked_loss_is_fused_with_the_gathered_weight(tmp_path, reshard):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         model, _, _ = model_and_batch()
-        apply_fsdp(model, init_device_mesh("cpu", (1,)), None, reshard)
+        apply_fsdp(model, init_device_mesh("cpu", (1,)), None, reshard, fused_loss=True)
         assert fuses(model.output)
         assert matmul_flops(lambda: loss_and_grads(model, inputs, targets, 16)) == whole
         loss, grads = loss_and_grads(model, inputs, targets, 16)

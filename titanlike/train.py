@@ -128,7 +128,8 @@ class Trainer:
                                              reshard=cfg.parallel.reshard_after_forward,
                                              memory_limit_gib=min(filter(None, (t.gpu_memory_limit_gib, t.fit_gib)),
                                                                   default=0.0), log=self.is_main,
-                                             offload_policy=parallel.offload.policy(offload))
+                                             offload_policy=parallel.offload.policy(offload),
+                                             fused_loss=t.loss_chunk_tokens > 0)
         # Offloaded, the weights live in host memory but are drawn on the GPU (the numbers of a run
         # without offload), and the buffers (rotary tables) stay on the GPU, where the forward reads them.
         model.to_empty(device=parallel.offload.param_device(self.device, offload))
