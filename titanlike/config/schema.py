@@ -19,7 +19,7 @@ from typing import Literal
 
 from titanlike.config import sources
 from titanlike.config.loader import need
-from titanlike.config.speed import ActivationCheckpoint, Compile, Fp8, Parallel
+from titanlike.config.speed import ActivationCheckpoint, Compile, Fp8, Parallel, validate_context_parallel
 from titanlike.model.shape import PRESETS, model_args
 
 # data.num_workers: loader processes beyond a few per core only cost memory (each holds the dataset).
@@ -412,6 +412,7 @@ def validate_across_sections(cfg: JobConfig) -> None:
         max_seq_len = model_args(m.flavor, **m.shape_overrides()).max_seq_len
         need(cfg.data.seq_len <= max_seq_len,
              f"data.seq_len = {cfg.data.seq_len} exceeds model.max_seq_len = {max_seq_len}")
+    validate_context_parallel(cfg.parallel.cp, cfg.data.seq_len, m.attn_mask, cfg.training.device)
     for phase in sources.schedule_of(cfg.data).phases[1:]:
         need(1 < phase.start_step <= cfg.training.steps,
              f"{phase.option}: a mixture from step {phase.start_step} must start in [2, training.steps = "

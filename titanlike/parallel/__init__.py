@@ -11,8 +11,10 @@ rank no FSDP is applied: the plain model trains under bf16 autocast (single-GPU 
     activation_checkpoint.py  what each block keeps for backward (activation_checkpoint.mode)
     compile.py                per-block torch.compile
     fsdp.py                   FSDP2 and its mixed precision, or autocast on one rank
+    context.py                context parallelism: each rank holds part of every sequence (parallel.cp)
 
-The degrees themselves (dp_replicate × dp_shard, micro-batches) are plain arithmetic on the config,
+Context parallelism (context.py) hooks each attention layer before all of these. The degrees
+themselves (dp_replicate × dp_shard × cp, micro-batches) are plain arithmetic on the config,
 resolved once before any worker starts (titanlike/config/).
 """
 
@@ -26,8 +28,10 @@ from titanlike.parallel.device import (
     pick_device,
 )
 from titanlike.parallel.fsdp import apply_fsdp, resolve_reshard, shard_model
-from titanlike.parallel.mesh import destroy_process_group, init_distributed, mean_over_ranks
+from titanlike.parallel.context import ContextParallel, apply_context_parallel
+from titanlike.parallel.mesh import context_mesh, destroy_process_group, init_distributed, mean_over_ranks
 
-__all__ = ["allocator_settings", "apply_activation_checkpointing", "apply_compile", "apply_fsdp", "configure_device",
+__all__ = ["ContextParallel", "allocator_settings", "apply_activation_checkpointing", "apply_compile",
+           "apply_context_parallel", "apply_fsdp", "configure_device", "context_mesh",
            "default_allocator_settings", "destroy_process_group", "device_memory_bytes", "init_distributed",
            "mean_over_ranks", "pick_device", "resolve_reshard", "shard_model"]
