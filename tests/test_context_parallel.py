@@ -18,10 +18,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from titanlike.model.decoder import Transformer
-from titanlike.model.masks import document_ids, document_mask
+from titanlike.model.masks import document_mask
 from titanlike.model.shape import ModelArgs
-from titanlike.parallel.mesh import destroy_process_group
 from titanlike.parallel.context import ContextParallel, apply_context_parallel, shard_sequence, unshard_sequence
+from titanlike.parallel.mesh import destroy_process_group
 
 # fp32 on one CPU: the split attention sums the same products in another order (measured ~1e-7).
 ATOL, RTOL = 1e-5, 1e-5
@@ -38,6 +38,23 @@ def test_split_then_unsplit_is_identity():
         assert len({int(p.sum()) for p in positions}) == 1
     assert torch.equal(shard_sequence(torch.arange(8), 0, 2, dim=0), torch.tensor([0, 1, 6, 7]))
     assert torch.equal(shard_sequence(torch.arange(8), 1, 2, dim=0), torch.tensor([2, 3, 4, 5]))
+
+
+@pytest.mark.parametrize("world,argv,expected", [
+    ("3", ["--parallel.cp", "2"], "error: parallel.cp = 2 does not divide the 3 ranks"),
+    ("2", ["--parallel.cp", "2", "--data.seq_len", "66"], "error: data.seq_len = 66 must be a multiple of 2 × "
+                                                         "parallel.cp = 4"),
+    ("2", ["--parallel.cp", "2", "--data.seq_len", "768", "--model.attn_mask", "block_causal"],
+     "error: model.attn_mask = block_causal with parallel.cp = 2 runs flex attention on a GPU"),
+])
+def test_preflight_refuses(monkeypatch, capsys, world, argv, expected):
+    """What run_train.sh runs before torchrun: one `error:` line, exit code 2."""
+    from titanlike import preflight
+
+    monkeypatch.setenv(preflight.WORLD_ENV, world)
+    assert preflight.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(expected) and err.count("\n") == 1, err
 
 
 # ---- multi-rank workers: each runs in its own process, gloo over a file store ------------------------------

@@ -290,3 +290,23 @@ def test_block_causal_trains_compiled(tmp_path):
     losses = [r["loss"] for r in metrics(tmp_path)]
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
     assert "attention within each document" in log
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: context parallelism over NCCL")
+@pytest.mark.parametrize("mask", ["causal", "block_causal"])
+def test_two_gpus_context_parallel_matches_one_gpu(tmp_path, mask):
+    """--parallel.cp 2 on two GPUs, compiled (the bottom-right causal SDPA kernels, or flex attention
+    over a BlockMask of window positions): each GPU holds half of every window, and the losses track
+    one GPU's on the same global batch (bf16: the two sum attention in different orders)."""
+    common = ("--training.steps", "10", "--metrics.log_freq", "1", "--validation.enable", "false",
+              "--data.seq_len", "1024", "--training.local_batch_size", "4", "--compile.enable",
+              "--model.attn_mask", mask)  # the built-in corpus: its dataset record names the end id
+    run_train(tmp_path / "one", *common, device="cuda")
+    proc = run_train(tmp_path / "two", *common, "--parallel.cp", "2", nproc=2, device="cuda")
+    assert "× cp 2)" in proc.stdout + proc.stderr
+    one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
+    assert one.keys() == two.keys() and all(math.isfinite(v) for v in two.values())
+    assert abs(one[1] - two[1]) < 0.01 * one[1], (one[1], two[1])
+    for s in one:
+        assert abs(one[s] - two[s]) < 0.03 * one[s], (s, one[s], two[s])
+    assert two[10] < two[1]

@@ -106,7 +106,8 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.margs, cfg.data.seq_len)
         self.float8 = Float8Converter.from_config(cfg.fp8, self.dims.fsdp_shard)
         float8_report = self.float8.convert(model, device=self.device, batch=t.local_batch_size,
-                                            seq_len=cfg.data.seq_len, flops_per_token=self.flops_per_token,
+                                            seq_len=cfg.data.seq_len // self.dims.cp,  # a rank's tokens
+                                            flops_per_token=self.flops_per_token,
                                             block_sample=model.sample_block)
         # Context parallelism: each attention layer gathers the keys and values of the group's ranks.
         self.context = parallel.apply_context_parallel(model, cp_mesh.get_group()) if cp_mesh is not None else None

@@ -191,14 +191,13 @@ class Transformer(nn.Module):
             # each block's norms and adds. FSDP's bf16 parameters give bf16 here already; with the
             # cast one GPU computes in the same dtypes as many.
             h = h.to(torch.get_autocast_dtype(h.device.type))
-        if self.document_end is None and context is None:
-            for layer in self.layers:
-                h = layer(h, cos, sin)
-        else:  # one mask for every layer, from this micro-batch's tokens
-            mask = context.mask if context is not None else document_mask(tokens, self.document_end,
-                                                                           self.flex_attention)
-            for layer in self.layers:
-                h = layer(h, cos, sin, mask)
+        mask = None  # causal: SDPA's own
+        if context is not None:  # context parallelism: the mask ContextParallel.shard made
+            mask = context.mask
+        elif self.document_end is not None:  # one mask for every layer, from this micro-batch's tokens
+            mask = document_mask(tokens, self.document_end, self.flex_attention)
+        for layer in self.layers:
+            h = layer(h, cos, sin, mask)
         return self.output(self.norm(h)) if head is None else head(self.norm, self.output, h)
 
     # ---- initialisation ------------------------------------------------------------------

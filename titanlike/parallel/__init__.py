@@ -20,6 +20,7 @@ resolved once before any worker starts (titanlike/config/).
 
 from titanlike.parallel.activation_checkpoint import apply_activation_checkpointing
 from titanlike.parallel.compile import apply_compile
+from titanlike.parallel.context import ContextParallel, apply_context_parallel
 from titanlike.parallel.device import (
     allocator_settings,
     configure_device,
@@ -28,7 +29,6 @@ from titanlike.parallel.device import (
     pick_device,
 )
 from titanlike.parallel.fsdp import apply_fsdp, resolve_reshard, shard_model
-from titanlike.parallel.context import ContextParallel, apply_context_parallel
 from titanlike.parallel.mesh import context_mesh, destroy_process_group, init_distributed, mean_over_ranks
 
 __all__ = ["ContextParallel", "allocator_settings", "apply_activation_checkpointing", "apply_compile",

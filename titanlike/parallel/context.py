@@ -89,7 +89,7 @@ class ContextParallel:
         self.group = group
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.flex = flex  # document masks for flex attention; None = on CUDA
-        self._causal: dict[tuple, tuple] = {}
+        self._causal: dict[int, tuple] = {}
         self._positions: dict[tuple, torch.Tensor] = {}
 
     def positions(self, seq: int, device: torch.device) -> torch.Tensor:
