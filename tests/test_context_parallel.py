@@ -62,7 +62,9 @@ def test_preflight_refuses(monkeypatch, capsys, world, argv, expected):
 
 def _spawn(worker, world: int, *args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_run, args=(world, os.path.join(tmp, "store"), worker, args), nprocs=world, join=True)
+        # fork: the workers inherit the imported torch and titanlike (spawn would import them again, seconds)
+        mp.start_processes(_run, args=(world, os.path.join(tmp, "store"), worker, args), nprocs=world, join=True,
+                           start_method="fork")
 
 
 def _run(rank: int, world: int, store: str, worker, args) -> None:
