@@ -247,3 +247,38 @@ def test_cp2_compiled_tracks_eager(runs, tmp_path):
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in got:  # inductor may fuse and reorder fp32 arithmetic
         assert got[step] == pytest.approx(want[step], rel=1e-4), step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replicate", ["1", "2"])
+def test_cp2_with_data_parallel_matches_one_process(runs, tmp_path, replicate):
+    """4 ranks: cp 2 × dp_shard 2 (FSDP over all 4), and cp 2 × dp_replicate 2 (HSDP): the two
+    data-parallel groups read different halves of each global batch (their rank is rank // cp), and the
+    losses are one process's, which reads the same 4 windows as 2 micro-batches."""
+    from conftest import run_train, step_losses
+
+    mask, one, _ = runs
+    if mask[1] != "causal":
+        pytest.skip("one mask suffices: how ranks are laid out does not depend on it")
+    proc = run_train(tmp_path, *RUN, *mask, "--parallel.cp", "2", "--parallel.dp_replicate", replicate,
+                     "--checkpoint.enable", "false", nproc=4, timeout=900)
+    shard = "1" if replicate == "2" else "2"
+    assert f"(dp_replicate {replicate} × dp_shard {shard} × cp 2)" in proc.stderr and "1 micro-batches" in proc.stderr
+    _assert_close_losses(step_losses(tmp_path), step_losses(one), range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_cp2_with_float8_all_gather_tracks_float8_one_process(tmp_path):
+    """Tensorwise float8 (emulated on a CPU) with FSDP's float8 all-gather over the dp_shard × cp ranks:
+    close to one process in float8 (each rank scales its own tokens' activations, so not to rounding)."""
+    from conftest import run_train, step_losses, train_here
+
+    fp8 = ("--fp8.recipe", "tensorwise", "--fp8.emulate", "--fp8.auto_filter", "false",
+           "--checkpoint.enable", "false")
+    train_here(tmp_path / "one", *RUN, *fp8)
+    proc = run_train(tmp_path / "two", *RUN, *fp8, "--parallel.cp", "2", nproc=2)
+    assert "float8 all-gather on" in proc.stderr
+    one, two = step_losses(tmp_path / "one"), step_losses(tmp_path / "two")
+    assert sorted(two) == list(range(1, STEPS + 1))
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-2), step
