@@ -14,10 +14,13 @@ whose backward reduce-scatters (sums) the keys' and values' gradients back to th
 them; it traces under torch.compile and runs over gloo, so the CPU tests run the same code.
 - causal: per local chunk c covering window positions [s, s+L), SDPA of its queries against keys
   [0, s+L) with a bottom-right-aligned causal mask (`causal_lower_right`), which CUDA's flash and
-  memory-efficient kernels apply without a materialised mask. Those two kernels do not share kv
-  heads themselves, so grouped-query kv heads are repeated for this call. The two CausalBias
-  objects are made outside compiled code (made inside, dynamo refuses their constructor) and
-  handed to the blocks as their `mask` argument.
+  memory-efficient kernels apply without a materialised mask (a CPU materialises it). What it cannot
+  do, and what is done instead: (1) on CUDA it calls the flash and memory-efficient ops directly,
+  with no enable_gqa, so grouped-query kv heads are repeated to the query heads for this call (the
+  gathered keys and values of one layer, n_heads / n_kv_heads times); (2) dynamo refuses its
+  constructor inside a compiled region (torch 2.13: "Calling subclass default constructor with more
+  than tensor argument"), so the two CausalBias objects are made outside compiled code, once per
+  window length, and handed to the blocks as their `mask` argument, which compiles.
 - block_causal: the decoder's document mask over window positions (model/masks.py
   `document_mask_at`): query i is the local token's window position, keys are the gathered ones;
   document ids come from the whole window, which every rank of the group reads anyway. A flex
