@@ -265,6 +265,12 @@ INVALID = [
     (["--parallel.dp_shard", "0"], "parallel.dp_shard = 0 must be -1 (all ranks) or >= 1"),
     (["--parallel.dp_replicate", "-2"], "parallel.dp_replicate = -2 must be -1 (the rest) or >= 1"),
     (["--parallel.backend_timeout_s", "0"], "parallel.backend_timeout_s = 0 must be in [1, 1000000]"),
+    (["--parallel.cp", "0"], "parallel.cp = 0 must be >= 1 (1 = no context parallelism)"),
+    (["--parallel.cp", "3", "--data.seq_len", "64"],
+     "data.seq_len = 64 must be a multiple of 2 × parallel.cp = 6: each of the cp ranks holds 2 of 2·cp equal chunks"),
+    (["--parallel.cp", "2", "--data.seq_len", "256", "--model.attn_mask", "block_causal"],
+     "model.attn_mask = block_causal with parallel.cp = 2 runs flex attention on a GPU, which can split a window "
+     "only into chunks of whole 128-token tiles: data.seq_len = 256 must be a multiple of 512"),
     (["--parallel.backend_timeout_s", "100000000000000"], "parallel.backend_timeout_s = 100000000000000 must be in"),
     (["--job.seed", "-1"], "job.seed = -1 must be in [0, 2^63)"),
     (["--job.seed", str(2**63)], f"job.seed = {2**63} must be in [0, 2^63)"),
@@ -419,6 +425,41 @@ def test_resolve_dims_invalid(world, shard, replicate, expected):
     with pytest.raises(ConfigError) as e:
         resolve_dims(world, shard, replicate)
     assert expected in str(e.value)
+
+
+@pytest.mark.parametrize("world,shard,replicate,cp,expected", [
+    (2, -1, 1, 2, (1, 1)),  # all ranks split the sequence
+    (8, -1, 1, 2, (1, 4)),  # dp_shard = -1: world / (dp_replicate × cp)
+    (8, -1, 2, 2, (2, 2)),
+    (8, 2, -1, 2, (2, 2)),
+    (8, 1, 1, 8, (1, 1)),
+])
+def test_resolve_dims_with_cp(world, shard, replicate, cp, expected):
+    assert resolve_dims(world, shard, replicate, cp) == expected
+
+
+@pytest.mark.parametrize("world,shard,replicate,cp,expected", [
+    (4, -1, 1, 3, "parallel.cp = 3 does not divide the 4 ranks"),
+    (8, 4, 1, 4, "parallel.dp_replicate × parallel.dp_shard = 1 × 4 must equal the 2 data-parallel ranks "
+                 "(8 ranks / cp 4)"),
+    (8, 3, -1, 2, "parallel.dp_replicate = -1 needs parallel.dp_shard to be a divisor of the 4 data-parallel ranks"),
+])
+def test_resolve_dims_with_cp_invalid(world, shard, replicate, cp, expected):
+    with pytest.raises(ConfigError) as e:
+        resolve_dims(world, shard, replicate, cp)
+    assert expected in str(e.value)
+
+
+def test_preflight_cp_batch_arithmetic():
+    """The cp ranks of a data-parallel group read the same samples: dp = world / cp."""
+    cfg = load_config(["--training.local_batch_size", "2", "--training.global_batch_size", "8", "--parallel.cp", "2"])
+    assert preflight(cfg, 2) == (1, 1, 8, 4)
+    assert preflight(cfg, 4) == (1, 2, 8, 2)
+    dims = check(cfg, 4).dims
+    assert (dims.cp, dims.dp, dims.fsdp_shard) == (2, 2, 4)
+    # block_causal on a CPU: the dense mask takes any 2·cp chunks.
+    load_config(["--parallel.cp", "2", "--data.seq_len", "64", "--model.attn_mask", "block_causal",
+                 "--training.device", "cpu"])
 
 
 def test_preflight_batch_arithmetic():

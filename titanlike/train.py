@@ -78,12 +78,13 @@ class Trainer:
                                               cpu_offload=offload)
         if offload:  # before any model is built: the host must hold the state the GPU gives up
             parallel.offload.check_host_memory(
-                count_params(self.run.model.args)[0], self.dims.dp_shard, cfg.optimizer.state_dtype,
+                count_params(self.run.model.args)[0], self.dims.fsdp_shard, cfg.optimizer.state_dtype,
                 cfg.checkpoint.enable and cfg.checkpoint.async_mode != "disabled",
                 local_ranks=parallel.offload.local_ranks(), log=self.is_main)
             threads = parallel.offload.cpu_threads(parallel.offload.local_ranks())
             if threads:
                 torch.set_num_threads(threads)
+        cp_mesh = parallel.context_mesh(self.dims, self.device)  # the ranks that split each sequence
         torch.manual_seed(cfg.job.seed)
         # The dump folder is this run's alone (a lock; checked writable before any work).
         self.run_folder = RunFolder(cfg.job.dump_folder, self.is_main)
@@ -100,7 +101,9 @@ class Trainer:
             for note in shape.notes:
                 logger.info(note)
         tokenizer = (shape.dataset.vocab_size, shape.dataset.path) if shape.dataset else None
-        self.dp_rank = rank  # the mesh is (replicate, shard) in rank order, so DP rank = rank
+        # The ranks are (replicate, shard, cp) in rank order: the cp ranks of a data-parallel group read
+        # the same samples (each keeps its part of every sequence).
+        self.dp_rank = rank // self.dims.cp
         # One source (data.path) or a mixture (data.mix): each source's windows, the plan of which
         # source and window every global position reads, and the loader over it (data/build.py).
         self.data = build_run_data(cfg.data, self.run.schedule, self.margs.vocab_size, tokenizer, t.local_batch_size,
@@ -115,10 +118,13 @@ class Trainer:
         with torch.device("meta"):
             model = Transformer(self.margs, document_end=shape.document_end)  # block_causal splits documents there
         self.flops_per_token = flops_per_token(self.margs, cfg.data.seq_len)
-        self.float8 = Float8Converter.from_config(cfg.fp8, self.dims.dp_shard)
+        self.float8 = Float8Converter.from_config(cfg.fp8, self.dims.fsdp_shard)
         float8_report = self.float8.convert(model, device=self.device, batch=t.local_batch_size,
-                                            seq_len=cfg.data.seq_len, flops_per_token=self.flops_per_token,
+                                            seq_len=cfg.data.seq_len // self.dims.cp,  # a rank's tokens
+                                            flops_per_token=self.flops_per_token,
                                             block_sample=model.sample_block)
+        # Context parallelism: each attention layer gathers the keys and values of the group's ranks.
+        self.context = parallel.apply_context_parallel(model, cp_mesh.get_group()) if cp_mesh is not None else None
         ac = cfg.activation_checkpoint
         parallel.apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option, ac.memory_budget)
         if cfg.compile.enable:
@@ -176,7 +182,8 @@ class Trainer:
             logger.info(
                 f"model {shape.name}: {n_params / 1e6:,.1f}M parameters ({describe(self.margs)}) | "
                 f"{world} rank(s) on {self.device.type} "
-                f"(dp_replicate {self.dims.dp_replicate} × dp_shard {self.dims.dp_shard}) | global batch "
+                f"(dp_replicate {self.dims.dp_replicate} × dp_shard {self.dims.dp_shard}"
+                f"{f' × cp {self.dims.cp}' if self.dims.cp > 1 else ''}) | global batch "
                 f"{self.global_batch} = {t.local_batch_size} × {self.dims.dp} ranks × {self.accum_steps} micro-batches "
                 f"| seq {cfg.data.seq_len}")
         self.progress: Progress | None = None  # made when the loop starts (train())
@@ -192,9 +199,9 @@ class Trainer:
             start = time.perf_counter()
             batch = next(self.loader).to(self.device, non_blocking=True)
             data_wait += time.perf_counter() - start
-            inputs, targets = batch[:, :-1], batch[:, 1:]
+            inputs, targets, context = self.micro_batch(batch)
             with self.autocast:
-                loss = self.loss_fn(self.model, inputs, targets)
+                loss = self.loss_fn(self.model, inputs, targets, context)
             # Each micro-batch has the same token count, so the mean of means is the batch mean;
             # FSDP averages over ranks in its reduce-scatter.
             (loss / self.accum_steps).backward()
@@ -210,11 +217,20 @@ class Trainer:
         self.scheduler.step()
         self.state.step += 1
         self.state.tokens_seen += self.global_batch * self.cfg.data.seq_len
-        local_tokens = self.accum_steps * self.cfg.training.local_batch_size * self.cfg.data.seq_len  # this rank's
+        # This rank's tokens (with cp, its part of each sequence).
+        local_tokens = self.accum_steps * self.cfg.training.local_batch_size * self.cfg.data.seq_len // self.dims.cp
         self.metrics.add_tokens(local_tokens, data_wait)
         # Offloaded, the gradients (so their norm) are on the host: gather the step's numbers on the device.
         self.window.append(torch.stack([step_loss, grad_norm.float().to(self.device), skipped.to(self.device)]))
         return grad_norm
+
+    def micro_batch(self, batch: torch.Tensor):
+        """(inputs, targets, context) of a micro-batch of windows: whole, or with context parallelism this
+        rank's part of each and its SequenceShard (positions, attention's mask)."""
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        if self.context is None:
+            return inputs, targets, None
+        return self.context.shard(inputs, targets, self.model.document_end)
 
     @torch.no_grad()
     def validation_loss(self, windows) -> float:
@@ -222,9 +238,9 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for batch in validation_batches(windows, self.cfg.training.local_batch_size, self.dp_rank, self.dims.dp,
                                         micro_batches):
-            batch = batch.to(self.device)
+            inputs, targets, context = self.micro_batch(batch.to(self.device))
             with self.autocast:
-                total += self.loss_fn(self.model, batch[:, :-1], batch[:, 1:]).float()
+                total += self.loss_fn(self.model, inputs, targets, context).float()
         return parallel.mean_over_ranks(total / micro_batches).item()
 
     def validate(self) -> None:

@@ -30,23 +30,28 @@ def world_from_env() -> Ranks:
                  int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def resolve_dims(world_size: int, dp_shard: int, dp_replicate: int) -> tuple[int, int]:
-    """Check the data-parallel degrees against the world size; -1 takes what is left."""
+def resolve_dims(world_size: int, dp_shard: int, dp_replicate: int, cp: int = 1) -> tuple[int, int]:
+    """Check the data-parallel degrees against the world size; -1 takes what is left. The cp ranks of
+    each data-parallel group come out of the world first: dp_replicate × dp_shard = world / cp."""
+    if world_size % cp:
+        raise ConfigError(f"parallel.cp = {cp} does not divide the {world_size} ranks")
+    ranks = world_size // cp
+    of_ranks = f"{world_size} ranks" if cp == 1 else f"{ranks} data-parallel ranks ({world_size} ranks / cp {cp})"
     if dp_replicate == -1:
-        if dp_shard == -1 or world_size % dp_shard:
+        if dp_shard == -1 or ranks % dp_shard:
             raise ConfigError(
-                f"parallel.dp_replicate = -1 needs parallel.dp_shard to be a divisor of the {world_size} ranks "
+                f"parallel.dp_replicate = -1 needs parallel.dp_shard to be a divisor of the {of_ranks} "
                 f"(got {dp_shard})"
             )
-        dp_replicate = world_size // dp_shard
-    if world_size % dp_replicate:
-        raise ConfigError(f"parallel.dp_replicate = {dp_replicate} does not divide the {world_size} ranks")
+        dp_replicate = ranks // dp_shard
+    if ranks % dp_replicate:
+        raise ConfigError(f"parallel.dp_replicate = {dp_replicate} does not divide the {of_ranks}")
     if dp_shard == -1:
-        dp_shard = world_size // dp_replicate
-    if dp_shard * dp_replicate != world_size:
+        dp_shard = ranks // dp_replicate
+    if dp_shard * dp_replicate != ranks:
         raise ConfigError(
             f"parallel.dp_replicate × parallel.dp_shard = {dp_replicate} × {dp_shard} must equal the "
-            f"{world_size} ranks (set parallel.dp_shard = -1 to use all of them)"
+            f"{of_ranks} (set parallel.dp_shard = -1 to use all of them)"
         )
     return dp_replicate, dp_shard
 
@@ -57,15 +62,23 @@ class ParallelDims:
     dp_replicate: int
     """Replicas of the sharded model (HSDP; 1 = plain FSDP)."""
     dp_shard: int
-    """Ranks each replica's weights are sharded over (FSDP)."""
+    """Data-parallel ranks each replica's weights are sharded over (FSDP shards over dp_shard × cp)."""
     global_batch: int
     """Samples per optimizer step over all ranks."""
     accum_steps: int
     """Micro-batches per rank per optimizer step (gradient accumulation)."""
+    cp: int = 1
+    """Ranks that split each sample's sequence (context parallelism); they read the same samples."""
 
     @property
     def dp(self) -> int:
+        """Data-parallel degree: groups of ranks that read different samples."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_shard(self) -> int:
+        """Ranks each replica's weights are sharded over: dp_shard × cp."""
+        return self.dp_shard * self.cp
 
     @property
     def sharded(self) -> bool:
@@ -75,8 +88,9 @@ class ParallelDims:
 def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
     """The degrees and the batch plan a config means at this world size; ConfigError (one line) if none."""
     t = cfg.training
-    dp_replicate, dp_shard = resolve_dims(world_size, cfg.parallel.dp_shard, cfg.parallel.dp_replicate)
-    check_offload(cfg, dp_replicate, dp_shard)
+    cp = cfg.parallel.cp
+    dp_replicate, dp_shard = resolve_dims(world_size, cfg.parallel.dp_shard, cfg.parallel.dp_replicate, cp)
+    check_offload(cfg, dp_replicate, dp_shard * cp)
     dp = dp_replicate * dp_shard
     global_batch = t.global_batch_size or t.local_batch_size * dp
     if global_batch % (t.local_batch_size * dp):
@@ -84,7 +98,8 @@ def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
             f"training.global_batch_size = {global_batch} must be a multiple of training.local_batch_size × "
             f"data-parallel degree = {t.local_batch_size} × {dp} = {t.local_batch_size * dp}"
         )
-    return ParallelDims(world_size, dp_replicate, dp_shard, global_batch, global_batch // (t.local_batch_size * dp))
+    return ParallelDims(world_size, dp_replicate, dp_shard, global_batch, global_batch // (t.local_batch_size * dp),
+                        cp)
 
 
 def check_offload(cfg: JobConfig, dp_replicate: int, dp_shard: int) -> None:

@@ -19,7 +19,7 @@ from typing import Literal
 
 from titanlike.config import sources
 from titanlike.config.loader import need
-from titanlike.config.speed import ActivationCheckpoint, Compile, Fp8, Parallel
+from titanlike.config.speed import ActivationCheckpoint, Compile, Fp8, Parallel, validate_context_parallel
 from titanlike.model.shape import PRESETS, model_args
 
 # data.num_workers: loader processes beyond a few per core only cost memory (each holds the dataset).
@@ -197,10 +197,9 @@ class Training:
     combination is an error. docs/memory.md."""
     loss_chunk_tokens: int = 0
     """Compute the output layer and the loss this many tokens at a time, so that the whole
-    (tokens × vocab) logits never exist (0 = off: whole logits). On one process each chunk's
-    gradients are computed in forward (no extra matmul); under FSDP or with a float8 output layer
-    each chunk's logits are recomputed in backward. Same loss and gradients; saves memory with
-    large vocabularies (titanlike/model/loss.py)."""
+    (tokens × vocab) logits never exist (0 = off: whole logits). Each chunk's gradients are computed
+    in forward (no extra matmul); with a float8 output layer its logits are recomputed in backward
+    instead. Same loss and gradients; saves memory with large vocabularies (model/loss.py)."""
     mixed_precision: Literal["bf16", "fp32"] = "bf16"
     """Compute dtype on GPU (params stay fp32, gradients reduce in fp32). CPU always runs fp32."""
     nonfinite: Literal["abort", "skip", "rollback"] = "abort"
@@ -418,6 +417,7 @@ def validate_across_sections(cfg: JobConfig) -> None:
         max_seq_len = model_args(m.flavor, **m.shape_overrides()).max_seq_len
         need(cfg.data.seq_len <= max_seq_len,
              f"data.seq_len = {cfg.data.seq_len} exceeds model.max_seq_len = {max_seq_len}")
+    validate_context_parallel(cfg.parallel.cp, cfg.data.seq_len, m.attn_mask, cfg.training.device)
     for phase in sources.schedule_of(cfg.data).phases[1:]:
         need(1 < phase.start_step <= cfg.training.steps,
              f"{phase.option}: a mixture from step {phase.start_step} must start in [2, training.steps = "

@@ -28,9 +28,15 @@ def resolve_reshard(reshard: str, gathered_bytes: int, memory_bytes: int | None)
 @dataclass
 class Parallel:
     dp_shard: int = -1
-    """FSDP degree (shards within a replica); -1 = all ranks not used by dp_replicate."""
+    """FSDP degree (shards within a replica); -1 = all ranks not used by dp_replicate and cp."""
     dp_replicate: int = 1
-    """Replicas of the sharded model (HSDP); ranks = dp_replicate × dp_shard; -1 = ranks / dp_shard."""
+    """Replicas of the sharded model (HSDP); ranks = dp_replicate × dp_shard × cp; -1 = ranks / (dp_shard × cp)."""
+    cp: int = 1
+    """Context parallelism: ranks that split each sample's sequence between them (1 = off). Each holds
+    2 of 2·cp equal chunks of every window (load-balanced for causal attention) and all-gathers keys and
+    values in each attention layer; FSDP shards the weights over dp_shard × cp ranks. data.seq_len must
+    be a multiple of 2·cp (of 256·cp with model.attn_mask = block_causal on a GPU). For sequences whose
+    activations do not fit one GPU (docs/parallelism.md)."""
     reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free gathered parameters after forward: default = yes except for the root module and the
     output layer, and for none of them when all weights in bf16 take at most 1/16 of a GPU's memory."""
@@ -49,8 +55,27 @@ class Parallel:
              f"parallel.dp_shard = {self.dp_shard} must be -1 (all ranks) or >= 1")
         need(self.dp_replicate == -1 or self.dp_replicate >= 1,
              f"parallel.dp_replicate = {self.dp_replicate} must be -1 (the rest) or >= 1")
+        need(1 <= self.cp <= 2**16, f"parallel.cp = {self.cp} must be >= 1 (1 = no context parallelism)")
         need(1 <= self.backend_timeout_s <= 10**6,
              f"parallel.backend_timeout_s = {self.backend_timeout_s} must be in [1, 1000000] (about 11 days)")
+
+
+# Flex attention's tile (model/masks.py BLOCK_SIZE): with block_causal on a GPU, each of a rank's
+# two chunks must be whole tiles, so that its query tiles are tiles of the whole window.
+FLEX_BLOCK = 128
+
+
+def validate_context_parallel(cp: int, seq_len: int, attn_mask: str, device: str) -> None:
+    """parallel.cp against the window: 2·cp equal chunks, and for flex attention whole tiles each."""
+    if cp == 1:
+        return
+    need(seq_len % (2 * cp) == 0,
+         f"data.seq_len = {seq_len} must be a multiple of 2 × parallel.cp = {2 * cp}: each of the cp ranks "
+         f"holds 2 of 2·cp equal chunks of every window")
+    need(attn_mask != "block_causal" or device == "cpu" or seq_len % (2 * cp * FLEX_BLOCK) == 0,
+         f"model.attn_mask = block_causal with parallel.cp = {cp} runs flex attention on a GPU, which can split "
+         f"a window only into chunks of whole {FLEX_BLOCK}-token tiles: data.seq_len = {seq_len} must be a "
+         f"multiple of {2 * cp * FLEX_BLOCK} (2 × cp × {FLEX_BLOCK}; with --training.device cpu, of {2 * cp})")
 
 
 @dataclass

@@ -68,6 +68,9 @@ class Attention(nn.Module):
         # before RoPE. It bounds the attention logits, which lets small models take higher LRs.
         self.q_norm = RMSNorm(a.head_dim, a.norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(a.head_dim, a.norm_eps) if a.qk_norm else None
+        # Set by context parallelism (parallel/context.py): attention of this rank's part of the
+        # sequence, attend(q, k, v, mask, gqa) on (batch, heads, seq, head_dim), over the keys of all.
+        self.attend: Callable[..., torch.Tensor] | None = None
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """q (B, S, H, D), k and v (B, S, Hkv, D), with QK-norm and RoPE applied."""
@@ -84,6 +87,9 @@ class Attention(nn.Module):
         bsz, seq, _ = x.shape
         q, k, v = self.project(x, cos, sin)
         gqa = self.n_kv_heads != self.n_heads
+        if self.attend is not None:  # context parallelism: `mask` is its own (parallel/context.py)
+            out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, gqa)
+            return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
         if mask is not None:  # block_causal: attention within each document (masks.py)
             out = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, gqa)
             return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
@@ -182,14 +188,18 @@ class Transformer(nn.Module):
         """self.layers with their type (to a type checker an nn.ModuleList holds plain Modules)."""
         return cast("list[TransformerBlock]", list(self.layers))
 
-    def forward(self, tokens: torch.Tensor, head=None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, head=None, context=None) -> torch.Tensor:
         """The logits (batch, seq, vocab); or, given `head`, what `head(self.norm, self.output, h)`
         returns for the last block's output h: the loss (titanlike/model/loss.py) runs the final norm, the
         output layer and the cross-entropy itself, compiled as one graph or chunk by chunk so the
         whole logits never exist. Through this forward either way, so that FSDP's hooks on the model
-        run."""
+        run. With context parallelism `tokens` are this rank's part of each window and `context` its
+        SequenceShard (parallel/context.py): their window positions and attention's mask."""
         seq = tokens.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        if context is not None:  # RoPE at the local tokens' positions in the window
+            cos, sin = self.rope_cos[context.positions], self.rope_sin[context.positions]
+        else:
+            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         h = self.tok_embeddings(tokens)
         if torch.is_autocast_enabled(h.device.type):
             # The residual stream in the compute dtype. Autocast leaves an embedding lookup in the
@@ -198,13 +208,13 @@ class Transformer(nn.Module):
             # each block's norms and adds. FSDP's bf16 parameters give bf16 here already; with the
             # cast one GPU computes in the same dtypes as many.
             h = h.to(torch.get_autocast_dtype(h.device.type))
-        if self.document_end is None:
-            for layer in self.layers:
-                h = layer(h, cos, sin)
-        else:  # one mask for every layer, from this micro-batch's tokens
+        mask = None  # causal: SDPA's own
+        if context is not None:  # context parallelism: the mask ContextParallel.shard made
+            mask = context.mask
+        elif self.document_end is not None:  # one mask for every layer, from this micro-batch's tokens
             mask = document_mask(tokens, self.document_end, self.flex_attention)
-            for layer in self.layers:
-                h = layer(h, cos, sin, mask)
+        for layer in self.layers:
+            h = layer(h, cos, sin, mask)
         return self.output(self.norm(h)) if head is None else head(self.norm, self.output, h)
 
     # ---- initialisation ------------------------------------------------------------------

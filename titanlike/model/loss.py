@@ -34,7 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+# loss(model, inputs, targets, context=None): `context`, with context parallelism, the micro-batch's
+# SequenceShard (parallel/context.py), handed to the model's forward.
+LossFn = Callable[..., torch.Tensor]
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -155,14 +157,17 @@ def build_loss(chunk_tokens: int, compile: bool, compile_head: bool = False) -> 
         if compile and compile_head:
             compiled_head = torch.compile(head_loss, fullgraph=True)
 
-            def compiled_head_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-                return model(inputs, head=lambda norm, output, h: compiled_head(norm, output, h, targets))
+            def compiled_head_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                                   context=None) -> torch.Tensor:
+                return model(inputs, head=lambda norm, output, h: compiled_head(norm, output, h, targets),
+                             context=context)
 
             return compiled_head_loss
         ce = torch.compile(cross_entropy) if compile else cross_entropy
 
-        def whole_logits_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            return ce(model(inputs), targets)
+        def whole_logits_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                              context=None) -> torch.Tensor:
+            return ce(model(inputs, context=context), targets)
 
         return whole_logits_loss
 
@@ -170,7 +175,7 @@ def build_loss(chunk_tokens: int, compile: bool, compile_head: bool = False) -> 
     ce_sum = torch.compile(cross_entropy_sum) if compile else cross_entropy_sum
     ce_grad = torch.compile(cross_entropy_sum_and_grad) if compile else cross_entropy_sum_and_grad
 
-    def chunked_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def chunked_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, context=None) -> torch.Tensor:
         def head(norm: nn.Module, output: nn.Module, h: torch.Tensor) -> torch.Tensor:
             h = norm(h)
             if torch.is_grad_enabled() and fuses(output):
@@ -178,6 +183,6 @@ def build_loss(chunk_tokens: int, compile: bool, compile_head: bool = False) -> 
                 return loss_sum(h.flatten(0, 1), targets.flatten(0, 1), chunk_tokens, ce_grad) / targets.numel()
             return chunked_output_loss(output, h, targets, chunk_tokens, ce_sum)
 
-        return model(inputs, head=head)
+        return model(inputs, head=head, context=context)
 
     return chunked_loss

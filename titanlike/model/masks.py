@@ -86,12 +86,18 @@ def document_mask(tokens: torch.Tensor, end_id: int, flex: bool | None = None):
     return (causal & (docs[:, :, None] == docs[:, None, :]))[:, None]
 
 
-def _document_blocks(docs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _document_blocks(docs: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The blocks of a BlockMask for the document ids `docs` (batch, seq), seq a multiple of
-    BLOCK_SIZE: counts (4, batch, 1, blocks) and indices (4, batch, 1, blocks, blocks), int32, of the
+    BLOCK_SIZE: 4 counts (batch, 1, blocks) and 4 indices (batch, 1, blocks, blocks), int32, of the
     partial and the full key blocks of each query block, then of the partial and the full query blocks
     of each key block; each row's blocks first and ascending, then the rest (padding the kernels never
     read), as create_block_mask lays them out."""
+    return _block_lists(_block_kinds(docs))
+
+
+def _block_kinds(docs: torch.Tensor) -> torch.Tensor:
+    """(2, batch, blocks, blocks) bool: query block i and key block j share a document but not every
+    pair (partial), or every pair attends (full)."""
     # A block's lowest and highest document id: its first token's and its last's, ids never
     # decreasing along a window. (batch, blocks) each.
     first, last = docs[:, ::BLOCK_SIZE], docs[:, BLOCK_SIZE - 1::BLOCK_SIZE]
@@ -102,14 +108,50 @@ def _document_blocks(docs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     shared = causal & (kv_first <= q_last) & (kv_last >= q_first)  # some document in both ranges
     # Every token of both blocks in one document, and all of key block j before query block i.
     full = (order[None, :] < order[:, None]) & (q_first == q_last) & (kv_first == kv_last) & (kv_first == q_first)
-    blocks = torch.stack([shared & ~full, full])
+    return torch.stack([shared & ~full, full])
+
+
+def _block_lists(blocks: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """_block_kinds' (2, batch, query blocks, key blocks) as a BlockMask's four counts (batch, 1, rows)
+    and four index lists (batch, 1, rows, columns)."""
     # The query side (what the backward pass reads) is the transpose: derived here from the same
     # block matrices rather than by from_kv_blocks, which rebuilds them from the index lists (most of
-    # its cost). One sort for all four.
-    blocks = torch.cat([blocks, blocks.transpose(-2, -1)]).to(torch.int8)
-    counts = blocks.sum(dim=-1, dtype=torch.int32)
-    indices = torch.argsort(blocks, dim=-1, descending=True, stable=True).to(torch.int32)
-    return counts[:, :, None], indices[:, :, None]
+    # its cost). One sort for all four where both sides have the same shape.
+    sides = [blocks, blocks.transpose(-2, -1)]
+    if blocks.shape[-1] == blocks.shape[-2]:
+        sides = [torch.cat(sides)]
+    counts, indices = [], []
+    for side in sides:
+        side = side.to(torch.int8)
+        counts += list(side.sum(dim=-1, dtype=torch.int32)[:, :, None])
+        indices += list(torch.argsort(side, dim=-1, descending=True, stable=True).to(torch.int32)[:, :, None])
+    return counts, indices
+
+
+def document_mask_at(docs: torch.Tensor, positions: torch.Tensor, flex: bool):
+    """The block-causal mask of queries at window positions `positions` (seq_q,) against every key of the
+    window, from the whole window's document ids `docs` (batch, seq): a context-parallel rank's
+    queries against the gathered keys. With `flex` a BlockMask, which needs every run of BLOCK_SIZE
+    queries to be one whole block of the window (positions made of block-aligned ranges); else a dense
+    (batch, 1, seq_q, seq) boolean mask for SDPA."""
+    batch, seq = docs.shape
+    keys = torch.arange(seq, device=docs.device)
+    if not flex:
+        causal = positions[:, None] >= keys[None, :]
+        return (causal & (docs[:, positions, None] == docs[:, None, :]))[:, None]
+    from torch.nn.attention.flex_attention import BlockMask
+
+    def same_document(b, h, q, kv):
+        at = positions[q]
+        return (at >= kv) & (docs[b, at] == docs[b, kv])
+
+    # The window's block pairs, then the rows of this rank's query blocks.
+    rows = positions[::BLOCK_SIZE] // BLOCK_SIZE
+    num, indices = _block_lists(_block_kinds(docs)[:, :, rows])
+    return BlockMask(seq_lengths=(positions.numel(), seq), kv_num_blocks=num[0], kv_indices=indices[0],
+                     full_kv_num_blocks=num[1], full_kv_indices=indices[1], q_num_blocks=num[2],
+                     q_indices=indices[2], full_q_num_blocks=num[3], full_q_indices=indices[3],
+                     BLOCK_SIZE=(BLOCK_SIZE, BLOCK_SIZE), mask_mod=same_document)
 
 
 @functools.cache

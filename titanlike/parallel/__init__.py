@@ -12,15 +12,18 @@ offloads to the CPU, which FSDP does (over a one-rank mesh).
     activation_checkpoint.py  what each block keeps for backward (activation_checkpoint.mode)
     compile.py                per-block torch.compile
     fsdp.py                   FSDP2 and its mixed precision, or autocast on one rank
+    context.py                context parallelism: each rank holds part of every sequence (parallel.cp)
     offload.py                FSDP2's CPU offload: where the state lives, the host memory it needs
 
-The degrees themselves (dp_replicate × dp_shard, micro-batches) are plain arithmetic on the config,
+Context parallelism (context.py) hooks each attention layer before all of these. The degrees
+themselves (dp_replicate × dp_shard × cp, micro-batches) are plain arithmetic on the config,
 resolved once before any worker starts (titanlike/config/).
 """
 
 from titanlike.parallel import offload
 from titanlike.parallel.activation_checkpoint import apply_activation_checkpointing
 from titanlike.parallel.compile import apply_compile
+from titanlike.parallel.context import ContextParallel, apply_context_parallel
 from titanlike.parallel.device import (
     allocator_settings,
     configure_device,
@@ -29,8 +32,9 @@ from titanlike.parallel.device import (
     pick_device,
 )
 from titanlike.parallel.fsdp import apply_fsdp, resolve_reshard, shard_model
-from titanlike.parallel.mesh import destroy_process_group, init_distributed, mean_over_ranks
+from titanlike.parallel.mesh import context_mesh, destroy_process_group, init_distributed, mean_over_ranks
 
-__all__ = ["allocator_settings", "apply_activation_checkpointing", "apply_compile", "apply_fsdp", "configure_device",
+__all__ = ["ContextParallel", "allocator_settings", "apply_activation_checkpointing", "apply_compile",
+           "apply_context_parallel", "apply_fsdp", "configure_device", "context_mesh",
            "default_allocator_settings", "destroy_process_group", "device_memory_bytes", "init_distributed",
            "mean_over_ranks", "offload", "pick_device", "resolve_reshard", "shard_model"]

@@ -34,6 +34,14 @@ def _save_policy_context(keep: frozenset[int] | None):
         save.add(aten._scaled_dot_product_cudnn_attention.default)
     if hasattr(torch.ops.higher_order, "flex_attention"):  # model.attn_mask = block_causal
         save.add(torch.ops.higher_order.flex_attention)
+    # Context parallelism (parallel/context.py): the bottom-right causal kernel, and the gathered keys
+    # and values, so that backward does not gather them again.
+    save.add(aten._efficient_attention_forward.default)
+    for namespace in ("_c10d_functional", "_c10d_functional_autograd"):
+        ops = getattr(torch.ops, namespace, None)
+        if ops is not None and hasattr(ops, "all_gather_into_tensor"):
+            save.add(ops.all_gather_into_tensor.default)
+
     matmuls = {aten.mm.default, aten._scaled_mm.default}
 
     def context():

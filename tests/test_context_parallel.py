@@ -1,0 +1,284 @@
+"""Context parallelism (parallel.cp, titanlike/parallel/context.py) on CPU over gloo.
+
+The layout is exact arithmetic (split then unsplit is the identity); attention and the whole model
+on cp ranks match the unsplit computation on the same batch in fp32, forward and gradients; a
+training run with cp 2 matches one process, and checkpoints move between cp degrees.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from titanlike.model.decoder import Transformer
+from titanlike.model.masks import document_mask
+from titanlike.model.shape import ModelArgs
+from titanlike.parallel.context import ContextParallel, apply_context_parallel, shard_sequence, unshard_sequence
+from titanlike.parallel.mesh import destroy_process_group
+
+# fp32 on one CPU: the split attention sums the same products in another order (measured ~1e-7).
+ATOL, RTOL = 1e-5, 1e-5
+
+
+def test_split_then_unsplit_is_identity():
+    x = torch.arange(2 * 48 * 3).view(2, 48, 3)
+    for cp in (1, 2, 3, 4, 6):
+        parts = [shard_sequence(x, r, cp) for r in range(cp)]
+        assert all(p.shape == (2, 48 // cp, 3) for p in parts)
+        assert torch.equal(unshard_sequence(parts), x)
+        # Head-tail balance: rank r holds chunks r and 2cp-1-r, so the positions it holds sum alike.
+        positions = [shard_sequence(torch.arange(48), r, cp, dim=0) for r in range(cp)]
+        assert len({int(p.sum()) for p in positions}) == 1
+    assert torch.equal(shard_sequence(torch.arange(8), 0, 2, dim=0), torch.tensor([0, 1, 6, 7]))
+    assert torch.equal(shard_sequence(torch.arange(8), 1, 2, dim=0), torch.tensor([2, 3, 4, 5]))
+
+
+@pytest.mark.parametrize("world,argv,expected", [
+    ("3", ["--parallel.cp", "2"], "error: parallel.cp = 2 does not divide the 3 ranks"),
+    ("2", ["--parallel.cp", "2", "--data.seq_len", "66"], "error: data.seq_len = 66 must be a multiple of 2 × "
+                                                         "parallel.cp = 4"),
+    ("2", ["--parallel.cp", "2", "--data.seq_len", "768", "--model.attn_mask", "block_causal"],
+     "error: model.attn_mask = block_causal with parallel.cp = 2 runs flex attention on a GPU"),
+])
+def test_preflight_refuses(monkeypatch, capsys, world, argv, expected):
+    """What run_train.sh runs before torchrun: one `error:` line, exit code 2."""
+    from titanlike import preflight
+
+    monkeypatch.setenv(preflight.WORLD_ENV, world)
+    assert preflight.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(expected) and err.count("\n") == 1, err
+
+
+# ---- multi-rank workers: each runs in its own process, gloo over a file store ------------------------------
+
+
+def _spawn(worker, world: int, *args) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        # fork: the workers inherit the imported torch and titanlike (spawn would import them again, seconds)
+        mp.start_processes(_run, args=(world, os.path.join(tmp, "store"), worker, args), nprocs=world, join=True,
+                           start_method="fork")
+
+
+def _run(rank: int, world: int, store: str, worker, args) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        worker(rank, world, *args)
+    finally:
+        destroy_process_group()  # lets gloo's threads finish first (see its docstring)
+
+
+def _gathered(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """The whole sequence from every rank's part of `t`."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return unshard_sequence(parts, dim=dim)
+
+
+def _attention_worker(rank: int, cp: int, mask_kind: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, seq, dim = 2, 4, 2, 32, 8
+    q = torch.randn(batch, heads, seq, dim, generator=gen)
+    k, v = (torch.randn(batch, kv_heads, seq, dim, generator=gen) for _ in range(2))
+    weight = torch.randn(batch, heads, seq, dim, generator=gen)
+    tokens = torch.randint(0, 5, (batch, seq), generator=gen)  # id 0 ends a document
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    if mask_kind == "causal":
+        ref = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True)
+    else:
+        ref = F.scaled_dot_product_attention(*full, attn_mask=document_mask(tokens, 0, flex=False), enable_gqa=True)
+    (ref * weight).sum().backward()
+
+    context = ContextParallel(dist.group.WORLD)
+    local = [shard_sequence(t, rank, cp, dim=2).clone().requires_grad_() for t in (q, k, v)]
+    _, _, shard = context.shard(tokens, tokens, None if mask_kind == "causal" else 0)
+    out = context.attend(*local, shard.mask, True)
+    torch.testing.assert_close(out, shard_sequence(ref, rank, cp, dim=2), atol=ATOL, rtol=RTOL)
+    (out * shard_sequence(weight, rank, cp, dim=2)).sum().backward()
+    for mine, want in zip(local, full, strict=True):
+        assert mine.grad is not None and want.grad is not None
+        torch.testing.assert_close(_gathered(mine.grad, 2), want.grad, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mask_kind", ["causal", "block_causal"])
+def test_attention_four_ranks_matches_unsplit(mask_kind):
+    _spawn(_attention_worker, 4, mask_kind)
+
+
+SMALL = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64)
+
+
+def _model_worker(rank: int, cp: int, attn_mask: str, ac: str) -> None:
+    from titanlike.model.loss import build_loss
+    from titanlike.parallel import apply_activation_checkpointing
+
+    args = ModelArgs(**{**SMALL.__dict__, "attn_mask": attn_mask})
+    seq = 32
+    tokens = torch.randint(0, 64, (2, seq + 1), generator=torch.Generator().manual_seed(1))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    loss_fn = build_loss(0, compile=False)
+
+    def built() -> Transformer:
+        model = Transformer(args, document_end=3)
+        model.init_weights(0, seq)
+        apply_activation_checkpointing(model, ac, "op")
+        return model
+
+    reference = built()
+    want = loss_fn(reference, inputs, targets)
+    want.backward()
+
+    model = built()
+    context = apply_context_parallel(model, dist.group.WORLD)
+    loss = loss_fn(model, *context.shard(inputs, targets, model.document_end))
+    loss.backward()
+    # The window's mean loss is the mean of the ranks' (equal token counts); so is its gradient.
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    torch.testing.assert_close(mean / cp, want.detach(), atol=1e-6, rtol=1e-6)
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None and ref.grad is not None, name
+        grad = p.grad.clone()
+        dist.all_reduce(grad)
+        torch.testing.assert_close(grad / cp, ref.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def _two_rank_worker(rank: int, cp: int) -> None:
+    for mask_kind in ("causal", "block_causal"):
+        _attention_worker(rank, cp, mask_kind)
+    _model_worker(rank, cp, "causal", "none")
+    _model_worker(rank, cp, "block_causal", "selective")
+
+
+def test_two_ranks_match_unsplit():
+    """Attention (causal, block_causal) and the whole model (loss and every gradient) on 2 ranks: one
+    pair of processes for all four, to keep the default tier short."""
+    _spawn(_two_rank_worker, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attn_mask,ac", [("causal", "full"), ("causal", "selective"), ("block_causal", "none")])
+def test_model_four_ranks_matches_unsplit(attn_mask, ac):
+    _spawn(_model_worker, 4, attn_mask, ac)
+
+
+
+# ---- whole runs: torchrun on run_train.sh, 2 gloo ranks with --parallel.cp 2 (slow tier) ---------------
+
+STEPS = 6
+# One global batch of 4 windows per step for every run: one process reads them as 2 micro-batches of 2;
+# the 2 cp ranks both read the same 2 micro-batches, each keeping half of every window.
+RUN = ("--training.steps", str(STEPS), "--metrics.log_freq", "1", "--data.seq_len", "64",
+       "--training.local_batch_size", "2", "--training.global_batch_size", "4", "--validation.enable", "false",
+       "--checkpoint.enable", "--checkpoint.interval", "3")
+# Measured here: cp 2 and one process agree to ~1e-7 relative (attention sums in another order).
+LOSS_RTOL = 2e-6
+
+
+def _assert_close_losses(got: dict, want: dict, steps) -> None:
+    assert sorted(got) == list(steps), sorted(got)
+    for step in steps:
+        assert abs(got[step] - want[step]) <= LOSS_RTOL * abs(want[step]), (step, got[step], want[step])
+
+
+@pytest.fixture(scope="module", params=["causal", "block_causal"])
+def runs(request, tmp_path_factory):
+    """(mask, one-process run, cp 2 run) on the same data (the embedded corpus, whose tokenizer marks
+    document ends) and seed, each checkpointed at steps 3 and 6."""
+    from conftest import run_train, step_losses, train_here
+
+    mask = ("--model.attn_mask", request.param)
+    one, two = tmp_path_factory.mktemp("cp1"), tmp_path_factory.mktemp("cp2")
+    train_here(one, *RUN, *mask)
+    proc = run_train(two, *RUN, *mask, "--parallel.cp", "2", nproc=2)
+    assert "(dp_replicate 1 × dp_shard 1 × cp 2)" in proc.stderr and "2 micro-batches" in proc.stderr
+    assert step_losses(one)[STEPS] < step_losses(one)[1] - 0.5  # it trains: equal losses are not trivial
+    return mask, one, two
+
+
+@pytest.mark.slow
+def test_cp2_training_matches_one_process(runs):
+    from conftest import metrics, step_losses
+
+    _, one, two = runs
+    _assert_close_losses(step_losses(two), step_losses(one), range(1, STEPS + 1))
+    norms = {r["step"]: r["grad_norm"] for r in metrics(one)}
+    for r in metrics(two):
+        assert r["grad_norm"] == pytest.approx(norms[r["step"]], rel=5e-5), r["step"]
+
+
+@pytest.mark.slow
+def test_checkpoint_moves_between_cp_degrees(runs, tmp_path):
+    """Saved with cp 2, resumed with cp 1, and the reverse: DCP reshards the FSDP-sharded weights and
+    optimizer state by itself; the resumed steps match the uninterrupted runs to fp32 rounding (not bit
+    for bit: cp 2 and one process sum attention in different orders)."""
+    from conftest import ckpt, run_train, step_losses, train_here
+
+    mask, one, two = runs
+    to_one, to_two = tmp_path / "to_cp1", tmp_path / "to_cp2"
+    for src, dst in ((two, to_one), (one, to_two)):
+        shutil.copytree(ckpt(src) / "step-3", ckpt(dst) / "step-3")
+    train_here(to_one, *RUN, *mask)
+    proc = run_train(to_two, *RUN, *mask, "--parallel.cp", "2", nproc=2)
+    assert "resumed from" in proc.stderr
+    _assert_close_losses(step_losses(to_one), step_losses(two), range(4, STEPS + 1))
+    _assert_close_losses(step_losses(to_two), step_losses(one), range(4, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_cp2_compiled_tracks_eager(runs, tmp_path):
+    """cp 2 with the blocks compiled (the all-gather, the bottom-right causal mask or the flex document
+    mask inside the compiled graph) and selective activation checkpointing."""
+    from conftest import run_train, step_losses
+
+    mask, one, _ = runs
+    run_train(tmp_path, *RUN, *mask, "--parallel.cp", "2", "--compile.enable", "--activation_checkpoint.mode",
+              "selective", nproc=2, timeout=900)
+    got, want = step_losses(tmp_path), step_losses(one)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in got:  # inductor may fuse and reorder fp32 arithmetic
+        assert got[step] == pytest.approx(want[step], rel=1e-4), step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replicate", ["1", "2"])
+def test_cp2_with_data_parallel_matches_one_process(runs, tmp_path, replicate):
+    """4 ranks: cp 2 × dp_shard 2 (FSDP over all 4), and cp 2 × dp_replicate 2 (HSDP): the two
+    data-parallel groups read different halves of each global batch (their rank is rank // cp), and the
+    losses are one process's, which reads the same 4 windows as 2 micro-batches."""
+    from conftest import run_train, step_losses
+
+    mask, one, _ = runs
+    if mask[1] != "causal":
+        pytest.skip("one mask suffices: how ranks are laid out does not depend on it")
+    proc = run_train(tmp_path, *RUN, *mask, "--parallel.cp", "2", "--parallel.dp_replicate", replicate,
+                     "--checkpoint.enable", "false", nproc=4, timeout=900)
+    shard = "1" if replicate == "2" else "2"
+    assert f"(dp_replicate {replicate} × dp_shard {shard} × cp 2)" in proc.stderr and "1 micro-batches" in proc.stderr
+    _assert_close_losses(step_losses(tmp_path), step_losses(one), range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_cp2_with_float8_all_gather_tracks_float8_one_process(tmp_path):
+    """Tensorwise float8 (emulated on a CPU) with FSDP's float8 all-gather over the dp_shard × cp ranks:
+    close to one process in float8 (each rank scales its own tokens' activations, so not to rounding)."""
+    from conftest import run_train, step_losses, train_here
+
+    fp8 = ("--fp8.recipe", "tensorwise", "--fp8.emulate", "--fp8.auto_filter", "false",
+           "--checkpoint.enable", "false")
+    train_here(tmp_path / "one", *RUN, *fp8)
+    proc = run_train(tmp_path / "two", *RUN, *fp8, "--parallel.cp", "2", nproc=2)
+    assert "float8 all-gather on" in proc.stderr
+    one, two = step_losses(tmp_path / "one"), step_losses(tmp_path / "two")
+    assert sorted(two) == list(range(1, STEPS + 1))
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-2), step

@@ -1,0 +1,166 @@
+"""Context parallelism (parallel.cp = N): the N ranks of a context group split every sample's
+sequence between them, so a window whose activations do not fit one GPU trains on N.
+
+Layout (head-tail load balancing). A window of S tokens is cut into 2N equal chunks of L = S / 2N;
+rank r of the group holds chunk r and chunk 2N-1-r, side by side (`shard_sequence`). Under a causal
+mask a chunk's cost grows with its position, and chunks r and 2N-1-r together cost the same for
+every r, so no rank waits on another at the end of a layer.
+
+Attention (all-gather, as Llama 3's paper describes): every other part of a block is per token and
+runs on the local tokens untouched. In each attention layer the rank all-gathers the keys and
+values of its group, one collective for both, reorders them to window order, and computes its own
+queries against the keys each may see. The gather is torch's functional collective with autograd,
+whose backward reduce-scatters (sums) the keys' and values' gradients back to the ranks that made
+them; it traces under torch.compile and runs over gloo, so the CPU tests run the same code.
+- causal: per local chunk c covering window positions [s, s+L), SDPA of its queries against keys
+  [0, s+L) with a bottom-right-aligned causal mask (`causal_lower_right`), which CUDA's flash and
+  memory-efficient kernels apply without a materialised mask (a CPU materialises it). What it cannot
+  do, and what is done instead: (1) on CUDA it calls the flash and memory-efficient ops directly,
+  with no enable_gqa, so grouped-query kv heads are repeated to the query heads for this call (the
+  gathered keys and values of one layer, n_heads / n_kv_heads times); (2) dynamo refuses its
+  constructor inside a compiled region (torch 2.13: "Calling subclass default constructor with more
+  than tensor argument"), so the two CausalBias objects are made outside compiled code, once per
+  window length, and handed to the blocks as their `mask` argument, which compiles.
+- block_causal: the decoder's document mask over window positions (model/masks.py
+  `document_mask_at`): query i is the local token's window position, keys are the gathered ones;
+  document ids come from the whole window, which every rank of the group reads anyway. A flex
+  BlockMask on a GPU, a dense mask for SDPA on a CPU.
+
+Why not torch's own `context_parallel`: it lives in a private, experimental module whose API changed
+across the torch versions this runs on (2.11 to 2.14), it has no CPU SDPA path (so no gloo tests),
+and its flex attention support differs by version. The all-gather form is a few dozen lines.
+
+The rest of the run: the loader hands the same samples to every rank of a group (its data-parallel
+rank is rank // N) and each keeps its part of inputs, targets and positions (`ContextParallel.shard`:
+one read of the batch per rank). RoPE reads its tables at the local tokens' window positions. Each
+rank's loss is the mean over its local tokens, equal counts on every rank, and FSDP (over dp_shard ×
+cp ranks) averages the gradients over all of them: the gradient of the window's mean loss, and the
+logged loss (a mean over ranks) is the window's mean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+from titanlike.model.decoder import Transformer
+from titanlike.model.masks import document_ids, document_mask_at, masked_attention
+
+# The autograd-aware all-gather: all_gather_single_autograd from torch 2.13 (there
+# all_gather_tensor_autograd warns that it is deprecated), all_gather_tensor_autograd before.
+_all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+
+def chunks_of(rank: int, cp: int) -> tuple[int, int]:
+    """The two chunks (of 2·cp) of a window that context-parallel rank `rank` holds: head and tail."""
+    return rank, 2 * cp - 1 - rank
+
+
+def shard_sequence(x: torch.Tensor, rank: int, cp: int, dim: int = 1) -> torch.Tensor:
+    """This rank's part of `x` along `dim` (the sequence): its two chunks, side by side."""
+    parts = x.chunk(2 * cp, dim=dim)
+    head, tail = chunks_of(rank, cp)
+    return torch.cat([parts[head], parts[tail]], dim=dim)
+
+
+def unshard_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The whole sequence from every rank's part, in rank order: the inverse of shard_sequence."""
+    cp = len(parts)
+    halves = [p.chunk(2, dim=dim) for p in parts]
+    ordered = [halves[r][0] for r in range(cp)] + [halves[r][1] for r in reversed(range(cp))]
+    return torch.cat(ordered, dim=dim)
+
+
+@dataclass
+class SequenceShard:
+    """What the model needs of one micro-batch beyond its local tokens: their window positions (for
+    RoPE) and attention's mask, as the blocks take it (see ContextParallel.attend)."""
+
+    positions: torch.Tensor
+    mask: object
+
+
+class ContextParallel:
+    """One rank's part in its context group: the sharding of each micro-batch and the attention that
+    gathers the group's keys and values."""
+
+    def __init__(self, group, flex: bool | None = None):
+        self.group = group
+        self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.flex = flex  # document masks for flex attention; None = on CUDA
+        self._causal: dict[int, tuple] = {}
+        self._positions: dict[tuple, torch.Tensor] = {}
+
+    def positions(self, seq: int, device: torch.device) -> torch.Tensor:
+        """Window positions of this rank's tokens of a `seq`-token window."""
+        key = (seq, str(device))
+        if key not in self._positions:
+            self._positions[key] = shard_sequence(torch.arange(seq, device=device), self.rank, self.cp, dim=0)
+        return self._positions[key]
+
+    def shard(self, inputs: torch.Tensor, targets: torch.Tensor, document_end: int | None):
+        """This rank's (inputs, targets, SequenceShard) of a micro-batch's whole windows."""
+        seq = inputs.shape[1]
+        positions = self.positions(seq, inputs.device)
+        if document_end is None:
+            mask: object = self.causal_biases(seq)
+        else:
+            flex = self.flex if self.flex is not None else inputs.is_cuda
+            mask = document_mask_at(document_ids(inputs, document_end), positions, flex)
+        local = (shard_sequence(inputs, self.rank, self.cp), shard_sequence(targets, self.rank, self.cp))
+        return *local, SequenceShard(positions, mask)
+
+    def causal_biases(self, seq: int) -> tuple:
+        """The bottom-right causal masks of this rank's two chunks: chunk c's L queries against the
+        (c + 1)·L keys up to its end. Made once per length, outside compiled code."""
+        if seq not in self._causal:
+            from torch.nn.attention.bias import causal_lower_right
+
+            chunk = seq // (2 * self.cp)
+            self._causal[seq] = tuple(causal_lower_right(chunk, (c + 1) * chunk) for c in chunks_of(self.rank, self.cp))
+        return self._causal[seq]
+
+    def gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's keys and values, (batch, heads, seq, head_dim) each, in window order, from each
+        rank's (batch, heads, seq / cp, head_dim)."""
+        kv = torch.stack([k, v])  # one collective for both
+        gathered = _all_gather(kv.contiguous(), 0, self.group)  # (cp · 2, batch, heads, 2L, head_dim)
+        two, batch, heads, local, dim = kv.shape
+        parts = gathered.view(self.cp, two, batch, heads, 2, local // 2, dim)
+        # Window order: every rank's head chunk in rank order, then the tail chunks in reverse.
+        ordered = torch.cat([parts[:, :, :, :, 0], parts.flip(0)[:, :, :, :, 1]])  # (2·cp, 2, b, h, L, d)
+        full = ordered.permute(1, 2, 3, 0, 4, 5).reshape(two, batch, heads, self.cp * local, dim)
+        return full[0], full[1]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gqa: bool) -> torch.Tensor:
+        """Attention of this rank's (batch, heads, 2L, head_dim) queries over the whole window; `mask`:
+        the SequenceShard's (causal biases, or a document mask)."""
+        if mask is None:
+            raise RuntimeError("context-parallel attention needs the micro-batch's mask: call the model with "
+                               "the SequenceShard that ContextParallel.shard made")
+        k, v = self.gather(k, v)
+        if not isinstance(mask, tuple):  # block_causal: a document mask over window positions
+            return masked_attention(q, k, v, mask, gqa)
+        if gqa:  # the kernels that apply a bottom-right causal mask take no shared kv heads
+            repeats = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        local = q.shape[2] // 2
+        outs = []
+        for i, (chunk, bias) in enumerate(zip(chunks_of(self.rank, self.cp), mask, strict=True)):
+            end = (chunk + 1) * local
+            outs.append(F.scaled_dot_product_attention(q[:, :, i * local:(i + 1) * local], k[:, :, :end],
+                                                       v[:, :, :end], attn_mask=bias))
+        return torch.cat(outs, dim=2)
+
+
+def apply_context_parallel(model: Transformer, group) -> ContextParallel:
+    """Make every attention layer of `model` gather its keys and values over `group`; the model then
+    takes local tokens and a SequenceShard (ContextParallel.shard) per micro-batch."""
+    context = ContextParallel(group, flex=model.flex_attention)
+    for block in model.blocks():
+        block.attention.attend = context.attend
+    return context
