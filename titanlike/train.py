@@ -40,6 +40,7 @@ from titanlike.run.metrics import MetricsLogger
 from titanlike.run.nonfinite import NonFiniteGuard
 from titanlike.run.profiling import Profiler
 from titanlike.run.progress import Progress, wants_terminal_line
+from titanlike.run.stage import StageSwitch
 from titanlike.run.state import TrainState
 
 logger = logging.getLogger("titanlike")
@@ -89,9 +90,11 @@ class Trainer:
         self.dp_rank = rank  # the mesh is (replicate, shard) in rank order, so DP rank = rank
         # One source (data.path) or a mixture (data.mix): each source's windows, the plan of which
         # source and window every global position reads, and the loader over it (data/build.py).
+        # With stages (a long-context stage: data.phase), each seq_len's windows, read from where the data is.
         self.data = build_run_data(cfg.data, self.run.schedule, self.margs.vocab_size, tokenizer, t.local_batch_size,
                                    self.global_batch, self.dp_rank, self.dims.dp, cfg.job.seed,
-                                   pin_memory=self.device.type == "cuda", validation=cfg.validation.enable)
+                                   pin_memory=self.device.type == "cuda", validation=cfg.validation.enable,
+                                   stages=self.run.stages)
         self.loader = self.data.loader
         missing = self.data.missing_validation() if cfg.validation.enable else None
         if self.is_main and missing:
@@ -168,7 +171,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         step_loss = torch.zeros((), device=self.device)
         data_wait = 0.0
-        for _ in range(self.accum_steps):
+        accum_steps = self.stage.accum_steps
+        for _ in range(accum_steps):
             start = time.perf_counter()
             batch = next(self.loader).to(self.device, non_blocking=True)
             data_wait += time.perf_counter() - start
@@ -177,8 +181,8 @@ class Trainer:
                 loss = self.loss_fn(self.model, inputs, targets)
             # Each micro-batch has the same token count, so the mean of means is the batch mean;
             # FSDP averages over ranks in its reduce-scatter.
-            (loss / self.accum_steps).backward()
-            step_loss += loss.detach() / self.accum_steps
+            (loss / accum_steps).backward()
+            step_loss += loss.detach() / accum_steps
         # The LR this update uses, for the log: a number now (8-bit AdamW's is a tensor the schedule refills).
         self.lr = float(self.optimizer.param_groups[0]["lr"])
         # The update overwrites the weights: a background save's copy of them must be complete first.
@@ -189,18 +193,17 @@ class Trainer:
                                            skip_nonfinite=self.cfg.training.nonfinite == "skip")
         self.scheduler.step()
         self.state.step += 1
-        self.state.tokens_seen += self.global_batch * self.cfg.data.seq_len
-        local_tokens = self.accum_steps * self.cfg.training.local_batch_size * self.cfg.data.seq_len  # this rank's
+        self.state.tokens_seen += self.stage.tokens_per_step
+        local_tokens = accum_steps * self.stage.local_batch * self.stage.seq_len  # this rank's
         self.metrics.add_tokens(local_tokens, data_wait)
         self.window.append(torch.stack([step_loss, grad_norm.float(), skipped]))
         return grad_norm
 
     @torch.no_grad()
     def validation_loss(self, windows) -> float:
-        micro_batches = self.cfg.validation.steps * self.accum_steps  # `steps` global batches
+        micro_batches = self.cfg.validation.steps * self.stage.accum_steps  # `steps` global batches of the stage
         total = torch.zeros((), device=self.device)
-        for batch in validation_batches(windows, self.cfg.training.local_batch_size, self.dp_rank, self.dims.dp,
-                                        micro_batches):
+        for batch in validation_batches(windows, self.stage.local_batch, self.dp_rank, self.dims.dp, micro_batches):
             batch = batch.to(self.device)
             with self.autocast:
                 total += self.loss_fn(self.model, batch[:, :-1], batch[:, 1:]).float()
@@ -229,8 +232,14 @@ class Trainer:
                                  terminal=logger.isEnabledFor(logging.INFO) and wants_terminal_line(sys.stderr))
         self.stop_signals = stopping.StopSignals(announce=logger.isEnabledFor(logging.INFO))
         self.stop_signals.install()  # from here on, preemption and Ctrl-C stop after a step, with a checkpoint
+        # The stage (seq_len, RoPE base, batch) of the data position: it switches the model's rotary
+        # tables and the throughput's counts when a long-context stage begins (run/stage.py).
+        self.stages = StageSwitch(self.run.stages, model=self.model, metrics=self.metrics, progress=self.progress,
+                                  flops_per_token=lambda seq: flops_per_token(self.margs, seq),
+                                  compiled=cfg.compile.enable, is_main=self.is_main)
         self.metrics.begin()
         while self.state.step < steps:
+            self.stage = self.stages.enter(self.loader.batches_read)
             grad_norm = self.train_step()
             step = self.state.step
             self.progress.step_done(step)
@@ -250,7 +259,7 @@ class Trainer:
                 if log:
                     assert verdict.loss is not None, "a verdict that goes on carries the last loss"
                     record = {"loss": verdict.loss, "grad_norm": grad_norm.item(), "lr": self.lr,
-                              **self.guard.counts()}
+                              **self.guard.counts(), **self.stages.record()}
                     self.metrics.log_train(step, record, tokens_seen=self.state.tokens_seen,
                                            by_source=self.data.read_by_source(),  # tokens and epochs per source
                                            total_steps=steps, eta_s=self.progress.eta_s())

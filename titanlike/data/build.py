@@ -69,8 +69,10 @@ class RunData:
 
     @property
     def val(self) -> dict[str, TokenWindows]:
-        """Held-out windows at the current stage's seq_len."""
-        return self._here()[0].val
+        """Held-out windows at the seq_len of the last batch read (the model's, at a validation after it)."""
+        last = max(0, self.loader.batches_read - 1)
+        stage = max(i for i, (_, s) in enumerate(self.loader.parts) if s.first_batch <= last)
+        return self.segments[self.segment_of_stage[stage]].val
 
     def read_by_source(self) -> dict[str, dict]:
         """Tokens read from each source so far (inputs: seq_len a window) and the epochs that makes (in

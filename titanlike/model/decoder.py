@@ -192,9 +192,12 @@ class Transformer(nn.Module):
 
     # ---- initialisation ------------------------------------------------------------------
 
-    def init_rope(self, seq_len: int) -> None:
+    def init_rope(self, seq_len: int, theta: float | None = None) -> None:
+        """Rotary tables for `seq_len` positions with base `theta` (default: the shape's rope_theta; a
+        long-context stage rotates with another)."""
         device = self.tok_embeddings.weight.device
-        self.rope_cos, self.rope_sin = rope_tables(self.args.head_dim, seq_len, self.args.rope_theta, device)
+        theta = self.args.rope_theta if theta is None else theta
+        self.rope_cos, self.rope_sin = rope_tables(self.args.head_dim, seq_len, theta, device)
 
     def init_std(self, name: str) -> float:
         """Per-parameter init scale (0 means 'ones', for norm gains)."""
