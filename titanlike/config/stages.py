@@ -47,7 +47,8 @@ class Stage:
 
     def describe(self) -> str:
         return (f"from step {self.start_step}: seq_len {self.seq_len}, rope_theta {self.rope_theta:g}, "
-                f"global batch {self.global_batch} = {self.local_batch} a micro-batch × {self.accum_steps}")
+                f"global batch {self.global_batch} ({self.local_batch} a micro-batch, {self.accum_steps} "
+                f"micro-batch{'es' if self.accum_steps != 1 else ''} a rank)")
 
 
 @dataclass(frozen=True)
