@@ -126,7 +126,7 @@ def resolve_stages(cfg: Any, args: ModelArgs, dp: int) -> Stages:
     """The stages at `dp` data-parallel ranks, for the model shape `args`; ConfigError (one line) for a
     stage whose batch does not split over the ranks or whose samples exceed the model's limit."""
     check_stages(cfg, args.max_seq_len)
-    out = []
+    out: list[Stage] = []
     for step, s in _settings(cfg):
         local = s["local_batch_size"]
         glob = s["global_batch_size"] or local * dp

@@ -107,7 +107,7 @@ class RunData:
 
 def _positions(stages: list[Stage]) -> list[int]:
     """Each stage's first plan position within its segment (stages of one seq_len read one plan on)."""
-    out = []
+    out: list[int] = []
     for i, st in enumerate(stages):
         same = i > 0 and stages[i - 1].seq_len == st.seq_len
         out.append(out[-1] + (st.first_batch - stages[i - 1].first_batch) * stages[i - 1].global_batch if same else 0)
