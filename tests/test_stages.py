@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import call, error_lines, losses, metrics, train_here
+from conftest import call, error_lines, losses, metrics, run_train, train_here
 from test_data_mixture import data_section, prepared
 from titanlike import preflight
 from titanlike.config import ConfigError, load_config
@@ -190,3 +190,21 @@ def test_a_resume_with_another_stage_table_says_so(long_run, tmp_path, corpus):
     assert (f"data.stages: checkpoint from step {SWITCH}: seq_len 128, rope_theta 100000, global batch 2 (2 a "
             f"micro-batch, 1 micro-batch a rank) → config from step {SWITCH + 1}: seq_len 128") in proc.stderr
     assert metrics(tmp_path)[0]["seq_len"] == 64  # step 4 is in the first stage now
+
+
+@pytest.mark.slow
+def test_two_ranks_change_the_batch_at_the_switch_and_resume_exactly(tmp_path, corpus):
+    """On two ranks (gloo), a stage that halves the local batch and keeps the global one (so doubles the
+    gradient accumulation): a resume from the step before the switch and from the switch's step gives
+    the uninterrupted losses bit for bit."""
+    stage = (*RUN, "--training.global_batch_size", "8", "--data.phase",
+             f"{SWITCH}:seq_len=128,rope_theta=100000,local_batch_size=2")
+    ref = tmp_path / "ref"
+    run_train(ref, *stage, nproc=2, corpus=corpus)
+    want = losses(ref)
+    assert sorted(want) == list(range(1, 7))
+    for step in (SWITCH - 1, SWITCH):
+        dump = tmp_path / f"from-{step}"
+        shutil.copytree(ref / "checkpoint" / f"step-{step}", dump / "checkpoint" / f"step-{step}")
+        run_train(dump, *stage, nproc=2, corpus=corpus)
+        assert losses(dump) == {s: want[s] for s in range(step + 1, 7)}, step
