@@ -208,3 +208,16 @@ def test_two_ranks_change_the_batch_at_the_switch_and_resume_exactly(tmp_path, c
         shutil.copytree(ref / "checkpoint" / f"step-{step}", dump / "checkpoint" / f"step-{step}")
         run_train(dump, *stage, nproc=2, corpus=corpus)
         assert losses(dump) == {s: want[s] for s in range(step + 1, 7)}, step
+
+
+def test_out_of_memory_in_a_long_stage_names_the_stage_s_knobs():
+    from titanlike.run.faults import oom_message
+
+    cfg = load_config(["--training.local_batch_size", "4", "--data.phase", "5:seq_len=128,local_batch_size=2"])
+    run = resolve_run(cfg, 1)
+    line = oom_message(cfg, run.dims, 0, 7, None, stage=run.stages[1])
+    assert "the stage from step 5: local batch 2 × seq_len 128; to use less:" in line
+    assert ("local_batch_size = 1, global_batch_size = 2 in the data.phase stage from step 5 (the same global batch "
+            "in 2 gradient-accumulation micro-batches)") in line
+    assert "training.local_batch_size 4 × data.seq_len 256" in oom_message(cfg, run.dims, 0, 3, None,
+                                                                          stage=run.stages[0])

@@ -282,7 +282,7 @@ class Trainer:
     def fault_facts(self) -> dict:
         """What a failure's one line needs to know of the run (run/faults.explain)."""
         return {"step": self.state.step, "device": self.device, "dims": self.dims,
-                "oom_snapshot": self.profiler.oom_snapshot}
+                "oom_snapshot": self.profiler.oom_snapshot, "stage": getattr(self, "stage", None)}
 
     def close(self, publish: bool = True) -> None:
         """However the run ends: the checkpoint manager publishes what is in flight (`publish`: every

@@ -25,6 +25,8 @@ class StageSwitch:
         self.stages, self.model, self.metrics, self.progress = stages, model, metrics, progress
         self.flops_per_token, self.compiled, self.is_main = flops_per_token, compiled, is_main
         self.index: int | None = None
+        if is_main and len(stages) > 1:
+            logger.info(f"{len(stages)} stages: {stages.describe()}")
 
     def enter(self, batches_read: int) -> Stage:
         """The stage of the global batch after `batches_read`; switched to, if it is another than the last
