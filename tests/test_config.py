@@ -266,6 +266,8 @@ INVALID = [
     (["--parallel.dp_replicate", "-2"], "parallel.dp_replicate = -2 must be -1 (the rest) or >= 1"),
     (["--parallel.backend_timeout_s", "0"], "parallel.backend_timeout_s = 0 must be in [1, 1000000]"),
     (["--parallel.cp", "0"], "parallel.cp = 0 must be >= 1 (1 = no context parallelism)"),
+    (["--parallel.cp", "2", "--data.seq_len", "64", "--data.phase", "5:seq_len=66"],
+     "data.phase: the stage from step 5: seq_len = 66 must be a multiple of 2 × parallel.cp = 4"),
     (["--parallel.cp", "3", "--data.seq_len", "64"],
      "data.seq_len = 64 must be a multiple of 2 × parallel.cp = 6: each of the cp ranks holds 2 of 2·cp equal chunks"),
     (["--parallel.cp", "2", "--data.seq_len", "256", "--model.attn_mask", "block_causal"],

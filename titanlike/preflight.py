@@ -45,12 +45,14 @@ def check(cfg: JobConfig, world_size: int) -> ResolvedRun:
     info = run.model.dataset  # data.path's dataset.json, or the one tokenizer of a mixture's sources
     limit, source = ((info.vocab_size, f"its tokenizer ({info.path})") if info else
                      (run.model.args.vocab_size, "the model's vocabulary"))
-    # Shard headers only: cheap, and catches wrong files before any GPU is touched.
+    # Shard headers only: cheap, and catches wrong files before any GPU is touched. Each must hold a
+    # sample of the longest stage's length (data.seq_len, or a long-context stage's).
+    seq_len = run.stages.longest
     if run.schedule.mixed:
         for s in run.schedule.sources:
-            open_shards(s.splits()[0], cfg.data.seq_len, limit, source, f"data source {s.name}")
+            open_shards(s.splits()[0], seq_len, limit, source, f"data source {s.name}")
     elif not run.builtin_corpus:
-        open_shards(cfg.data.path, cfg.data.seq_len, limit, source, "data.path")
+        open_shards(cfg.data.path, seq_len, limit, source, "data.path")
     if cfg.metrics.enable_wandb:
         from titanlike.run.wandb_sink import check_installed
 

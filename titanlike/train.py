@@ -41,6 +41,7 @@ from titanlike.run.metrics import MetricsLogger
 from titanlike.run.nonfinite import NonFiniteGuard
 from titanlike.run.profiling import Profiler
 from titanlike.run.progress import Progress, wants_terminal_line
+from titanlike.run.stage import StageSwitch
 from titanlike.run.state import TrainState
 
 logger = logging.getLogger("titanlike")
@@ -106,9 +107,11 @@ class Trainer:
         self.dp_rank = rank // self.dims.cp
         # One source (data.path) or a mixture (data.mix): each source's windows, the plan of which
         # source and window every global position reads, and the loader over it (data/build.py).
+        # With stages (a long-context stage: data.phase), each seq_len's windows, read from where the data is.
         self.data = build_run_data(cfg.data, self.run.schedule, self.margs.vocab_size, tokenizer, t.local_batch_size,
                                    self.global_batch, self.dp_rank, self.dims.dp, cfg.job.seed,
-                                   pin_memory=self.device.type == "cuda", validation=cfg.validation.enable)
+                                   pin_memory=self.device.type == "cuda", validation=cfg.validation.enable,
+                                   stages=self.run.stages)
         self.loader = self.data.loader
         missing = self.data.missing_validation() if cfg.validation.enable else None
         if self.is_main and missing:
@@ -195,7 +198,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         step_loss = torch.zeros((), device=self.device)
         data_wait = 0.0
-        for _ in range(self.accum_steps):
+        accum_steps = self.stage.accum_steps
+        for _ in range(accum_steps):
             start = time.perf_counter()
             batch = next(self.loader).to(self.device, non_blocking=True)
             data_wait += time.perf_counter() - start
@@ -204,8 +208,8 @@ class Trainer:
                 loss = self.loss_fn(self.model, inputs, targets, context)
             # Each micro-batch has the same token count, so the mean of means is the batch mean;
             # FSDP averages over ranks in its reduce-scatter.
-            (loss / self.accum_steps).backward()
-            step_loss += loss.detach() / self.accum_steps
+            (loss / accum_steps).backward()
+            step_loss += loss.detach() / accum_steps
         # The LR this update uses, for the log: a number now (8-bit AdamW's is a tensor the schedule refills).
         self.lr = float(self.optimizer.param_groups[0]["lr"])
         # The update overwrites the weights: a background save's copy of them must be complete first.
@@ -216,9 +220,9 @@ class Trainer:
                                            skip_nonfinite=self.cfg.training.nonfinite == "skip")
         self.scheduler.step()
         self.state.step += 1
-        self.state.tokens_seen += self.global_batch * self.cfg.data.seq_len
+        self.state.tokens_seen += self.stage.tokens_per_step
         # This rank's tokens (with cp, its part of each sequence).
-        local_tokens = self.accum_steps * self.cfg.training.local_batch_size * self.cfg.data.seq_len // self.dims.cp
+        local_tokens = accum_steps * self.stage.local_batch * self.stage.seq_len // self.dims.cp
         self.metrics.add_tokens(local_tokens, data_wait)
         # Offloaded, the gradients (so their norm) are on the host: gather the step's numbers on the device.
         self.window.append(torch.stack([step_loss, grad_norm.float().to(self.device), skipped.to(self.device)]))
@@ -234,10 +238,9 @@ class Trainer:
 
     @torch.no_grad()
     def validation_loss(self, windows) -> float:
-        micro_batches = self.cfg.validation.steps * self.accum_steps  # `steps` global batches
+        micro_batches = self.cfg.validation.steps * self.stage.accum_steps  # `steps` global batches of the stage
         total = torch.zeros((), device=self.device)
-        for batch in validation_batches(windows, self.cfg.training.local_batch_size, self.dp_rank, self.dims.dp,
-                                        micro_batches):
+        for batch in validation_batches(windows, self.stage.local_batch, self.dp_rank, self.dims.dp, micro_batches):
             inputs, targets, context = self.micro_batch(batch.to(self.device))
             with self.autocast:
                 total += self.loss_fn(self.model, inputs, targets, context).float()
@@ -266,8 +269,14 @@ class Trainer:
                                  terminal=logger.isEnabledFor(logging.INFO) and wants_terminal_line(sys.stderr))
         self.stop_signals = stopping.StopSignals(announce=logger.isEnabledFor(logging.INFO))
         self.stop_signals.install()  # from here on, preemption and Ctrl-C stop after a step, with a checkpoint
+        # The stage (seq_len, RoPE base, batch) of the data position: it switches the model's rotary
+        # tables and the throughput's counts when a long-context stage begins (run/stage.py).
+        self.stages = StageSwitch(self.run.stages, model=self.model, metrics=self.metrics, progress=self.progress,
+                                  flops_per_token=lambda seq: flops_per_token(self.margs, seq),
+                                  compiled=cfg.compile.enable, is_main=self.is_main)
         self.metrics.begin()
         while self.state.step < steps:
+            self.stage = self.stages.enter(self.loader.batches_read)
             grad_norm = self.train_step()
             step = self.state.step
             self.progress.step_done(step)
@@ -287,7 +296,7 @@ class Trainer:
                 if log:
                     assert verdict.loss is not None, "a verdict that goes on carries the last loss"
                     record = {"loss": verdict.loss, "grad_norm": grad_norm.item(), "lr": self.lr,
-                              **self.guard.counts()}
+                              **self.guard.counts(), **self.stages.record()}
                     self.metrics.log_train(step, record, tokens_seen=self.state.tokens_seen,
                                            by_source=self.data.read_by_source(),  # tokens and epochs per source
                                            total_steps=steps, eta_s=self.progress.eta_s())
@@ -310,7 +319,7 @@ class Trainer:
     def fault_facts(self) -> dict:
         """What a failure's one line needs to know of the run (run/faults.explain)."""
         return {"step": self.state.step, "device": self.device, "dims": self.dims,
-                "oom_snapshot": self.profiler.oom_snapshot}
+                "oom_snapshot": self.profiler.oom_snapshot, "stage": getattr(self, "stage", None)}
 
     def close(self, publish: bool = True) -> None:
         """However the run ends: the checkpoint manager publishes what is in flight (`publish`: every

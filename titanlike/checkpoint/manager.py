@@ -109,7 +109,8 @@ class CheckpointManager:
             "lr_scheduler": SchedulerState(scheduler), "dataloader": loader, "train_state": counters,
             "float8": float8}
         self.run = RunRecord(run.model.args, run.global_batch, run.dims.dp, cfg.job.seed, cfg.optimizer.state_dtype,
-                             resumable_settings(cfg, run.schedule))
+                             resumable_settings(cfg, run.schedule, run.stages))
+        self.stages = run.stages
         self.folder = run.checkpoint_folder
         fs.check_path_text(self.folder, "checkpoint.folder")
         self.steps = StepFolders(self.folder, is_main)
@@ -286,7 +287,9 @@ class CheckpointManager:
         record, run = self._record(step), self.run
         saved_run = record.get("run", {})
         model_state = self.states["model"]
-        check_model_shape(model_state.model, run.model_args, path)
+        # The RoPE base the weights trained with last: the stage of the checkpoint's data position.
+        read = record.get("states", {}).get("dataloader", {}).get("batches_read", 0)
+        check_model_shape(model_state.model, self.stages.args_after(run.model_args, int(read)), path)
         for key, ours, option in (("optimizer_state_dtype", run.optimizer_state_dtype, "optimizer.state_dtype"),
                                   ("global_batch", run.global_batch, "training.global_batch_size"),
                                   ("seed", run.seed, "job.seed")):
@@ -381,7 +384,8 @@ class CheckpointManager:
             self._own_folder()  # a stop's save without checkpoint.enable: the folder is ours from now
         states = {name: state.state_dict() for name, state in self.states.items()}
         tensors = {name: sd for name, sd in states.items() if holds_tensors(sd)}
-        files = {MODEL_ARGS: asdict(self.run.model_args),
+        read = int(states["dataloader"].get("batches_read", 0))  # the stage the weights last trained in: its RoPE base
+        files = {MODEL_ARGS: asdict(self.stages.args_after(self.run.model_args, read)),
                  TRAINER_STATE: {"format": 2, "step": step, "preemption": preemption, "run": self.run.saved(),
                                  "states": {name: sd for name, sd in states.items() if name not in tensors}}}
         background = self.cfg.async_mode != "disabled" and not final

@@ -17,6 +17,7 @@ from titanlike.config import loader
 from titanlike.config.loader import ConfigError, field_docs, to_toml
 from titanlike.config.schema import JobConfig, validate_across_sections
 from titanlike.config.sources import SINGLE, DataSchedule
+from titanlike.config.stages import Stages
 
 __all__ = ["ConfigError", "JobConfig", "field_docs", "help_text", "load_config", "resume_note", "resumable_settings",
            "sections", "to_toml", "validate"]
@@ -47,10 +48,10 @@ def help_text(argv: list[str] | None = None) -> str:
     return loader.help_text(JobConfig, USAGE, argv)
 
 
-def resumable_settings(cfg: JobConfig, schedule: DataSchedule) -> dict:
+def resumable_settings(cfg: JobConfig, schedule: DataSchedule, stages: Stages | None = None) -> dict:
     """The settings a resume may change, by option name: a checkpoint records them, and a resume logs
     one line for each that changed; the configured value applies. `schedule`: [data] as the resolved
-    run parsed it."""
+    run parsed it; `stages`: the stages it resolved to."""
     o, s = cfg.optimizer, cfg.lr_scheduler
     return {"optimizer.lr": o.lr, "optimizer.weight_decay": o.weight_decay, "optimizer.betas": list(o.betas),
             "optimizer.eps": o.eps, "lr_scheduler.warmup_steps": s.warmup_steps,
@@ -58,6 +59,7 @@ def resumable_settings(cfg: JobConfig, schedule: DataSchedule) -> dict:
             "lr_scheduler.min_lr_factor": s.min_lr_factor, "training.steps": cfg.training.steps,
             "fp8.recipe": cfg.fp8.recipe, "data.schedule": schedule.describe(),
             "model.attn_mask": cfg.model.attn_mask, "data.seq_len": cfg.data.seq_len,
+            **({"data.stages": "; ".join(s.describe() for s in stages.stages[1:]) or "none"} if stages else {}),
             **{source_key(s.name): os.path.abspath(s.path) if s.path else "the embedded corpus"
                for s in schedule.sources}}
 
@@ -73,6 +75,9 @@ def resume_note(key: str) -> str:
     if key == "data.seq_len":
         return ("the data position is kept in global batches, which now hold windows of {now} tokens: the run reads "
                 "other samples than one at the old length would")
+    if key == "data.stages":
+        return ("the stage of the saved data position applies, with the configured seq_len, RoPE base and batch; "
+                "a stage reads its own global batches from where it begins")
     if key == "data.path" or key.startswith("data source "):
         return "the data position carries over: the run goes on at the same global batch of the new data's order"
     return ""

@@ -5,7 +5,7 @@ The preflight builds it (no torch) and runs every check on it; the trainer build
 reads it, rather than each part deriving its own piece from the config again.
 
     run = resolve_run(load_config(argv), world_size)
-    run.model.args, run.dims.accum_steps, run.schedule.phases, run.checkpoint_folder
+    run.model.args, run.dims.accum_steps, run.schedule.phases, run.stages, run.checkpoint_folder
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from titanlike.config.dims import ParallelDims, parallel_dims
 from titanlike.config.resolve import ResolvedModel, resolve_model, with_resolved_shape
 from titanlike.config.schema import JobConfig, in_dump_folder
 from titanlike.config.sources import DataSchedule, schedule_of
+from titanlike.config.stages import Stages, resolve_stages
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class ResolvedRun:
     """The data-parallel degrees at this world size and the batch plan (the same on every rank)."""
     schedule: DataSchedule
     """[data]'s sources and phases, parsed once."""
+    stages: Stages
+    """The seq_len, RoPE base and batch from each step on (one stage unless data.phase changes them);
+    the first is data.seq_len, the shape's rope_theta and the batch plan of `dims`."""
     dump_folder: str
     """job.dump_folder: the run's own folder."""
     checkpoint_folder: str
@@ -59,5 +63,6 @@ def resolve_run(cfg: JobConfig, world_size: int) -> ResolvedRun:
     dims = parallel_dims(cfg, world_size)
     schedule = schedule_of(cfg.data)
     model = resolve_model(cfg, schedule)
+    stages = resolve_stages(cfg, model.args, dims.dp)
     checkpoints = in_dump_folder(cfg.job.dump_folder, cfg.checkpoint.folder)
-    return ResolvedRun(cfg, model, dims, schedule, cfg.job.dump_folder, checkpoints)
+    return ResolvedRun(cfg, model, dims, schedule, stages, cfg.job.dump_folder, checkpoints)

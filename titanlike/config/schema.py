@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
-from titanlike.config import sources
+from titanlike.config import sources, speed
 from titanlike.config.loader import need
-from titanlike.config.speed import ActivationCheckpoint, Compile, Fp8, Parallel, validate_context_parallel
+from titanlike.config.speed import ActivationCheckpoint, Compile, Fp8, Parallel
+from titanlike.config.stages import check_stages, stage_seq_lens
 from titanlike.model.shape import PRESETS, model_args
 
 # data.num_workers: loader processes beyond a few per core only cost memory (each holds the dataset).
@@ -126,10 +127,14 @@ class Data:
     anneal_from_step: int = 0
     """The first step that reads data.anneal_mix (0 = no second mixture); in [2, training.steps]."""
     phase: str = ""
-    """Any number of later mixtures, each from a step on: in TOML [[data.phase]] tables with from_step
-    and mix (a mix string, or [[data.phase.mix]] tables); on the command line "STEP:MIX;STEP:MIX". The
-    first mixture (data.mix or data.path) applies from step 1. A resume may change the schedule: one
-    log line says so, and the configured one applies at the saved position."""
+    """Any number of later mixtures or stages, each from a step on: in TOML [[data.phase]] tables with
+    from_step and mix (a mix string, or [[data.phase.mix]] tables); on the command line
+    "STEP:MIX;STEP:MIX". The first mixture (data.mix or data.path) applies from step 1. A table may also
+    (or only) set seq_len, rope_theta, local_batch_size and global_batch_size, which start a stage: from
+    that step on the run reads samples of that length, rotates with that RoPE base and steps with that
+    batch (on the command line "STEP:MIX,seq_len=32768,rope_theta=2e6" or "STEP:seq_len=32768"); what a
+    stage leaves unset carries over (docs/data.md, "Long-context stage"). A resume may change the
+    schedule: one log line says so, and the configured one applies at the saved position."""
     seq_len: int = 256
     """Tokens per sample (each sample reads seq_len + 1 tokens: inputs and shifted targets)."""
     num_workers: int = 0
@@ -162,7 +167,7 @@ class Data:
              f"(got {self.anneal_mix!r} from step {self.anneal_from_step})")
         need(not (self.anneal_mix and self.phase),
              "data.anneal_mix is one later mixture and data.phase a list of them: give one of the two")
-        need(not (self.anneal_mix or self.phase) or not sources.builtin_corpus(self),
+        need(not (self.anneal_mix or sources.phase_mixtures(self.phase)) or not sources.builtin_corpus(self),
              "a schedule mixes prepared datasets: name the first mixture with data.mix (or data.path), not the "
              "embedded corpus")
         schedule = sources.schedule_of(self)
@@ -413,11 +418,14 @@ def validate_across_sections(cfg: JobConfig) -> None:
     need(m.flavor != "hf" or bool(cfg.checkpoint.initial_load_path),
          "model.flavor = hf takes the shape from a Hugging Face folder's config.json: "
          "set --checkpoint.initial_load_path")
+    max_seq_len = 0
     if m.flavor != "hf":
         max_seq_len = model_args(m.flavor, **m.shape_overrides()).max_seq_len
         need(cfg.data.seq_len <= max_seq_len,
              f"data.seq_len = {cfg.data.seq_len} exceeds model.max_seq_len = {max_seq_len}")
-    validate_context_parallel(cfg.parallel.cp, cfg.data.seq_len, m.attn_mask, cfg.training.device)
+    check_stages(cfg, max_seq_len if m.flavor != "hf" else None)
+    for where, seq_len in stage_seq_lens(cfg):  # a long-context stage's windows split over cp ranks too
+        speed.validate_context_parallel(cfg.parallel.cp, seq_len, m.attn_mask, cfg.training.device, where)
     for phase in sources.schedule_of(cfg.data).phases[1:]:
         need(1 < phase.start_step <= cfg.training.steps,
              f"{phase.option}: a mixture from step {phase.start_step} must start in [2, training.steps = "
@@ -426,7 +434,7 @@ def validate_across_sections(cfg: JobConfig) -> None:
         cfg.activation_checkpoint.mode != "budget" or cfg.compile.enable,
         "activation_checkpoint.mode = budget is carried out by torch.compile's partitioner: set --compile.enable",
     )
-    offload_rules(cfg)
+    speed.offload_rules(cfg)
     need(cfg.checkpoint.load_step == -1 or cfg.checkpoint.enable,
          f"checkpoint.load_step = {cfg.checkpoint.load_step} resumes from a checkpoint: it needs --checkpoint.enable")
     need(
@@ -434,17 +442,3 @@ def validate_across_sections(cfg: JobConfig) -> None:
         "training.nonfinite = rollback reloads the last checkpoint: it needs --checkpoint.enable",
     )
 
-
-def offload_rules(cfg: JobConfig) -> None:
-    """parallel.cpu_offload against the other sections (the degrees at a world size: dims.check_offload)."""
-    if not cfg.parallel.cpu_offload:
-        return
-    need(cfg.training.device != "cpu",
-         "parallel.cpu_offload moves weights, gradients and optimizer state from the GPU to host memory: a run "
-         "with training.device = cpu has nothing to offload; drop --parallel.cpu_offload")
-    need(not cfg.fp8.enable_fsdp_float8_all_gather,
-         "parallel.cpu_offload cannot all-gather weights in float8 (the offloaded weights are fp32 on the host): "
-         "set --fp8.enable_fsdp_float8_all_gather false")
-    need(cfg.parallel.dp_replicate in (1, -1),
-         f"parallel.cpu_offload works with plain FSDP, not HSDP (parallel.dp_replicate = {cfg.parallel.dp_replicate}): "
-         f"set --parallel.dp_replicate 1")

@@ -129,11 +129,42 @@ def mix_from_tables(value: Any) -> str:
     return ",".join(items)
 
 
-def parse_phases(text: str) -> list[tuple[int, list[Source]]]:
-    """The phases of a data.phase string, "STEP:MIX;STEP:MIX"; a ValueError with the first problem."""
-    out: list[tuple[int, list[Source]]] = []
+STAGE_KEYS = ("seq_len", "rope_theta", "local_batch_size", "global_batch_size")
+"""What a phase may change beside the mixture, from its step on (a stage: config/stages.py): data.seq_len,
+model.rope_theta, training.local_batch_size and training.global_batch_size."""
+
+
+@dataclass(frozen=True)
+class PhaseItem:
+    """One item of data.phase as written: its step, its mixture (None: the one before goes on) and the
+    stage settings it changes (a subset of STAGE_KEYS)."""
+
+    step: int
+    sources: tuple[Source, ...] | None
+    settings: tuple[tuple[str, float], ...] = ()
+
+
+def _setting(part: str) -> tuple[str, float] | None:
+    """`key=value` for a key of STAGE_KEYS, else None (a mixture's NAME=FOLDER:WEIGHT has a colon)."""
+    key, eq, value = part.partition("=")
+    if not eq or ":" in part or key.strip() not in STAGE_KEYS:
+        return None
+    key, value = key.strip(), value.strip()
+    try:
+        number = float(value) if key == "rope_theta" else int(value)
+    except ValueError:
+        raise ValueError(f"{key} = {value!r} is not a{' number' if key == 'rope_theta' else ' whole number'}") \
+            from None
+    return key, number
+
+
+def parse_phase_items(text: str) -> list[PhaseItem]:
+    """The items of a data.phase string, "STEP:MIX;STEP:MIX", where an item may also (or only) change
+    stage settings: "STEP:MIX,seq_len=32768,rope_theta=2e6" or "STEP:seq_len=32768". A ValueError with
+    the first problem."""
+    out: list[PhaseItem] = []
     for item in (t.strip() for t in text.split(";")):
-        step_text, colon, mix = item.partition(":")
+        step_text, colon, rest = item.partition(":")
         if not colon:
             raise ValueError(f"{item!r} is not STEP:MIX")
         try:
@@ -141,27 +172,63 @@ def parse_phases(text: str) -> list[tuple[int, list[Source]]]:
         except ValueError:
             raise ValueError(f"phase step {step_text.strip()!r} is not a whole number") from None
         try:
-            out.append((step, parse_mix(mix)))
+            parts = [p.strip() for p in rest.split(",")]
+            settings = [s for s in map(_setting, parts) if s is not None]
+            mix = ",".join(p for p in parts if _setting(p) is None)
+            keys = [k for k, _ in settings]
+            if len(set(keys)) < len(keys):
+                raise ValueError(f"{next(k for k in keys if keys.count(k) > 1)} is given twice")
+            if not settings or mix:
+                out.append(PhaseItem(step, tuple(parse_mix(mix)), tuple(settings)))
+            else:
+                out.append(PhaseItem(step, None, tuple(settings)))
         except ValueError as e:
             raise ValueError(f"the phase from step {step}: {e}") from None
-    steps = [step for step, _ in out]
+    steps = [p.step for p in out]
     if steps != sorted(set(steps)):
         raise ValueError(f"phase steps {', '.join(map(str, steps))} must increase")
     return out
 
 
+def parse_phases(text: str) -> list[tuple[int, list[Source]]]:
+    """The mixtures of a data.phase string (its items that name one), as (step, sources); a ValueError
+    with the first problem of any item."""
+    return [(p.step, list(p.sources)) for p in parse_phase_items(text) if p.sources is not None]
+
+
+def phase_mixtures(text: str) -> bool:
+    """Whether a (valid) data.phase string names any mixture, not only stage settings."""
+    try:
+        return bool(text) and bool(parse_phases(text))
+    except ValueError:
+        return False
+
+
 def phases_from_tables(value: Any) -> str:
-    """`[[data.phase]]` tables (from_step, and mix: a mix string or [[data.phase.mix]] tables) in TOML,
-    as the phase string the option holds."""
+    """`[[data.phase]]` tables in TOML (from_step; mix: a mix string or [[data.phase.mix]] tables; and any
+    of STAGE_KEYS), as the phase string the option holds."""
     if not isinstance(value, list) or not value or not all(isinstance(t, dict) for t in value):
         raise ValueError("must be a phase string or [[data.phase]] tables with from_step and mix")
     items = []
+    allowed = {"from_step", "mix", *STAGE_KEYS}
     for t in value:
-        if set(t) != {"from_step", "mix"}:
-            raise ValueError(f"a [[data.phase]] table has keys from_step and mix (not {', '.join(sorted(t))})")
+        if "from_step" not in t or not set(t) - {"from_step"} or set(t) - allowed:
+            raise ValueError(f"a [[data.phase]] table has keys from_step and mix (not {', '.join(sorted(t))}), "
+                             f"and may set {', '.join(STAGE_KEYS)} (a stage, with or without mix)")
         if isinstance(t["from_step"], bool) or not isinstance(t["from_step"], int):
             raise ValueError(f"a [[data.phase]] table's from_step {t['from_step']!r} is not a whole number")
-        items.append(f"{t['from_step']}:{t['mix'] if isinstance(t['mix'], str) else mix_from_tables(t['mix'])}")
+        parts = []
+        if "mix" in t:
+            parts.append(t["mix"] if isinstance(t["mix"], str) else mix_from_tables(t["mix"]))
+        for key in STAGE_KEYS:
+            if key in t:
+                v = t[key]
+                number = (float, int) if key == "rope_theta" else (int,)
+                if isinstance(v, bool) or not isinstance(v, number):
+                    raise ValueError(f"a [[data.phase]] table's {key} {v!r} is not a "
+                                     f"{'number' if key == 'rope_theta' else 'whole number'}")
+                parts.append(f"{key}={v!r}")
+        items.append(f"{t['from_step']}:{','.join(parts)}")
     return ";".join(items)
 
 
@@ -181,6 +248,9 @@ class DataSchedule:
     """Named by data.mix or by phases: sources read from prepared folders, validated one by one."""
     builtin_corpus: bool
     """Neither data.path nor data.mix: the embedded corpus."""
+    stage_changes: tuple[tuple[int, dict[str, float]], ...] = ()
+    """(first step, the STAGE_KEYS it sets) of each data.phase item that changes stage settings: the
+    resolved run makes them stages (config/stages.py)."""
 
     @property
     def sources(self) -> tuple[Source, ...]:
@@ -216,6 +286,8 @@ def schedule_of(data: Any) -> DataSchedule:
     phases = [Phase(1, first, "data.mix" if data.mix else "data.path")]
     if data.anneal_mix:
         phases.append(Phase(data.anneal_from_step, tuple(parse_mix(data.anneal_mix)), "data.anneal_from_step"))
-    elif data.phase:
-        phases += [Phase(step, tuple(sources), "data.phase") for step, sources in parse_phases(data.phase)]
-    return DataSchedule(tuple(phases), mixed=bool(data.mix) or len(phases) > 1, builtin_corpus=builtin_corpus(data))
+    items = parse_phase_items(data.phase) if data.phase and not data.anneal_mix else []
+    phases += [Phase(p.step, p.sources, "data.phase") for p in items if p.sources is not None]
+    stages = tuple((p.step, dict(p.settings)) for p in items if p.settings)
+    return DataSchedule(tuple(phases), mixed=bool(data.mix) or len(phases) > 1, builtin_corpus=builtin_corpus(data),
+                        stage_changes=stages)

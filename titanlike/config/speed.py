@@ -5,7 +5,7 @@ dataclass-and-docstring form, the same `need` rules, checked by the same config 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from titanlike.config.loader import need
 from titanlike.model.shape import BLOCK_MATMULS
@@ -65,16 +65,17 @@ class Parallel:
 FLEX_BLOCK = 128
 
 
-def validate_context_parallel(cp: int, seq_len: int, attn_mask: str, device: str) -> None:
-    """parallel.cp against the window: 2·cp equal chunks, and for flex attention whole tiles each."""
+def validate_context_parallel(cp: int, seq_len: int, attn_mask: str, device: str, where: str = "data.seq_len") -> None:
+    """parallel.cp against a window (`where`: the option that sets its seq_len): 2·cp equal chunks, and
+    for flex attention whole tiles each."""
     if cp == 1:
         return
     need(seq_len % (2 * cp) == 0,
-         f"data.seq_len = {seq_len} must be a multiple of 2 × parallel.cp = {2 * cp}: each of the cp ranks "
+         f"{where} = {seq_len} must be a multiple of 2 × parallel.cp = {2 * cp}: each of the cp ranks "
          f"holds 2 of 2·cp equal chunks of every window")
     need(attn_mask != "block_causal" or device == "cpu" or seq_len % (2 * cp * FLEX_BLOCK) == 0,
          f"model.attn_mask = block_causal with parallel.cp = {cp} runs flex attention on a GPU, which can split "
-         f"a window only into chunks of whole {FLEX_BLOCK}-token tiles: data.seq_len = {seq_len} must be a "
+         f"a window only into chunks of whole {FLEX_BLOCK}-token tiles: {where} = {seq_len} must be a "
          f"multiple of {2 * cp * FLEX_BLOCK} (2 × cp × {FLEX_BLOCK}; with --training.device cpu, of {2 * cp})")
 
 
@@ -191,3 +192,18 @@ def matmul_outputs_kept(option: str) -> tuple[str, ...] | None:
         names = set(_op_names(option))
         return tuple(n for n in BLOCK_MATMULS if n in names)
     return None
+
+
+def offload_rules(cfg: Any) -> None:
+    """parallel.cpu_offload against the other sections (the degrees at a world size: dims.check_offload)."""
+    if not cfg.parallel.cpu_offload:
+        return
+    need(cfg.training.device != "cpu",
+         "parallel.cpu_offload moves weights, gradients and optimizer state from the GPU to host memory: a run "
+         "with training.device = cpu has nothing to offload; drop --parallel.cpu_offload")
+    need(not cfg.fp8.enable_fsdp_float8_all_gather,
+         "parallel.cpu_offload cannot all-gather weights in float8 (the offloaded weights are fp32 on the host): "
+         "set --fp8.enable_fsdp_float8_all_gather false")
+    need(cfg.parallel.dp_replicate in (1, -1),
+         f"parallel.cpu_offload works with plain FSDP, not HSDP (parallel.dp_replicate = {cfg.parallel.dp_replicate}): "
+         f"set --parallel.dp_replicate 1")

@@ -14,7 +14,7 @@ manager saves.
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -85,27 +85,34 @@ class SamplePlan(Protocol):
 
 
 class GlobalBatchSampler:
-    """Yields this rank's micro-batches of window indices, forever, epoch after epoch.
+    """Yields this rank's micro-batches of window indices, epoch after epoch: forever, or up to global
+    batch `end_batch` (a stage's end: the next stage reads other windows).
 
     `plan` says which window each global sample position reads (`plan.windows(positions)`): one
     source's epoch order (order.py), or a mixture of sources (mixture.py). Both are pure functions
-    of the position, so this rank's micro-batches follow from (step, rank, world size) alone.
+    of the position, so this rank's micro-batches follow from (step, rank, world size) alone. Global
+    batch `first_batch` (a stage's first) reads from plan position `first_position` on.
     """
 
     def __init__(self, plan: SamplePlan, local_batch: int, global_batch: int, dp_rank: int, dp_world: int,
-                 start_step: int = 0):
+                 start_step: int = 0, first_batch: int = 0, first_position: int = 0, end_batch: int | None = None):
         self.plan, self.local, self.global_batch = plan, local_batch, global_batch
         self.rank, self.world, self.start_step = dp_rank, dp_world, start_step
+        self.first_batch, self.first_position, self.end_batch = first_batch, first_position, end_batch
         self.accum = global_batch // (local_batch * dp_world)
 
     def window(self, position: int) -> int:
         return int(self.plan.windows(np.array([position]))[0])
 
+    def position(self, batch: int) -> int:
+        """The plan position of global batch `batch`'s first sample."""
+        return self.first_position + (batch - self.first_batch) * self.global_batch
+
     def __iter__(self) -> Iterator[list[int]]:
         step = self.start_step
-        while True:
+        while self.end_batch is None or step < self.end_batch:
             for micro in range(self.accum):
-                base = step * self.global_batch + (micro * self.world + self.rank) * self.local
+                base = self.position(step) + (micro * self.world + self.rank) * self.local
                 yield self.plan.windows(np.arange(base, base + self.local)).tolist()
             step += 1
 
@@ -135,21 +142,40 @@ class TrainLoader:
     (torch's Stateful protocol) is that number and the kind of epoch order (order.py) the run
     started with, since the sampler is a function of both; so a resume works with any world size and
     any number of loader workers. A state without the order kind was saved before there was a choice:
-    it means affine, so such a checkpoint resumes with the windows its run would have read."""
+    it means affine, so such a checkpoint resumes with the windows its run would have read.
+
+    With stages (config/stages.py), `later` holds each later stage's windows and sampler (its
+    first_batch on): the stage of the next batch follows from the number read, and at a stage's end
+    the loader (and its workers) start again over the next stage's windows."""
 
     def __init__(self, dataset: torch.utils.data.Dataset, sampler: GlobalBatchSampler, num_workers: int,
-                 pin_memory: bool):
-        self.sampler = sampler
-        self.loader = torch.utils.data.DataLoader(
-            dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
-            worker_init_fn=ignore_interrupts_in_loader_worker if num_workers else None)
+                 pin_memory: bool, later: Sequence[tuple[torch.utils.data.Dataset, GlobalBatchSampler]] = ()):
+        self.parts = [(dataset, sampler), *later]
+        self.num_workers, self.pin_memory = num_workers, pin_memory
         self._batches: Iterator[torch.Tensor] | None = None
         self.batches_read = sampler.start_step  # global batches whose micro-batches were all handed out
         self._micro = 0  # micro-batches handed out of the batch being read
 
+    @property
+    def stage(self) -> int:
+        """The stage (index into the parts) of the next global batch."""
+        return max(i for i, (_, s) in enumerate(self.parts) if s.first_batch <= self.batches_read or i == 0)
+
+    @property
+    def sampler(self) -> GlobalBatchSampler:
+        """The sampler of the next global batch's stage."""
+        return self.parts[self.stage][1]
+
+    def _start(self) -> Iterator[torch.Tensor]:
+        dataset, sampler = self.parts[self.stage]
+        sampler.start_step = self.batches_read
+        return iter(torch.utils.data.DataLoader(
+            dataset, batch_sampler=sampler, num_workers=self.num_workers, pin_memory=self.pin_memory,
+            worker_init_fn=ignore_interrupts_in_loader_worker if self.num_workers else None))
+
     def seek(self, batches_read: int) -> None:
         """Global batches read so far; workers, if any, restart from there at the next batch."""
-        self.sampler.start_step = self.batches_read = batches_read
+        self.batches_read = batches_read
         self._micro = 0
         self._batches = None
 
@@ -162,7 +188,8 @@ class TrainLoader:
         if kind not in ORDERS:
             raise DataError(f"the checkpoint's data order {kind!r} is unknown to this titanlike (known: "
                             f"{', '.join(ORDERS)}); resume it with the titanlike that wrote it")
-        self.sampler.plan.kind = kind
+        for _, sampler in self.parts:
+            sampler.plan.kind = kind
         self.seek(int(state["batches_read"]))
 
     def __iter__(self) -> TrainLoader:
@@ -170,7 +197,7 @@ class TrainLoader:
 
     def __next__(self) -> torch.Tensor:
         if self._batches is None:
-            self._batches = iter(self.loader)
+            self._batches = self._start()
         try:
             batch = next(self._batches)
         except Exception as e:
@@ -183,8 +210,11 @@ class TrainLoader:
                 raise
             raise ShardFault(fault) from None
         self._micro += 1
-        if self._micro == self.sampler.accum:
+        sampler = self.sampler
+        if self._micro == sampler.accum:
             self._micro, self.batches_read = 0, self.batches_read + 1
+            if self.batches_read == sampler.end_batch:
+                self._batches = None  # the stage's last batch: the next one starts over the next stage's windows
         return batch
 
 

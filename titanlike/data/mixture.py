@@ -103,7 +103,7 @@ class MixturePlan:
     """
 
     def __init__(self, sizes: list[int], phases: list[tuple[int, dict[int, float]]], seed: int,
-                 salts: list[int], kind: str = FEISTEL):
+                 salts: list[int], kind: str = FEISTEL, start_uses: list[int] | None = None):
         assert phases and phases[0][0] == 0 and all(a[0] < b[0] for a, b in zip(phases, phases[1:])), phases
         self.sizes = np.array(sizes, dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]])
@@ -111,7 +111,8 @@ class MixturePlan:
         self.phases = [_Phase(start, list(w), list(w.values()), seed) for start, w in phases]
         self.starts = np.array([p.start for p in self.phases], dtype=np.int64)
         # Uses of each source before each phase: a source goes on where it left off in an earlier phase.
-        self.before = [np.zeros(len(sizes), dtype=np.int64)]
+        # `start_uses`: where each source's order begins (a later stage goes on from an earlier one's reading).
+        self.before = [np.array(start_uses or [0] * len(sizes), dtype=np.int64)]
         for p, q in zip(self.phases, self.phases[1:]):
             self.before.append(self.before[-1] + p.uses(q.start - p.start, len(sizes)))
 

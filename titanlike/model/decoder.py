@@ -219,9 +219,14 @@ class Transformer(nn.Module):
 
     # ---- initialisation ------------------------------------------------------------------
 
-    def init_rope(self, seq_len: int, device: torch.device | None = None) -> None:
-        device = device or self.tok_embeddings.weight.device
-        self.rope_cos, self.rope_sin = rope_tables(self.args.head_dim, seq_len, self.args.rope_theta, device)
+    def init_rope(self, seq_len: int, theta: float | None = None, device: torch.device | None = None) -> None:
+        """Rotary tables for `seq_len` positions with base `theta` (default: the shape's rope_theta; a
+        long-context stage rotates with another), on `device` (default: where the tables are, else the
+        weights'; offloaded weights live on the host, their tables on the GPU)."""
+        tables = self.get_buffer("rope_cos")
+        device = device or (tables.device if tables.numel() else self.tok_embeddings.weight.device)
+        theta = self.args.rope_theta if theta is None else theta
+        self.rope_cos, self.rope_sin = rope_tables(self.args.head_dim, seq_len, theta, device)
 
     def init_std(self, name: str) -> float:
         """Per-parameter init scale (0 means 'ones', for norm gains)."""
@@ -264,4 +269,4 @@ class Transformer(nn.Module):
                 param.to_local().copy_(full.to_local())
             else:
                 param.copy_(full)
-        self.init_rope(seq_len, device)
+        self.init_rope(seq_len, device=device)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from titanlike.config.dims import ParallelDims, parallel_dims
+from titanlike.config.stages import Stage
 from titanlike.parallel.device import allocator_settings
 
 # ---- a collective failed ---------------------------------------------------------------------------
@@ -54,12 +55,13 @@ def gpu_memory(device: torch.device) -> dict | None:
 
 
 def oom_message(cfg, dims: ParallelDims, rank: int, step: int | None, memory: dict | None,
-                snapshot: str | None = None) -> str:
+                snapshot: str | None = None, stage: Stage | None = None) -> str:
     """One line for torch.OutOfMemoryError: where, how much, and the options that use less memory.
 
     `dims`: the run's degrees and batch plan; `step` is the number of completed steps (None: the model
     was still being built); `memory` is gpu_memory()'s reading, taken after the failure (its peaks
-    include the failed step).
+    include the failed step). `stage`: the stage the step ran in, when it is a later one (a long-context
+    stage has its own batch and seq_len, set in data.phase).
     """
     t, d = cfg.training, cfg.data
     when = "while building the model" if step is None else f"after {step} completed steps"
@@ -73,15 +75,20 @@ def oom_message(cfg, dims: ParallelDims, rank: int, step: int | None, memory: di
     mode = cfg.activation_checkpoint.mode
     if mode != "full":
         knobs.append(f"--activation_checkpoint.mode {'selective or full' if mode == 'none' else 'full'} (now {mode})")
-    b = t.local_batch_size
-    global_batch = dims.global_batch
+    later = stage is not None and stage.start_step > 1
+    b, seq_len = (stage.local_batch, stage.seq_len) if later and stage else (t.local_batch_size, d.seq_len)
+    global_batch = stage.global_batch if later and stage else dims.global_batch
     if b > 1:
         smaller = max(k for k in range(1, b) if b % k == 0)
         accum = global_batch // (smaller * dims.dp)
-        knobs.append(f"--training.local_batch_size {smaller} --training.global_batch_size {global_batch} "
-                     f"(the same global batch in {accum} gradient-accumulation micro-batches)")
+        knobs.append(f"local_batch_size = {smaller}, global_batch_size = {global_batch} in the data.phase stage from "
+                     f"step {stage.start_step}" if later and stage else
+                     f"--training.local_batch_size {smaller} --training.global_batch_size {global_batch}")
+        knobs[-1] += f" (the same global batch in {accum} gradient-accumulation micro-batches)"
     else:
-        knobs.append(f"--data.seq_len {d.seq_len // 2} (local batch is already 1)")
+        knobs.append(f"seq_len = {seq_len // 2} in the data.phase stage from step {stage.start_step}" if later and stage
+                     else f"--data.seq_len {seq_len // 2}")
+        knobs[-1] += " (local batch is already 1)"
     if not t.loss_chunk_tokens:
         knobs.append("--training.loss_chunk_tokens 4096 (the logits then never exist whole)")
     if cfg.optimizer.state_dtype == "fp32":
@@ -99,13 +106,15 @@ def oom_message(cfg, dims: ParallelDims, rank: int, step: int | None, memory: di
     if fragmented and "expandable_segments:true" not in allocator.lower():
         knobs.append("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (reserved far above allocated: fragmentation)")
     seen = f"; memory snapshot in {snapshot}" if snapshot else "; --profiling.memory_snapshot shows what held it"
-    return (f"out of GPU memory on {where} {when}: {peak}; training.local_batch_size {b} × data.seq_len "
-            f"{d.seq_len}; to use less: {', '.join(knobs)}{seen}")
+    batch = (f"the stage from step {stage.start_step}: local batch {b} × seq_len {seq_len}" if later and stage else
+             f"training.local_batch_size {b} × data.seq_len {seq_len}")
+    return f"out of GPU memory on {where} {when}: {peak}; {batch}; to use less: {', '.join(knobs)}{seen}"
 
 
 def explain(e: RuntimeError, cfg, world_size: int, rank: int, *, step: int | None = None,
             device: torch.device | None = None, dims: ParallelDims | None = None,
-            oom_snapshot: Callable[[int], str | None] | None = None) -> tuple[int, str] | None:
+            oom_snapshot: Callable[[int], str | None] | None = None,
+            stage: Stage | None = None) -> tuple[int, str] | None:
     """(exit code, the one line to print) for a failure a user can act on: out of GPU or host memory,
     a peer rank or the network gone; None for anything else (the traceback is the report). `step`:
     the steps completed (None: the run was still being built); `device` and `dims`: the run's;
@@ -120,7 +129,7 @@ def explain(e: RuntimeError, cfg, world_size: int, rank: int, *, step: int | Non
         # The degrees the run was built with (a run that failed while being built: the same arithmetic,
         # which the config passed before any GPU work).
         dims = dims or parallel_dims(cfg, world_size)
-        return 2, oom_message(cfg, dims, rank, step, gpu_memory(device), snapshot)
+        return 2, oom_message(cfg, dims, rank, step, gpu_memory(device), snapshot, stage)
     if "can't allocate memory" in str(e):  # the CPU allocator: a model or batch too large for this machine
         want = next((w for w in str(e).split("allocate ")[1:] if w[:1].isdigit()), "").split(" bytes")[0]
         size = f"{int(want) / 2**30:.1f} GiB" if want.isdigit() else "more memory than there is"
