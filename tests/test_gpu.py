@@ -443,3 +443,28 @@ def test_long_context_stage_switches_compiled_on_two_gpus(tmp_path, corpus):
     want = {r["step"]: r["loss"] for r in records if r["step"] > 10}
     got = train_losses(resumed)
     assert max(abs(got[s] - want[s]) for s in want) < 1e-3, (got, want)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: a sharded checkpoint over NCCL")
+def test_two_gpus_background_save_resumes_exactly_and_on_one_gpu(tmp_path, corpus):
+    """Two GPUs saving every 2 steps in the background (pinned host buffers): every save lands; a
+    two-GPU run resumed from step 8 trains steps 9-12 to the uninterrupted run's losses bit for bit
+    (deterministic kernels); and one GPU resumes the same sharded step (the weights and optimizer
+    reshard into one; its data position carries over, its RNG starts afresh) to losses within bf16
+    noise of the two-GPU run's, since one GPU sums the same global batch in another order."""
+    two = ("--training.global_batch_size", "16", "--checkpoint.async_mode", "async_with_pinned_mem")
+    proc = run_train(tmp_path / "two", *CHECKPOINTED, *two, nproc=2, device="cuda", corpus=corpus)
+    log = proc.stdout + proc.stderr
+    assert saved_steps(tmp_path / "two") == SAVED and "saving in the background to" in log
+    want = train_losses(tmp_path / "two")
+    for name, nproc in (("resumed-two", 2), ("resumed-one", 1)):
+        shutil.copytree(tmp_path / "two" / "checkpoint" / "step-8", tmp_path / name / "checkpoint" / "step-8")
+        proc = run_train(tmp_path / name, *CHECKPOINTED, *two, nproc=nproc, device="cuda", corpus=corpus)
+        assert "resumed from" in proc.stdout + proc.stderr
+        got = train_losses(tmp_path / name)
+        assert sorted(got) == [9, 10, 11, 12], got
+        if nproc == 2:
+            assert got == {s: want[s] for s in got}
+        else:
+            for s in got:
+                assert abs(got[s] - want[s]) < 0.02 * want[s], (s, got[s], want[s])
