@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from titanlike.config.sources import SINGLE, DataSchedule
 from titanlike.data.loader import (
     MixedWindows,
@@ -47,6 +49,10 @@ class RunData:
         uses = self.plan.uses_before(self._position())
         return {"tokens_by_source": {n: int(u) * self.seq_len for n, u in zip(self.names, uses)},
                 "epochs_by_source": {n: round(int(u) / len(t), 4) for n, u, t in zip(self.names, uses, self.train)}}
+
+    def next_sources(self) -> np.ndarray:
+        """The source (index into `names`) of each sample of the micro-batch the loader hands out next."""
+        return self.plan.sources_and_uses(self.loader.next_positions())[0]
 
     def val_weights(self) -> dict[str, float]:
         """The weights of validation's total: the current phase's shares of the sources that have

@@ -101,12 +101,16 @@ class GlobalBatchSampler:
     def window(self, position: int) -> int:
         return int(self.plan.windows(np.array([position]))[0])
 
+    def positions(self, step: int, micro: int) -> np.ndarray:
+        """The global sample positions of this rank's micro-batch `micro` of global batch `step`."""
+        base = step * self.global_batch + (micro * self.world + self.rank) * self.local
+        return np.arange(base, base + self.local)
+
     def __iter__(self) -> Iterator[list[int]]:
         step = self.start_step
         while True:
             for micro in range(self.accum):
-                base = step * self.global_batch + (micro * self.world + self.rank) * self.local
-                yield self.plan.windows(np.arange(base, base + self.local)).tolist()
+                yield self.plan.windows(self.positions(step, micro)).tolist()
             step += 1
 
 
@@ -152,6 +156,11 @@ class TrainLoader:
         self.sampler.start_step = self.batches_read = batches_read
         self._micro = 0
         self._batches = None
+
+    def next_positions(self) -> np.ndarray:
+        """The global sample positions of the micro-batch the next `next()` hands out (workers read
+        ahead, but always in this order)."""
+        return self.sampler.positions(self.batches_read, self._micro)
 
     def state_dict(self) -> dict[str, int | str]:
         assert self._micro == 0, "saved between steps, never inside a global batch"
