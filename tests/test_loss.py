@@ -223,3 +223,20 @@ def test_token_loss_is_the_same_loss_with_each_tokens_loss_beside_it(path):
             want_tokens = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(0, 1),
                                                             reduction="none")
         torch.testing.assert_close(tokens.flatten(), want_tokens, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk_tokens,compile_head", [(0, True), (0, False), (16, False)])
+def test_compiled_token_loss_is_the_compiled_loss(chunk_tokens, compile_head):
+    """Compiled, too, a mixture's loss is the plain loss bit for bit (its graph also returns each
+    token's loss; the mean's operations are the same), and so is every gradient."""
+    model, inputs, targets = model_and_batch()
+    want_loss, want_grads = loss_and_grads(model, inputs, targets, chunk_tokens, compile=True,
+                                           compile_head=compile_head)
+    model.zero_grad(set_to_none=True)
+    loss, tokens = build_token_loss(chunk_tokens, compile=True, compile_head=compile_head)(model, inputs, targets)
+    loss.backward()
+    assert torch.equal(loss.detach(), want_loss)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, want_grads[name]), name
+    torch.testing.assert_close(tokens.mean(), want_loss, rtol=1e-6, atol=1e-6)
