@@ -491,7 +491,7 @@ def test_earlier_runs_that_is_not_a_folder_of_ours_is_refused_untouched(tmp_path
     folder = RunFolder(str(dump), is_main=True)
     try:
         with pytest.raises(UserError) as e:
-            folder.start_records(None)
+            folder.start_records(None, "0123abcd")
     finally:
         folder.close()
     assert str(e.value).startswith(f"{dump}/earlier-runs is ") and "\n" not in str(e.value), e.value

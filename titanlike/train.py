@@ -132,14 +132,17 @@ class Trainer:
         # ---- 5. Checkpoints: resume from the newest intact one, if any; else the initial weights, if any --
         self.checkpoint = CheckpointManager(
             self.run, model=model, optimizer=self.optimizer, scheduler=self.scheduler, loader=self.loader,
-            float8=self.float8, counters=self.state, is_main=self.is_main, cuda=self.device.type == "cuda")
+            float8=self.float8, counters=self.state, is_main=self.is_main, cuda=self.device.type == "cuda",
+            folder_run=self.run_folder.run_id)
+        # A step saved by another run than this folder's is resumed from only when load_step names it.
         resumed = self.checkpoint.load_or_start()
         if resumed is None and cfg.checkpoint.initial_load_path:
             load_initial_weights(model, self.margs, cfg.checkpoint.initial_load_path,
                                  trust_pickled_dcp=cfg.checkpoint.trust_pickled_dcp, is_main=self.is_main)
 
         # ---- 6. Records, metrics and profiling: one run's history per folder --------------------------
-        purge_step = self.run_folder.start_records(resumed)
+        purge_step = self.run_folder.start_records(resumed, self.checkpoint.run.run_id,
+                                                   branched=self.checkpoint.branched)
         self.run_folder.write("config.toml", to_toml(self.run.resolved_config()))
         self.metrics = MetricsLogger(
             cfg.job.dump_folder, is_writer=self.is_main, tensorboard=cfg.metrics.enable_tensorboard,
