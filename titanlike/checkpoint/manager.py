@@ -25,7 +25,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import secrets
 import shutil
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -38,6 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from titanlike import fs
 from titanlike.checkpoint.folder import StepFolders
+from titanlike.checkpoint.identity import other_run, run_after_load
 from titanlike.checkpoint.manifest import ensure_signing_key, inspect, read_manifest
 from titanlike.checkpoint.states import ModelState, OptimizerState, SchedulerState, holds_tensors, set_rng_state
 from titanlike.checkpoint.weights import MODEL_ARGS, CheckpointMismatch, check_model_shape
@@ -186,29 +186,8 @@ class CheckpointManager:
         try:
             return self._load_or_start()
         finally:
-            self.run.run_id = self._run_id()
-
-    def _run_id(self) -> str:
-        """This run's id from here on: the resumed checkpoint's run (that of the dump folder, for a checkpoint
-        saved before runs had ids), or a new one for a fresh start or a branch."""
-        if self.resumed_from is not None and not self.branched:
-            theirs = self._record(self.resumed_from).get("run", {}).get("run_id")
-            if isinstance(theirs, str) and theirs:
-                return theirs
-            if self.folder_run:
-                return self.folder_run
-        return secrets.token_hex(6)
-
-    def _other_run(self, step: int) -> str | None:
-        """When step-N was saved by another run than the one this dump folder records: the words that name
-        both (None when it is this run's, or either has no id: a checkpoint saved before runs had one,
-        or a dump folder that holds no run yet)."""
-        saved = self._record(step).get("run", {})
-        theirs = saved.get("run_id")
-        if not isinstance(theirs, str) or not theirs or not self.folder_run or theirs == self.folder_run:
-            return None
-        return (f"{self.step_dir(step)} was saved by run {theirs} (dump folder {saved.get('dump_folder') or '?'}), "
-                f"not by this dump folder's run {self.folder_run} ({self.run.dump_folder})")
+            resumed = None if self.resumed_from is None else self._record(self.resumed_from).get("run", {})
+            self.run.run_id = run_after_load(resumed, self.folder_run, self.branched)
 
     def _load_or_start(self) -> int | None:
         steps = self.steps.complete()
@@ -274,7 +253,8 @@ class CheckpointManager:
                 raise CheckpointError(f"{problem}; nothing was loaded or changed (a checkpoint edited after its "
                                       f"save is not resumed from)")
             if kind == "ok":
-                other = self._other_run(step)
+                other = other_run(self._record(step).get("run", {}), self.folder_run, self.step_dir(step),
+                                  self.run.dump_folder)
                 if other and self.cfg.load_step != step:
                     raise CheckpointMismatch(
                         f"{other}: another run's checkpoint is resumed from only when named: pass "
