@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import losses, metrics, train_here
+from conftest import losses, metrics, run_train, train_here
 from titanlike.checkpoint.manifest import seal
 from titanlike.config import ConfigError, load_config, to_toml
 from titanlike.config.dataset import DatasetError
@@ -261,3 +261,20 @@ def test_per_source_losses_leave_the_loss_as_it_was(tmp_path, sources, corpus, m
 
     train_here(tmp_path / "one", *short, corpus=corpus)
     assert all("loss_by_source" not in r for r in metrics(tmp_path / "one"))
+
+
+@pytest.mark.slow
+def test_per_source_losses_over_two_ranks(tmp_path, sources):
+    """On two ranks each source's loss adds up every rank's tokens of the step: weighted by the step's
+    tokens per source, the per-source losses give the (rank-averaged) loss."""
+    mix = ("--data.mix", f"web={sources['web']}:0.7,code={sources['code']}:0.3")
+    run_train(tmp_path, "--training.steps", "3", "--training.local_batch_size", "2", "--training.global_batch_size",
+              "8", "--data.seq_len", "16", "--metrics.log_freq", "1", "--validation.enable", "false", *mix, nproc=2)
+    before = {"web": 0, "code": 0}
+    for r in metrics(tmp_path):
+        step = {n: t - before[n] for n, t in r["tokens_by_source"].items()}
+        read = {n: t for n, t in step.items() if t}
+        assert set(r["loss_by_source"]) == set(read) and sum(read.values()) == 8 * 16
+        weighted = sum(r["loss_by_source"][n] * t for n, t in read.items()) / sum(read.values())
+        assert weighted == pytest.approx(r["loss"], rel=1e-5)
+        before = r["tokens_by_source"]
