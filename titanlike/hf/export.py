@@ -172,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="export weights that hold NaN or infinite values as they are (refused by default: such a "
                         "model gives NaN logits)")
     a = p.parse_args(argv)
+    for what, value in (("checkpoint", a.checkpoint), ("output folder", a.out)):
+        if not value:
+            p.error(f"the {what} is empty: give a path")
     try:
         files, arch = export(a.checkpoint, a.out, a.dtype, a.tokenizer, a.trust_pickled_dcp, a.overwrite,
                              a.allow_nonfinite)

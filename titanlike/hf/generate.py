@@ -232,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="read a checkpoint that titanlike did not write on this account: its .metadata is a "
                         "Python pickle, and loading it can run any code its author put there")
     a = p.parse_args(argv)
+    if not a.source:
+        p.error("the source is empty: give a checkpoint step folder or an exported folder")
     for name in ("max_new_tokens", "top_k"):
         if getattr(a, name) < 0:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)} must be >= 0")
