@@ -302,8 +302,9 @@ def test_mixture_token_loss_is_the_compiled_loss_on_the_gpu(chunk_tokens, compil
 
     torch.manual_seed(0)
     args = model_args("debug")
-    model = Transformer(args).cuda()
+    model = Transformer(args)
     model.init_weights(seed=1, seq_len=256)
+    model = model.cuda()
     tokens = torch.randint(0, args.vocab_size, (4, 257), device="cuda")
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
 
