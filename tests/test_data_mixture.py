@@ -259,8 +259,12 @@ def test_per_source_losses_leave_the_loss_as_it_was(tmp_path, sources, corpus, m
     train_here(tmp_path / "plain", *short, *mix)
     assert losses(tmp_path / "mixed") == losses(tmp_path / "plain") and len(losses(tmp_path / "plain")) == 3
 
+    def never(*args, **kwargs):
+        raise AssertionError("a run on one source builds the plain loss alone")
+
+    monkeypatch.setattr(train, "build_token_loss", never)  # one source: the plain loss path, as before
     train_here(tmp_path / "one", *short, corpus=corpus)
-    assert all("loss_by_source" not in r for r in metrics(tmp_path / "one"))
+    assert all("loss_by_source" not in r for r in metrics(tmp_path / "one")) and len(losses(tmp_path / "one")) == 3
 
 
 @pytest.mark.slow
