@@ -384,6 +384,14 @@ def test_load_step_missing_and_shape_mismatch_are_one_line(ref, tmp_path, corpus
         f"(320, 256) there, (384, 256) here (check --model.flavor / --model.vocab_size)"
     ]
 
+    # Steps of another run (this dump folder records a run of its own): every rank refuses alike, one says so.
+    (tmp_path / "run-id").write_text("0123456789ab\n")
+    foreign = run_train(tmp_path, *SCHEDULE, nproc=2, corpus=corpus, check=False)
+    assert foreign.returncode != 0
+    (line,) = error_lines(foreign.stderr)
+    assert line.startswith(f"error: {ckpt(tmp_path)}/step-12 was saved by run ") and \
+        f"not by this dump folder's run 0123456789ab ({tmp_path})" in line, line
+
 
 def debug_model(**overrides):
     import dataclasses

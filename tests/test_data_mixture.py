@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import losses, metrics, train_here
+from conftest import losses, metrics, run_train, train_here
 from titanlike.checkpoint.manifest import seal
 from titanlike.config import ConfigError, load_config, to_toml
 from titanlike.config.dataset import DatasetError
@@ -200,10 +200,18 @@ def test_a_mixture_run_reports_each_source_and_resumes_exactly(tmp_path, sources
     mix = ("--data.mix", f"web={sources['web']}:0.7,code={sources['code']}:0.3")
     ref = tmp_path / "ref"
     proc = train_here(ref, *RUN, *mix)
+    step_tokens = {}
     for r in metrics(ref):
         by_source = r["tokens_by_source"]
         assert set(by_source) == {"web", "code"} and sum(by_source.values()) == r["step"] * 4 * 16
         assert set(r["epochs_by_source"]) == {"web", "code"}
+        # Each source's training loss in the logged step: weighted by its tokens in that step, the loss.
+        step_tokens = {n: t - step_tokens.get(n, 0) for n, t in by_source.items()}
+        read = {n: t for n, t in step_tokens.items() if t}
+        assert set(r["loss_by_source"]) == set(read)
+        weighted = sum(r["loss_by_source"][n] * t for n, t in read.items()) / sum(read.values())
+        assert weighted == pytest.approx(r["loss"], rel=1e-5)
+        step_tokens = by_source
     val = metrics(ref, "val")
     assert [(r["step"], r.get("source")) for r in val] == [(2, "web"), (2, "code"), (2, None),
                                                            (4, "web"), (4, "code"), (4, None)]
@@ -217,8 +225,8 @@ def test_a_mixture_run_reports_each_source_and_resumes_exactly(tmp_path, sources
 
     tb = EventAccumulator(str(ref / "tb"))
     tb.Reload()
-    assert {"train/tokens_by_source/web", "train/epochs_by_source/code", "val/web/loss", "val/code/ppl",
-            "val/loss"} <= set(tb.Tags()["scalars"])
+    assert {"train/tokens_by_source/web", "train/epochs_by_source/code", "train/loss_by_source/web",
+            "train/loss_by_source/code", "val/web/loss", "val/code/ppl", "val/loss"} <= set(tb.Tags()["scalars"])
     assert [e.value for e in tb.Scalars("val/code/loss")] == pytest.approx([r["loss"] for r in val if r.get("source")
                                                                              == "code"])
 
@@ -229,3 +237,49 @@ def test_a_mixture_run_reports_each_source_and_resumes_exactly(tmp_path, sources
     want, got = losses(ref), losses(resumed)
     assert {s: got[s] for s in (3, 4)} == {s: want[s] for s in (3, 4)}
     assert metrics(resumed)[-1]["tokens_by_source"] == metrics(ref)[-1]["tokens_by_source"]
+    assert metrics(resumed)[-1]["loss_by_source"] == metrics(ref)[-1]["loss_by_source"]
+
+
+def test_per_source_losses_leave_the_loss_as_it_was(tmp_path, sources, corpus, monkeypatch):
+    """Reading each source's loss changes no loss: a mixture's losses are bit for bit those of the same
+    run with the plain loss function; a run on one source logs no per-source loss at all."""
+    from titanlike import train
+    from titanlike.model.loss import build_loss
+
+    mix = ("--data.mix", f"web={sources['web']}:0.7,code={sources['code']}:0.3")
+    short = ("--training.steps", "3", "--training.local_batch_size", "2", "--training.global_batch_size", "4",
+             "--data.seq_len", "16", "--metrics.log_freq", "1", "--training.deterministic")
+    train_here(tmp_path / "mixed", *short, *mix)
+
+    def plain(chunk_tokens, compile, compile_head=False):  # the plain loss, and no token losses to speak of
+        loss_fn = build_loss(chunk_tokens, compile, compile_head)
+        return lambda model, inputs, targets, context=None: (loss_fn(model, inputs, targets, context),
+                                                             torch.zeros(targets.shape))
+
+    monkeypatch.setattr(train, "build_token_loss", plain)
+    train_here(tmp_path / "plain", *short, *mix)
+    assert losses(tmp_path / "mixed") == losses(tmp_path / "plain") and len(losses(tmp_path / "plain")) == 3
+
+    def never(*args, **kwargs):
+        raise AssertionError("a run on one source builds the plain loss alone")
+
+    monkeypatch.setattr(train, "build_token_loss", never)  # one source: the plain loss path, as before
+    train_here(tmp_path / "one", *short, corpus=corpus)
+    assert all("loss_by_source" not in r for r in metrics(tmp_path / "one")) and len(losses(tmp_path / "one")) == 3
+
+
+@pytest.mark.slow
+def test_per_source_losses_over_two_ranks(tmp_path, sources):
+    """On two ranks each source's loss adds up every rank's tokens of the step: weighted by the step's
+    tokens per source, the per-source losses give the (rank-averaged) loss."""
+    mix = ("--data.mix", f"web={sources['web']}:0.7,code={sources['code']}:0.3")
+    run_train(tmp_path, "--training.steps", "3", "--training.local_batch_size", "2", "--training.global_batch_size",
+              "8", "--data.seq_len", "16", "--metrics.log_freq", "1", "--validation.enable", "false", *mix, nproc=2)
+    before = {"web": 0, "code": 0}
+    for r in metrics(tmp_path):
+        step = {n: t - before[n] for n, t in r["tokens_by_source"].items()}
+        read = {n: t for n, t in step.items() if t}
+        assert set(r["loss_by_source"]) == set(read) and sum(read.values()) == 8 * 16
+        weighted = sum(r["loss_by_source"][n] * t for n, t in read.items()) / sum(read.values())
+        assert weighted == pytest.approx(r["loss"], rel=1e-5)
+        before = r["tokens_by_source"]

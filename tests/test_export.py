@@ -477,3 +477,44 @@ def test_prepare_train_export_transformers_generate(tmp_path):
                        "--temperature", "0") for src in (step, hf)]
     assert all(o.returncode == 0 for o in outs), [o.stderr for o in outs]
     assert outs[0].stdout == outs[1].stdout and outs[0].stdout.startswith("def ")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_export_refuses_nonfinite_weights_unless_allowed(tmp_path, bad, monkeypatch):
+    """A diverged run's weights: one line naming the first tensor with a NaN or an infinity, exit 2,
+    nothing written (not even the folder); --allow-nonfinite exports them as they are. The check reads
+    a large tensor a slice at a time (here slices of 1000 values, so the bad value is in a later one)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from titanlike.hf import export as export_module
+
+    model = synthetic_checkpoint(tmp_path / "good")
+    with torch.no_grad():
+        model.layers[1].feed_forward.w1.weight.view(-1)[5000] = bad  # the sixth slice of 1000
+        model.layers[1].feed_forward.w2.weight.view(-1)[7] = bad  # a later tensor in the model's order
+    step = tmp_path / "step-9"
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(step), no_dist=True)
+    shutil.copy(tmp_path / "good" / "model_args.json", step / "model_args.json")
+    seal(str(step))
+    monkeypatch.setattr(export_module, "NONFINITE_CHUNK", 1000)
+
+    hf = tmp_path / "hf"
+    rc, err = call(export_module.main, str(step), str(hf), "--dtype", "fp32", "--tokenizer", "byte")
+    assert rc == 2 and error_lines(err) == err.strip().splitlines(), err
+    (line,) = error_lines(err)
+    what = "NaN" if bad != bad else "infinite"
+    shape = tuple(model.layers[1].feed_forward.w1.weight.shape)
+    assert line == (f"error: {step}: layers.1.feed_forward.w1.weight holds non-finite values: 1 {what} "
+                    f"of its {shape[0] * shape[1]:,}; the run diverged before this step, so export an earlier "
+                    f"checkpoint (or pass --allow-nonfinite to export the weights as they are)"), line
+    assert not hf.exists()
+
+    rc, err = call(export_module.main, str(step), str(hf), "--dtype", "fp32", "--tokenizer", "byte",
+                   "--allow-nonfinite")
+    assert rc == 0, err
+    from safetensors.torch import load_file
+
+    exported = load_file(hf / "model.safetensors")["model.layers.1.mlp.down_proj.weight"]
+    assert torch.equal(exported.isfinite(), model.layers[1].feed_forward.w2.weight.isfinite())
+    assert export_module.first_nonfinite({"good": torch.zeros(3000), "ints": torch.arange(5)}) is None

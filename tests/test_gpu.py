@@ -468,3 +468,34 @@ def test_two_gpus_background_save_resumes_exactly_and_on_one_gpu(tmp_path, corpu
         else:
             for s in got:
                 assert abs(got[s] - want[s]) < 0.02 * want[s], (s, got[s], want[s])
+
+
+@pytest.mark.parametrize("chunk_tokens,compile_head", [(0, True), (0, False), (512, False)])
+def test_mixture_token_loss_is_the_compiled_loss_on_the_gpu(chunk_tokens, compile_head):
+    """A mixture's training loss (each token's loss read beside it for loss_by_source) is the plain
+    compiled loss bit for bit under bf16 autocast on the GPU, gradients included."""
+    from titanlike.model.decoder import Transformer
+    from titanlike.model.loss import build_loss, build_token_loss
+    from titanlike.model.shape import model_args
+
+    torch.manual_seed(0)
+    args = model_args("debug")
+    model = Transformer(args)
+    model.init_weights(seed=1, seq_len=256)
+    model = model.cuda()
+    tokens = torch.randint(0, args.vocab_size, (4, 257), device="cuda")
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def run(fn):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = fn(model, inputs, targets)
+        loss = out[0] if isinstance(out, tuple) else out
+        loss.backward()
+        return out, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want, want_grads = run(build_loss(chunk_tokens, True, compile_head))
+    (loss, per_token), grads = run(build_token_loss(chunk_tokens, True, compile_head))
+    assert torch.equal(loss.detach(), want.detach())
+    assert all(torch.equal(grads[n], want_grads[n]) for n in grads)
+    torch.testing.assert_close(per_token.mean(), want.detach().float(), rtol=1e-5, atol=1e-5)

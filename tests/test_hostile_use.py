@@ -414,6 +414,25 @@ def test_generate_refuses_absurd_arguments_in_one_line(trained_run, argv, messag
     assert line.startswith(f"error: {message}")
 
 
+@pytest.mark.parametrize("command,argv,message", [
+    ("generate", ["", "--prompt", "hi"], "the source is empty"),
+    ("export", ["", "out"], "the checkpoint is empty"),
+    ("export", ["step", ""], "the output folder is empty"),
+])
+def test_an_empty_path_argument_is_named_not_printed_as_nothing(tmp_path, monkeypatch, command, argv, message):
+    """An empty argument (an unset shell variable, say) is said to be empty: not `error: : no such folder`;
+    nothing is written."""
+    from titanlike.hf import export, generate
+
+    monkeypatch.chdir(tmp_path)
+    main = {"generate": generate.main, "export": export.main}[command]
+    rc, err = call(main, *argv)
+    assert rc == 2 and error_lines(err) == err.strip().splitlines(), err
+    (line,) = error_lines(err)
+    assert line.startswith(f"error: {message}: give "), line
+    assert os.listdir(tmp_path) == []
+
+
 def test_generates_advice_for_a_foreign_checkpoint_names_its_own_flag(trained_run, tmp_path):
     """The refusal of a folder not written on this account names a flag generate accepts, and it works."""
     from titanlike.hf import generate
@@ -491,7 +510,7 @@ def test_earlier_runs_that_is_not_a_folder_of_ours_is_refused_untouched(tmp_path
     folder = RunFolder(str(dump), is_main=True)
     try:
         with pytest.raises(UserError) as e:
-            folder.start_records(None)
+            folder.start_records(None, "0123abcd")
     finally:
         folder.close()
     assert str(e.value).startswith(f"{dump}/earlier-runs is ") and "\n" not in str(e.value), e.value

@@ -11,7 +11,14 @@ from torch.utils.flop_counter import FlopCounterMode
 from conftest import losses, metrics, run_train
 from titanlike.float8 import Float8Options, layers
 from titanlike.model.decoder import Transformer
-from titanlike.model.loss import LinearCrossEntropy, build_loss, chunked_output_loss, cross_entropy_sum_and_grad, fuses
+from titanlike.model.loss import (
+    LinearCrossEntropy,
+    build_loss,
+    build_token_loss,
+    chunked_output_loss,
+    cross_entropy_sum_and_grad,
+    fuses,
+)
 from titanlike.model.shape import model_args
 
 BATCH, SEQ = 3, 40  # 120 tokens: chunks of 7 leave a last chunk of 1
@@ -219,3 +226,46 @@ def test_fsdp_chunked_loss_is_fused_with_the_gathered_weight(tmp_path, reshard):
             torch.testing.assert_close(grad.full_tensor(), want_grads[name], rtol=1e-5, atol=1e-7, msg=name)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("path", ["whole", "fused", "recomputed", "float8 output"])
+def test_token_loss_is_the_same_loss_with_each_tokens_loss_beside_it(path):
+    """A mixture's loss (build_token_loss) gives the plain loss's mean and gradients bit for bit, on
+    every path (whole logits, fused chunks, recomputed chunks as under FSDP, a float8 output layer),
+    and each token's detached loss beside it: their mean is the loss."""
+    model, inputs, targets = model_and_batch(float8_output=path == "float8 output")
+    chunk_tokens = 0 if path == "whole" else 16
+    if path == "recomputed":
+        model.output.__class__ = type("Unfused", (torch.nn.Linear,), {})  # FSDP's wrapper class: not fused
+    assert fuses(model.output) == (path in ("whole", "fused"))
+    want_loss, want_grads = loss_and_grads(model, inputs, targets, chunk_tokens)
+    model.zero_grad(set_to_none=True)
+    loss, tokens = build_token_loss(chunk_tokens, compile=False)(model, inputs, targets)
+    loss.backward()
+    assert torch.equal(loss.detach(), want_loss)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, want_grads[name]), name
+    assert tokens.shape == targets.shape and tokens.dtype == torch.float32 and not tokens.requires_grad
+    torch.testing.assert_close(tokens.mean(), want_loss, rtol=1e-6, atol=1e-6)
+    if path != "float8 output":  # float8 scales each chunk's logits by its own amax: not the whole logits'
+        with torch.no_grad():
+            want_tokens = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(0, 1),
+                                                            reduction="none")
+        torch.testing.assert_close(tokens.flatten(), want_tokens, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk_tokens,compile_head", [(0, True), (0, False), (16, False)])
+def test_compiled_token_loss_is_the_compiled_loss(chunk_tokens, compile_head):
+    """Compiled, too, a mixture's loss is the plain loss bit for bit (its graph also returns each
+    token's loss; the mean's operations are the same), and so is every gradient."""
+    model, inputs, targets = model_and_batch()
+    want_loss, want_grads = loss_and_grads(model, inputs, targets, chunk_tokens, compile=True,
+                                           compile_head=compile_head)
+    model.zero_grad(set_to_none=True)
+    loss, tokens = build_token_loss(chunk_tokens, compile=True, compile_head=compile_head)(model, inputs, targets)
+    loss.backward()
+    assert torch.equal(loss.detach(), want_loss)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, want_grads[name]), name
+    torch.testing.assert_close(tokens.mean(), want_loss, rtol=1e-6, atol=1e-6)

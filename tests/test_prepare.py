@@ -502,3 +502,20 @@ def test_a_stop_while_overwrite_swaps_the_dataset_loses_neither(tmp_path, monkey
     record = json.loads((out / "dataset.json").read_text())
     assert record["splits"]["train"]["tokens"] == len("the new text, longer") + 2
     assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.txt", "out"]
+
+
+def test_document_tokens_for_the_byte_tokenizer_are_refused_not_ignored(tmp_path):
+    """The byte tokenizer's begin and end tokens are fixed: naming others would be silently ignored, and
+    the data would not be what the user asked for. Its own names are accepted."""
+    from conftest import call
+    from titanlike.data.prepare.cli import main
+
+    (tmp_path / "a.txt").write_text("some text")
+    rc, err = call(main, str(tmp_path / "out"), str(tmp_path / "a.txt"), "--eos-token", "</s>")
+    assert rc == 2 and err.strip().splitlines() == [
+        "error: --eos-token '</s>': the byte tokenizer's token there is always '<|end_of_text|>'; --eos-token "
+        "chooses among the special tokens of a tokenizer.json (--tokenizer)"], err
+    assert not (tmp_path / "out").exists()
+    rc, err = call(main, str(tmp_path / "ok"), str(tmp_path / "a.txt"), "--bos-token", "<|begin_of_text|>",
+                   "--val-fraction", "0")
+    assert rc == 0, err

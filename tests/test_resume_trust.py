@@ -412,3 +412,44 @@ def test_keep_latest_k_makes_room_before_a_save(tmp_path, corpus):
         assert listings == want, (k, listings)
         steps = sorted(n for n in os.listdir(dump / "checkpoint") if n.startswith("step-"))
         assert steps == (["step-6"] if k == "1" else ["step-4", "step-6"])
+
+
+# ---- a checkpoint of another run of one's own ----------------------------------------------------------------
+
+
+def test_another_runs_checkpoint_is_resumed_only_when_load_step_names_it(ref, tmp_path, corpus):
+    """A step copied in from another run (same user, same key: it passes the signature) is not silently
+    taken for this run's: the resume stops with one line naming both runs and leaves everything as it
+    was; `--checkpoint.load_step` naming it branches from it as a new run, exactly, whose records start
+    afresh; a dump folder that holds no run yet simply continues the checkpoint's run."""
+    ref_run = (ref / "run-id").read_text().strip()
+    dump = tmp_path / "other"
+    train(dump, corpus, *BASE, "--training.steps", "2", "--checkpoint.enable")  # a run of its own, saved at 2
+    own_run = (dump / "run-id").read_text().strip()
+    assert own_run != ref_run and json.loads((dump / "checkpoint" / "step-2" / "trainer_state.json").read_text()
+                                             )["run"]["run_id"] == own_run
+    only_steps(ref, dump, 6)
+    before = {p: p.read_bytes() for p in dump.rglob("*") if p.is_file() and p.name != ".lock"}
+
+    proc = train(dump, corpus, *K, check=False)
+    assert proc.returncode == 2
+    (line,) = error_lines(proc.stderr)
+    assert (f"{dump}/checkpoint/step-6 was saved by run {ref_run} (dump folder {ref}), not by this dump folder's "
+            f"run {own_run} ({dump})" in line and "--checkpoint.load_step 6" in line), line
+    assert "resumed from /" not in proc.stderr and len(proc.stderr.strip().splitlines()) <= 4, proc.stderr
+    assert {p: p.read_bytes() for p in dump.rglob("*") if p.is_file() and p.name != ".lock"} == before
+
+    proc = train(dump, corpus, *K, "--checkpoint.load_step", "6")
+    assert "branching from it (checkpoint.load_step = 6)" in proc.stderr
+    branch = (dump / "run-id").read_text().strip()
+    assert branch not in (ref_run, own_run)
+    assert losses(dump) == {s: v for s, v in losses(ref).items() if s > 6}  # its records only, exact
+    (earlier,) = (dump / "earlier-runs").iterdir()
+    assert sorted(losses(earlier)) == [1, 2] and (earlier / "run-id").read_text().strip() == own_run
+    saved = json.loads((dump / "checkpoint" / "step-8" / "trainer_state.json").read_text())["run"]
+    assert (saved["run_id"], saved["dump_folder"]) == (branch, str(dump))
+
+    fresh = tmp_path / "fresh"  # no run here yet: the checkpoint's run goes on in this folder
+    only_steps(ref, fresh, 6)
+    train(fresh, corpus, *K)
+    assert (fresh / "run-id").read_text().strip() == ref_run and sorted(losses(fresh)) == [7, 8]

@@ -30,7 +30,7 @@ from titanlike.errors import UserError
 from titanlike.float8 import Float8Converter
 from titanlike.hf.initial import load_initial_weights
 from titanlike.model.decoder import Transformer
-from titanlike.model.loss import build_loss, cross_entropy  # noqa: F401  (cross_entropy: tests use it from here)
+from titanlike.model.loss import build_loss, build_token_loss, cross_entropy  # noqa: F401  (tests use cross_entropy)
 from titanlike.model.shape import count_params, describe, flops_per_token
 from titanlike.optim import build_optimizer, build_scheduler, clip_and_step
 from titanlike.plan.fit import fitted
@@ -41,6 +41,7 @@ from titanlike.run.metrics import MetricsLogger
 from titanlike.run.nonfinite import NonFiniteGuard
 from titanlike.run.profiling import Profiler
 from titanlike.run.progress import Progress, wants_terminal_line
+from titanlike.run.source_losses import SourceLosses
 from titanlike.run.stage import StageSwitch
 from titanlike.run.state import TrainState
 
@@ -160,14 +161,17 @@ class Trainer:
         # ---- 5. Checkpoints: resume from the newest intact one, if any; else the initial weights, if any --
         self.checkpoint = CheckpointManager(
             self.run, model=model, optimizer=self.optimizer, scheduler=self.scheduler, loader=self.loader,
-            float8=self.float8, counters=self.state, is_main=self.is_main, cuda=self.device.type == "cuda")
+            float8=self.float8, counters=self.state, is_main=self.is_main, cuda=self.device.type == "cuda",
+            folder_run=self.run_folder.run_id)
+        # A step saved by another run than this folder's is resumed from only when load_step names it.
         resumed = self.checkpoint.load_or_start()
         if resumed is None and cfg.checkpoint.initial_load_path:
             load_initial_weights(model, self.margs, cfg.checkpoint.initial_load_path,
                                  trust_pickled_dcp=cfg.checkpoint.trust_pickled_dcp, is_main=self.is_main)
 
         # ---- 6. Records, metrics and profiling: one run's history per folder --------------------------
-        purge_step = self.run_folder.start_records(resumed)
+        purge_step = self.run_folder.start_records(resumed, self.checkpoint.run.run_id,
+                                                   branched=self.checkpoint.branched)
         self.run_folder.write("config.toml", to_toml(self.run.resolved_config()))
         self.metrics = MetricsLogger(
             cfg.job.dump_folder, is_writer=self.is_main, tensorboard=cfg.metrics.enable_tensorboard,
@@ -180,6 +184,12 @@ class Trainer:
         # What a non-finite loss does (training.nonfinite): judged over the steps since the last check.
         self.guard = NonFiniteGuard(t.nonfinite, self.checkpoint, self.state, is_main=self.is_main)
         self.window: list[torch.Tensor] = []  # (loss, grad norm, skipped) of those steps, on the device
+        # A mixture also logs each source's training loss: the same loss, with each token's loss read
+        # beside it (detached) and summed by source (run/source_losses.py). One source: loss_fn alone.
+        self.source_losses = SourceLosses(
+            self.data.names, self.device,
+            build_token_loss(t.loss_chunk_tokens, cfg.compile.enable, compile_head=self.mesh is None),
+        ) if self.data.mixed else None
         if self.is_main:
             n_params = sum(p.numel() for p in self.model.parameters())
             logger.info(
@@ -199,13 +209,19 @@ class Trainer:
         step_loss = torch.zeros((), device=self.device)
         data_wait = 0.0
         accum_steps = self.stage.accum_steps
+        if self.source_losses is not None:
+            self.source_losses.start_step()
         for _ in range(accum_steps):
             start = time.perf_counter()
+            sources = self.data.next_sources() if self.source_losses is not None else None
             batch = next(self.loader).to(self.device, non_blocking=True)
             data_wait += time.perf_counter() - start
             inputs, targets, context = self.micro_batch(batch)
             with self.autocast:
-                loss = self.loss_fn(self.model, inputs, targets, context)
+                if self.source_losses is not None:
+                    loss = self.source_losses.loss(self.model, inputs, targets, sources, context)
+                else:
+                    loss = self.loss_fn(self.model, inputs, targets, context)
             # Each micro-batch has the same token count, so the mean of means is the batch mean;
             # FSDP averages over ranks in its reduce-scatter.
             (loss / accum_steps).backward()
@@ -297,6 +313,8 @@ class Trainer:
                     assert verdict.loss is not None, "a verdict that goes on carries the last loss"
                     record = {"loss": verdict.loss, "grad_norm": grad_norm.item(), "lr": self.lr,
                               **self.guard.counts(), **self.stages.record()}
+                    if self.source_losses is not None:  # a mixture: each source's loss in this step
+                        record["loss_by_source"] = self.source_losses.reduce()
                     self.metrics.log_train(step, record, tokens_seen=self.state.tokens_seen,
                                            by_source=self.data.read_by_source(),  # tokens and epochs per source
                                            total_steps=steps, eta_s=self.progress.eta_s())

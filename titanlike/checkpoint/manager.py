@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from titanlike import fs
 from titanlike.checkpoint.folder import StepFolders
+from titanlike.checkpoint.identity import other_run, run_after_load
 from titanlike.checkpoint.manifest import ensure_signing_key, inspect, read_manifest
 from titanlike.checkpoint.states import ModelState, OptimizerState, SchedulerState, holds_tensors, set_rng_state
 from titanlike.checkpoint.weights import MODEL_ARGS, CheckpointMismatch, check_model_shape
@@ -67,11 +68,16 @@ class RunRecord:
     """What a resume may change, by config name ("optimizer.lr": 3e-4, ...): each change is one line."""
     load_step: int = -1
     """The checkpoint.load_step this run's line of checkpoints began with (applied once: -1 when none)."""
+    run_id: str = ""
+    """Which run saved it: drawn when a run starts afresh (or branches from another run's step), kept in its
+    dump folder (run/folder.py) and carried on by every resume of it."""
+    dump_folder: str = ""
+    """That run's dump folder (absolute), for the line that names a checkpoint's run."""
 
     def saved(self) -> dict:
         return {"global_batch": self.global_batch, "dp_world": self.dp_world, "seed": self.seed,
                 "optimizer_state_dtype": self.optimizer_state_dtype, "settings": self.settings,
-                "load_step": self.load_step}
+                "load_step": self.load_step, "run_id": self.run_id, "dump_folder": self.dump_folder}
 
 
 class Due(NamedTuple):
@@ -90,18 +96,19 @@ def _from_earlier_layout(record: dict, step: int) -> dict:
     ts = record.get("train_state", {})
     return {"states": {"train_state": ts, "lr_scheduler": {"steps_done": step},
                        "dataloader": {"batches_read": step + int(ts.get("data_offset", 0))}},
-            "run": {k: record.get(k) for k in ("global_batch", "dp_world", "settings")}
-            | {"optimizer_state_dtype": record.get("optimizer_state_dtype", "fp32")},
+            "run": {k: record.get(k) for k in ("global_batch", "dp_world", "settings")} | {
+                "optimizer_state_dtype": record.get("optimizer_state_dtype", "fp32")},
             "preemption": record.get("preemption", False)}
 
 
 class CheckpointManager:
     def __init__(self, run: ResolvedRun, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
-                 loader, float8, counters, is_main: bool, cuda: bool):
+                 loader, float8, counters, is_main: bool, cuda: bool, folder_run: str | None = None):
         """`run`: the resolved run (its [checkpoint] section and folder, and what a resume compares). The
         parts of the run it saves and restores, in the order a load restores them (weights before what
         is derived from them: float8's scales): `model`, `optimizer`, `scheduler` (the LR schedule),
-        `loader` (the data position), `counters` (the step, tokens, ...) and `float8`."""
+        `loader` (the data position), `counters` (the step, tokens, ...) and `float8`. `folder_run`: the
+        run id the dump folder records (rank 0 reads it; None: none), compared with the checkpoint's."""
         cfg = run.cfg
         self.cfg, self.is_main, self.cuda = cfg.checkpoint, is_main, cuda
         self.states: dict[str, Any] = {
@@ -109,8 +116,11 @@ class CheckpointManager:
             "lr_scheduler": SchedulerState(scheduler), "dataloader": loader, "train_state": counters,
             "float8": float8}
         self.run = RunRecord(run.model.args, run.global_batch, run.dims.dp, cfg.job.seed, cfg.optimizer.state_dtype,
-                             resumable_settings(cfg, run.schedule, run.stages))
+                             resumable_settings(cfg, run.schedule, run.stages),
+                             dump_folder=os.path.abspath(cfg.job.dump_folder))
         self.stages = run.stages
+        self.folder_run = folder_run
+        self.branched = False  # resumed from another run's step that checkpoint.load_step named: a new run
         self.folder = run.checkpoint_folder
         fs.check_path_text(self.folder, "checkpoint.folder")
         self.steps = StepFolders(self.folder, is_main)
@@ -170,6 +180,17 @@ class CheckpointManager:
         for step in self.steps.incomplete():
             if self.is_main:
                 logger.warning(f"ignoring {self.step_dir(step)}.tmp: a save that never completed")
+        if self.sharded:  # rank 0 read the dump folder's run: every rank decides a resume alike
+            box = [self.folder_run]
+            dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+            self.folder_run = box[0]
+        try:
+            return self._load_or_start()
+        finally:
+            resumed = None if self.resumed_from is None else self._record(self.resumed_from).get("run", {})
+            self.run.run_id = run_after_load(resumed, self.folder_run, self.branched)
+
+    def _load_or_start(self) -> int | None:
         steps = self.steps.complete()
         if not self.cfg.enable:
             if steps and self._record(steps[-1]).get("preemption"):
@@ -228,10 +249,20 @@ class CheckpointManager:
         """Load the first intact step of `candidates`; set damaged ones aside, then later ones."""
         for step in candidates:
             kind, problem = self._verify(step)
+            other = None
             if kind == "forged":
                 raise CheckpointError(f"{problem}; nothing was loaded or changed (a checkpoint edited after its "
                                       f"save is not resumed from)")
             if kind == "ok":
+                other = other_run(self._record(step).get("run", {}), self.folder_run, self.step_dir(step),
+                                  self.run.dump_folder)
+                if other and self.cfg.load_step != step:
+                    raise CheckpointMismatch(
+                        f"{other}: another run's checkpoint is resumed from only when named: pass "
+                        f"--checkpoint.load_step {step} to branch this run from it, or move it out of {self.folder}")
+                if other and self.is_main:
+                    logger.info(f"{other}: branching from it (checkpoint.load_step = {step}) as a new run; the "
+                                f"dump folder's records of its earlier run move to earlier-runs/")
                 try:
                     self._load(step)
                 except (Exception, CheckpointException) as e:  # damage the manifest could not see
@@ -240,7 +271,7 @@ class CheckpointManager:
                     cause = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
                     kind, problem = "damaged", f"{self.step_dir(step)} cannot be read ({type(e).__name__}: {cause})"
             if kind == "ok":
-                self.resumed_from = step
+                self.resumed_from, self.branched = step, bool(other)
                 self._set_aside_later(step)
                 return
             aside = self._set_aside(step, "damaged")

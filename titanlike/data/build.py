@@ -11,7 +11,7 @@ everything here is a function of it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -82,6 +82,11 @@ class RunData:
         tokens = segment.tokens_before + (uses - segment.plan.before[0]) * segment.seq_len
         return {"tokens_by_source": {n: int(t) for n, t in zip(self.names, tokens)},
                 "epochs_by_source": {n: round(int(u) / len(t), 4) for n, u, t in zip(self.names, uses, segment.train)}}
+
+    def next_sources(self) -> np.ndarray:
+        """The source (index into `names`) of each sample of the micro-batch the loader hands out next."""
+        plan = cast("MixturePlan", self.loader.sampler.plan)  # only a mixture's trainer asks
+        return plan.sources_and_uses(self.loader.next_positions())[0]
 
     def val_weights(self) -> dict[str, float]:
         """The weights of validation's total: the current phase's shares of the sources that have

@@ -108,12 +108,16 @@ class GlobalBatchSampler:
         """The plan position of global batch `batch`'s first sample."""
         return self.first_position + (batch - self.first_batch) * self.global_batch
 
+    def positions(self, step: int, micro: int) -> np.ndarray:
+        """The plan positions of this rank's micro-batch `micro` of global batch `step`."""
+        base = self.position(step) + (micro * self.world + self.rank) * self.local
+        return np.arange(base, base + self.local)
+
     def __iter__(self) -> Iterator[list[int]]:
         step = self.start_step
         while self.end_batch is None or step < self.end_batch:
             for micro in range(self.accum):
-                base = self.position(step) + (micro * self.world + self.rank) * self.local
-                yield self.plan.windows(np.arange(base, base + self.local)).tolist()
+                yield self.plan.windows(self.positions(step, micro)).tolist()
             step += 1
 
 
@@ -178,6 +182,11 @@ class TrainLoader:
         self.batches_read = batches_read
         self._micro = 0
         self._batches = None
+
+    def next_positions(self) -> np.ndarray:
+        """The global sample positions of the micro-batch the next `next()` hands out (workers read
+        ahead, but always in this order)."""
+        return self.sampler.positions(self.batches_read, self._micro)
 
     def state_dict(self) -> dict[str, int | str]:
         assert self._micro == 0, "saved between steps, never inside a global batch"

@@ -150,6 +150,12 @@ class HFTokenizer:
 def load_tokenizer(spec: str, bos_token: str = "", eos_token: str = ""):
     """"byte" (or "") for the byte tokenizer, else the path of a tokenizer.json."""
     if spec in ("", "byte"):
+        # Its document tokens are fixed: a --bos-token / --eos-token for it would be ignored, and the user
+        # would believe the data separated documents with another token.
+        for option, given, fixed in (("--bos-token", bos_token, BYTE_BOS), ("--eos-token", eos_token, BYTE_EOS)):
+            if given and given != fixed:
+                raise TokenizerError(f"{option} {given!r}: the byte tokenizer's token there is always {fixed!r}; "
+                                     f"{option} chooses among the special tokens of a tokenizer.json (--tokenizer)")
         return ByteTokenizer()
     if os.path.isdir(spec):
         spec = os.path.join(spec, "tokenizer.json")

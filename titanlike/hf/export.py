@@ -13,6 +13,10 @@ bos/eos ids), generation_config.json and the tokenizer (tokenizer.json, tokenize
 The output folder must be new or empty: --overwrite replaces an earlier export there (the files an
 export writes, weight shards and index included) and keeps every other file.
 
+Weights that hold a NaN or an infinity (a run that diverged, saved with training.nonfinite = warn) make
+no usable model: the export stops with one line naming the first such tensor, before it writes
+anything, unless --allow-nonfinite asks for them as they are.
+
 The tokenizer is the one the run trained with: the tokenizer.json that titanlike-train left in the
 run folder (from the data's dataset.json, or the byte tokenizer of the built-in corpus), found next
 to the checkpoint folder; --tokenizer names another (a tokenizer.json, a prepared data folder, or
@@ -81,13 +85,37 @@ def earlier_export(out_dir: str, overwrite: bool) -> list[str]:
     return [n for n in names if written_by_export(n) and not _real_folder(os.path.join(out_dir, n))]
 
 
+NONFINITE_CHUNK = 2**24  # elements checked at a time: a 16 MiB mask, whatever the tensor's size
+
+
+def first_nonfinite(state: dict) -> str | None:
+    """The first tensor of `state` (in its order) that holds a NaN or an infinity, said with how many of
+    each; None when every value is finite. Checked a slice at a time, so a large tensor needs no mask
+    of its own size."""
+    import torch
+
+    for name, tensor in state.items():
+        flat = tensor.detach().reshape(-1)
+        if not flat.is_floating_point():
+            continue
+        if all(bool(torch.isfinite(part).all()) for part in flat.split(NONFINITE_CHUNK)):
+            continue
+        nan = sum(int(torch.isnan(part).sum()) for part in flat.split(NONFINITE_CHUNK))
+        inf = sum(int(torch.isinf(part).sum()) for part in flat.split(NONFINITE_CHUNK))
+        counts = ", ".join(f"{n:,} {what}" for n, what in ((nan, "NaN"), (inf, "infinite")) if n)
+        return f"{name} holds non-finite values: {counts} of its {flat.numel():,}"
+    return None
+
+
 def _real_folder(path: str) -> bool:
     return os.path.isdir(path) and not os.path.islink(path)
 
 
 def export(step_dir: str, out_dir: str, dtype: str = "bf16", tokenizer: str = "",
-           trust_pickled_dcp: bool = False, overwrite: bool = False) -> tuple[list[str], str]:
-    """Write the Hugging Face folder; returns (the files written, the architecture)."""
+           trust_pickled_dcp: bool = False, overwrite: bool = False, allow_nonfinite: bool = False
+           ) -> tuple[list[str], str]:
+    """Write the Hugging Face folder; returns (the files written, the architecture). Weights with a NaN or
+    an infinity are refused unless `allow_nonfinite`."""
     import torch
 
     from titanlike.checkpoint.weights import MODEL_ARGS, read_model_weights, step_folder_problem
@@ -107,6 +135,10 @@ def export(step_dir: str, out_dir: str, dtype: str = "bf16", tokenizer: str = ""
         raise UserError(f"{e}; it does not describe a model titanlike builds") from None
     tok = run_tokenizer(step_dir, tokenizer, shape.vocab_size)  # before the weights: a wrong choice costs nothing
     margs, state = read_model_weights(step_dir, trust_pickled_dcp, flag="--trust-pickled-dcp")
+    bad = None if allow_nonfinite else first_nonfinite(state)
+    if bad:  # before anything is written or removed
+        raise UserError(f"{step_dir}: {bad}; the run diverged before this step, so export an earlier checkpoint "
+                        f"(or pass --allow-nonfinite to export the weights as they are)")
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     try:
         for name in stale:  # only now that the new weights are read; a link goes itself, never its target
@@ -136,9 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier export in OUT (its weights, config and tokenizer files); other files "
                         "there are kept")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="export weights that hold NaN or infinite values as they are (refused by default: such a "
+                        "model gives NaN logits)")
     a = p.parse_args(argv)
+    for what, value in (("checkpoint", a.checkpoint), ("output folder", a.out)):
+        if not value:
+            p.error(f"the {what} is empty: give a path")
     try:
-        files, arch = export(a.checkpoint, a.out, a.dtype, a.tokenizer, a.trust_pickled_dcp, a.overwrite)
+        files, arch = export(a.checkpoint, a.out, a.dtype, a.tokenizer, a.trust_pickled_dcp, a.overwrite,
+                             a.allow_nonfinite)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -180,7 +180,7 @@ def load(source: str, tokenizer: str, device: torch.device, trust_pickled_dcp: b
     from titanlike.checkpoint.weights import is_dcp_folder, read_model_weights
     from titanlike.config.resolve import read_hf_config
     from titanlike.data.tokenizer import load_tokenizer, tokenizer_from_folder
-    from titanlike.hf.export import run_tokenizer
+    from titanlike.hf.export import first_nonfinite, run_tokenizer
     from titanlike.hf.interchange import read_hf_folder
 
     if not os.path.isdir(source):
@@ -200,10 +200,10 @@ def load(source: str, tokenizer: str, device: torch.device, trust_pickled_dcp: b
     else:
         margs, state = read_model_weights(source, trust_pickled_dcp, flag="--trust-pickled-dcp")
         tok = run_tokenizer(source, tokenizer, margs.vocab_size)
-    for name, tensor in state.items():  # NaN weights would generate garbage (or the first id) silently
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise UserError(f"{source}: the weights hold non-finite values (NaN or inf), in {name} first; "
-                            f"they come from a run that diverged or a damaged file: use another checkpoint")
+    bad = first_nonfinite(state)  # NaN weights would generate garbage (or the first id) silently
+    if bad:
+        raise UserError(f"{source}: the weights hold non-finite values (NaN or inf): {bad}; they come from a run "
+                        f"that diverged or a damaged file: use another checkpoint")
     with torch.device("meta"):
         model = Transformer(margs)
     model.to_empty(device="cpu")
@@ -232,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="read a checkpoint that titanlike did not write on this account: its .metadata is a "
                         "Python pickle, and loading it can run any code its author put there")
     a = p.parse_args(argv)
+    if not a.source:
+        p.error("the source is empty: give a checkpoint step folder or an exported folder")
     for name in ("max_new_tokens", "top_k"):
         if getattr(a, name) < 0:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)} must be >= 0")

@@ -148,10 +148,16 @@ class OutputLayer(nn.Linear):
     def __init__(self, dim: int, vocab_size: int):
         super().__init__(dim, vocab_size, bias=False)
 
-    def loss_sum(self, h: torch.Tensor, targets: torch.Tensor, chunk_tokens: int, ce_grad: Callable) -> torch.Tensor:
+    def loss_sum(self, h: torch.Tensor, targets: torch.Tensor, chunk_tokens: int, ce_grad: Callable,
+                 token_losses: bool = False):
         """Summed cross-entropy of this layer's logits of h (tokens × dim) against targets (tokens),
-        `chunk_tokens` at a time, its gradients computed in forward (`LinearCrossEntropy`)."""
-        return LinearCrossEntropy.apply(h, self.weight, targets, chunk_tokens, ce_grad)
+        `chunk_tokens` at a time, its gradients computed in forward (`LinearCrossEntropy`). With
+        `token_losses`, (that sum, each token's fp32 loss): the buffer is made here, since FSDP casts a
+        forward's floating-point arguments to the compute dtype (a buffer passed in would be a copy)."""
+        if not token_losses:
+            return LinearCrossEntropy.apply(h, self.weight, targets, chunk_tokens, ce_grad)
+        tokens = torch.empty(targets.numel(), dtype=torch.float32, device=targets.device)
+        return LinearCrossEntropy.apply(h, self.weight, targets, chunk_tokens, ce_grad, tokens), tokens
 
 
 class Transformer(nn.Module):

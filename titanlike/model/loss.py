@@ -37,6 +37,8 @@ from torch.utils.checkpoint import checkpoint
 # loss(model, inputs, targets, context=None): `context`, with context parallelism, the micro-batch's
 # SequenceShard (parallel/context.py), handed to the model's forward.
 LossFn = Callable[..., torch.Tensor]
+TokenLossFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+"""(the mean loss, as LossFn's; each token's loss, detached, fp32, shaped like the targets)."""
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -50,25 +52,49 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     return F.cross_entropy(logits.float(), targets, reduction="sum")
 
 
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each token's fp32 cross-entropy, detached, for (tokens × vocab) logits: a reading beside the
+    loss (per-source training loss), never part of what backward sees."""
+    return F.cross_entropy(logits.detach().float(), targets, reduction="none")
+
+
 def head_loss(norm: nn.Module, output: nn.Module, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of the logits `output(norm(h))`: the model's head and the loss in one."""
     return cross_entropy(output(norm(h)), targets)
+
+
+def head_loss_and_tokens(norm: nn.Module, output: nn.Module, h: torch.Tensor, targets: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """head_loss, and each token's loss beside it (token_cross_entropy) from the same logits."""
+    logits = output(norm(h))
+    return cross_entropy(logits, targets), token_cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
 
 
 def _chunk_loss(output: nn.Module, h: torch.Tensor, targets: torch.Tensor, ce_sum) -> torch.Tensor:
     return ce_sum(output(h), targets)
 
 
+def _chunk_loss_and_tokens(output: nn.Module, h: torch.Tensor, targets: torch.Tensor, ce_sum
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = output(h)
+    return ce_sum(logits, targets), token_cross_entropy(logits, targets)
+
+
 def chunked_output_loss(output: nn.Module, h: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
-                        ce_sum=cross_entropy_sum) -> torch.Tensor:
+                        ce_sum=cross_entropy_sum, token_losses: torch.Tensor | None = None) -> torch.Tensor:
     """Mean cross-entropy of `output(h)` against `targets`, computed `chunk_tokens` tokens at a time;
     each chunk runs under activation checkpointing, so its logits are recomputed in backward
-    instead of kept. h: (batch, seq, dim); targets: (batch, seq)."""
+    instead of kept. h: (batch, seq, dim); targets: (batch, seq). Given `token_losses` (fp32, one
+    per token), each token's loss is written there too; the mean is the same either way."""
     h, targets = h.flatten(0, 1), targets.flatten(0, 1)
     total = None
     # split, not slicing: its backward writes the chunks' gradients into one tensor, once.
-    for h_chunk, t_chunk in zip(h.split(chunk_tokens), targets.split(chunk_tokens)):
-        part = checkpoint(_chunk_loss, output, h_chunk, t_chunk, ce_sum, use_reentrant=False)
+    for i, (h_chunk, t_chunk) in enumerate(zip(h.split(chunk_tokens), targets.split(chunk_tokens))):
+        if token_losses is None:
+            part = checkpoint(_chunk_loss, output, h_chunk, t_chunk, ce_sum, use_reentrant=False)
+        else:
+            part, tokens = checkpoint(_chunk_loss_and_tokens, output, h_chunk, t_chunk, ce_sum, use_reentrant=False)
+            token_losses[i * chunk_tokens:i * chunk_tokens + len(tokens)] = tokens
         total = part if total is None else total + part
     assert total is not None, "h holds at least one token, so one chunk"
     return total / targets.numel()
@@ -88,10 +114,26 @@ def cross_entropy_sum_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> t
     return loss, grad.to(logits.dtype)
 
 
+def cross_entropy_sum_grad_and_tokens(logits: torch.Tensor, targets: torch.Tensor
+                                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """cross_entropy_sum_and_grad (the same operations, so the same sum), and the per-token losses
+    that sum adds up (fp32, one per row)."""
+    x = logits.float()
+    shifted = x - x.amax(dim=-1, keepdim=True)
+    exp = shifted.exp()
+    sum_exp = exp.sum(dim=-1, keepdim=True)
+    per_token = sum_exp.log() - shifted.gather(-1, targets[:, None])
+    loss = per_token.sum()
+    is_target = torch.arange(x.shape[-1], device=x.device) == targets[:, None]
+    grad = exp / sum_exp - is_target.float()
+    return loss, grad.to(logits.dtype), per_token[:, 0].detach()
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of `h @ weight.T` against `targets`, `chunk_tokens` rows at a time, with
     the gradients computed in forward: per chunk one matmul for the logits, then the loss and the
-    logits' gradient (`ce_grad`, compiled or not), then one matmul each for the chunk's share of the
+    logits' gradient (`ce_grad`, compiled or not; given `token_losses`, each row's loss is written
+    there too), then one matmul each for the chunk's share of the
     hidden states' and the weight's gradients; the logits are freed before the next chunk. Backward
     only scales what forward kept by the incoming gradient.
 
@@ -100,7 +142,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     would hold 0.5 GiB more on `1b` and cost a copy of each chunk's product)."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk_tokens, ce_grad):
+    def forward(ctx, h, weight, targets, chunk_tokens, ce_grad, token_losses=None):
         device = h.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
         with torch.autocast(device, enabled=False):
@@ -111,7 +153,10 @@ class LinearCrossEntropy(torch.autograd.Function):
             total = torch.zeros((), dtype=torch.float32, device=h.device)
             for start in range(0, x.shape[0], chunk_tokens):
                 x_chunk, t_chunk = x[start:start + chunk_tokens], targets[start:start + chunk_tokens]
-                loss, grad_logits = ce_grad(x_chunk @ w.t(), t_chunk)
+                # With `token_losses` (fp32, one per row), ce_grad is cross_entropy_sum_grad_and_tokens.
+                loss, grad_logits, *tokens = ce_grad(x_chunk @ w.t(), t_chunk)
+                if token_losses is not None:
+                    token_losses[start:start + chunk_tokens] = tokens[0]
                 total += loss
                 if grad_h is not None:
                     torch.mm(grad_logits, w, out=grad_h[start:start + chunk_tokens])
@@ -138,7 +183,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_h = (grad_h * grad_total).to(h_dtype)
         if grad_w is not None:
             grad_w = grad_w.mul_(grad_total).to(w_dtype)  # fp32 for the fp32 weight under autocast
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
 def fuses(output: nn.Module) -> bool:
@@ -184,5 +229,52 @@ def build_loss(chunk_tokens: int, compile: bool, compile_head: bool = False) -> 
             return chunked_output_loss(output, h, targets, chunk_tokens, ce_sum)
 
         return model(inputs, head=head, context=context)
+
+    return chunked_loss
+
+
+def build_token_loss(chunk_tokens: int, compile: bool, compile_head: bool = False) -> TokenLossFn:
+    """loss(model, inputs, targets, context=None) -> (the mean loss, each token's loss): build_loss's loss, computed
+    by the same operations on the same values, with every token's fp32 loss read beside it, detached
+    (a mixture's per-source training loss sums them by source). The per-token reading costs one more
+    pass over each chunk's logits (the fused chunked loss gets it from the pass it makes anyway)."""
+    if not chunk_tokens:
+        if compile and compile_head:
+            compiled_head = torch.compile(head_loss_and_tokens, fullgraph=True)
+
+            def compiled_head_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, context=None
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                loss, tokens = model(inputs, head=lambda norm, output, h: compiled_head(norm, output, h, targets),
+                                     context=context)
+                return loss, tokens.view_as(targets)
+
+            return compiled_head_loss
+        ce = torch.compile(cross_entropy) if compile else cross_entropy
+        ce_tokens = torch.compile(token_cross_entropy) if compile else token_cross_entropy
+
+        def whole_logits_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, context=None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+            logits = model(inputs, context=context)
+            return ce(logits, targets), ce_tokens(logits.flatten(0, 1), targets.flatten(0, 1)).view_as(targets)
+
+        return whole_logits_loss
+
+    ce_sum = torch.compile(cross_entropy_sum) if compile else cross_entropy_sum
+    ce_grad = torch.compile(cross_entropy_sum_grad_and_tokens) if compile else cross_entropy_sum_grad_and_tokens
+
+    def chunked_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, context=None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        def head(norm: nn.Module, output: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = norm(h)
+            if torch.is_grad_enabled() and fuses(output):
+                loss_sum: Callable = output.loss_sum  # type: ignore[assignment]
+                total, tokens = loss_sum(h.flatten(0, 1), targets.flatten(0, 1), chunk_tokens, ce_grad,
+                                         token_losses=True)
+                return total / targets.numel(), tokens
+            tokens = torch.empty(targets.numel(), dtype=torch.float32, device=targets.device)
+            return chunked_output_loss(output, h, targets, chunk_tokens, ce_sum, token_losses=tokens), tokens
+
+        loss, tokens = model(inputs, head=head, context=context)
+        return loss, tokens.view_as(targets)
 
     return chunked_loss

@@ -159,14 +159,16 @@ def _takes_compile(create_block_mask) -> bool:
     return "_compile" in inspect.signature(create_block_mask).parameters
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gqa: bool) -> torch.Tensor:
-    """Attention of (batch, heads, seq, head_dim) q, k, v under a document_mask."""
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gqa: bool,
+                     tuned: bool = True) -> torch.Tensor:
+    """Attention of (batch, heads, seq, head_dim) q, k, v under a document_mask; flex attention with the
+    measured kernel options unless not `tuned` (torch's defaults)."""
     if isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     from torch.nn.attention.flex_attention import flex_attention
 
     global _compiled_flex
-    options = kernel_options(q)
+    options = kernel_options(q) if tuned else None
     if torch.compiler.is_compiling():
         # Inside a compiled block (compile.enable) the block's graph compiles it. Its inputs are
         # pinned to (batch, heads, seq, head_dim) layout, which the RoPE kernel then writes directly:

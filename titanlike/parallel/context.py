@@ -12,19 +12,23 @@ values of its group, one collective for both, reorders them to window order, and
 queries against the keys each may see. The gather is torch's functional collective with autograd,
 whose backward reduce-scatters (sums) the keys' and values' gradients back to the ranks that made
 them; it traces under torch.compile and runs over gloo, so the CPU tests run the same code.
-- causal: per local chunk c covering window positions [s, s+L), SDPA of its queries against keys
-  [0, s+L) with a bottom-right-aligned causal mask (`causal_lower_right`), which CUDA's flash and
-  memory-efficient kernels apply without a materialised mask (a CPU materialises it). What it cannot
-  do, and what is done instead: (1) on CUDA it calls the flash and memory-efficient ops directly,
-  with no enable_gqa, so grouped-query kv heads are repeated to the query heads for this call (the
-  gathered keys and values of one layer, n_heads / n_kv_heads times); (2) dynamo refuses its
-  constructor inside a compiled region (torch 2.13: "Calling subclass default constructor with more
-  than tensor argument"), so the two CausalBias objects are made outside compiled code, once per
-  window length, and handed to the blocks as their `mask` argument, which compiles.
+- causal: per local chunk c covering window positions [s, s+L), attention of its queries against
+  keys [0, s+L) under a causal mask aligned to the bottom right (query j of the chunk sees keys up
+  to s + j). On a GPU in bf16/fp16 that is FlashAttention's own causal mask when queries are fewer
+  than keys, called through SDPA's flash op (`_scaled_dot_product_flash_attention`, differentiable,
+  traced by compile), with grouped-query kv heads repeated to the query heads for the call (the
+  op takes equal head counts): one layer's gathered keys and values, n_heads / n_kv_heads times.
+  Elsewhere (CPU, fp32) a dense boolean mask for SDPA. Not torch's CausalBias, which selects the
+  same kernel: torch 2.11's dynamo fails on it as a compiled block's input ("'CausalBias' object has
+  no attribute 'seq_len_q'") and 2.13's refuses to build one inside compiled code. Not flex
+  attention either: on an H200 its causal kernel took 2.4 times cuDNN's time at 16,384 tokens.
 - block_causal: the decoder's document mask over window positions (model/masks.py
   `document_mask_at`): query i is the local token's window position, keys are the gathered ones;
   document ids come from the whole window, which every rank of the group reads anyway. A flex
-  BlockMask on a GPU, a dense mask for SDPA on a CPU.
+  BlockMask on a GPU, a dense mask for SDPA on a CPU. Flex runs here on contiguous inputs with
+  torch's default kernel options: with fewer queries than keys and grouped kv heads, the tuned
+  options (model/masks.py KERNEL_OPTIONS) or a transposed layout gave wrong key and value
+  gradients on an H200 (torch 2.11), measured against unsplit attention.
 
 Why not torch's own `context_parallel`: it lives in a private, experimental module whose API changed
 across the torch versions this runs on (2.11 to 2.14), it has no CPU SDPA path (so no gloo tests),
@@ -45,7 +49,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 
 from titanlike.model.decoder import Transformer
 from titanlike.model.masks import document_ids, document_mask_at, masked_attention
@@ -53,6 +56,8 @@ from titanlike.model.masks import document_ids, document_mask_at, masked_attenti
 # The autograd-aware all-gather: all_gather_single_autograd from torch 2.13 (there
 # all_gather_tensor_autograd warns that it is deprecated), all_gather_tensor_autograd before.
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+CAUSAL = "causal"  # the causal mask of a context-parallel micro-batch: each rank's chunks know their keys
 
 
 def chunks_of(rank: int, cp: int) -> tuple[int, int]:
@@ -92,7 +97,6 @@ class ContextParallel:
         self.group = group
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.flex = flex  # document masks for flex attention; None = on CUDA
-        self._causal: dict[int, tuple] = {}
         self._positions: dict[tuple, torch.Tensor] = {}
 
     def positions(self, seq: int, device: torch.device) -> torch.Tensor:
@@ -107,22 +111,12 @@ class ContextParallel:
         seq = inputs.shape[1]
         positions = self.positions(seq, inputs.device)
         if document_end is None:
-            mask: object = self.causal_biases(seq)
+            mask: object = CAUSAL
         else:
             flex = self.flex if self.flex is not None else inputs.is_cuda
             mask = document_mask_at(document_ids(inputs, document_end), positions, flex)
         local = (shard_sequence(inputs, self.rank, self.cp), shard_sequence(targets, self.rank, self.cp))
         return *local, SequenceShard(positions, mask)
-
-    def causal_biases(self, seq: int) -> tuple:
-        """The bottom-right causal masks of this rank's two chunks: chunk c's L queries against the
-        (c + 1)·L keys up to its end. Made once per length, outside compiled code."""
-        if seq not in self._causal:
-            from torch.nn.attention.bias import causal_lower_right
-
-            chunk = seq // (2 * self.cp)
-            self._causal[seq] = tuple(causal_lower_right(chunk, (c + 1) * chunk) for c in chunks_of(self.rank, self.cp))
-        return self._causal[seq]
 
     def gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The group's keys and values, (batch, heads, seq, head_dim) each, in window order, from each
@@ -138,22 +132,33 @@ class ContextParallel:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gqa: bool) -> torch.Tensor:
         """Attention of this rank's (batch, heads, 2L, head_dim) queries over the whole window; `mask`:
-        the SequenceShard's (causal biases, or a document mask)."""
+        the SequenceShard's (CAUSAL, or a document mask)."""
         if mask is None:
             raise RuntimeError("context-parallel attention needs the micro-batch's mask: call the model with "
                                "the SequenceShard that ContextParallel.shard made")
         k, v = self.gather(k, v)
-        if not isinstance(mask, tuple):  # block_causal: a document mask over window positions
-            return masked_attention(q, k, v, mask, gqa)
-        if gqa:  # the kernels that apply a bottom-right causal mask take no shared kv heads
+        if isinstance(mask, str):  # CAUSAL
+            if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+                return self.flash_causal(q, k, v, gqa)
+            keys = torch.arange(k.shape[2], device=q.device)
+            queries = shard_sequence(keys, self.rank, self.cp, dim=0)
+            mask = (queries[:, None] >= keys[None, :])[None, None]
+        else:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        return masked_attention(q, k, v, mask, gqa, tuned=False)
+
+    def flash_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
+        """Each local chunk's queries against the keys up to its end, FlashAttention's causal mask
+        aligned to the bottom right (queries fewer than keys)."""
+        if gqa:
             repeats = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
         local = q.shape[2] // 2
         outs = []
-        for i, (chunk, bias) in enumerate(zip(chunks_of(self.rank, self.cp), mask, strict=True)):
+        for i, chunk in enumerate(chunks_of(self.rank, self.cp)):
             end = (chunk + 1) * local
-            outs.append(F.scaled_dot_product_attention(q[:, :, i * local:(i + 1) * local], k[:, :, :end],
-                                                       v[:, :, :end], attn_mask=bias))
+            outs.append(torch.ops.aten._scaled_dot_product_flash_attention(
+                q[:, :, i * local:(i + 1) * local], k[:, :, :end], v[:, :, :end], 0.0, is_causal=True)[0])
         return torch.cat(outs, dim=2)
 
 

@@ -10,6 +10,9 @@ and its records (metrics.jsonl, TensorBoard, config.toml) read as one run's hist
 - A resumed run drops the records of the steps after the checkpoint it resumed from (the attempt
   that was interrupted): they move from metrics.jsonl to metrics.dropped.jsonl, and TensorBoard
   purges them (purge_step).
+- The folder records which run its records are (`run-id`): drawn when a run starts afresh, kept by
+  its resumes. Every checkpoint records it too, so a resume can tell a step of this run from one
+  copied in from another run (checkpoint/manager.py decides what then happens).
 
 Nothing here imports torch: the preflight uses `check_not_in_use`.
 """
@@ -27,7 +30,8 @@ from titanlike.errors import UserError
 
 logger = logging.getLogger("titanlike")
 
-RECORDS = ("metrics.jsonl", "metrics.dropped.jsonl", "tb", "wandb", "config.toml")
+RUN_ID = "run-id"
+RECORDS = ("metrics.jsonl", "metrics.dropped.jsonl", "tb", "wandb", "config.toml", RUN_ID)
 
 
 class RunFolderError(UserError):
@@ -56,17 +60,38 @@ class RunFolder:
             atexit.register(self.close)  # also when the run stops before the trainer exists
             if self.lock.previous:
                 logger.info(f"took over {path} from a run that ended without releasing it ({self.lock.previous})")
+        self.run_id = self._recorded_run() if is_main else None
+        """The run this folder's records are of (rank 0; None when it holds none)."""
+
+    def _recorded_run(self) -> str | None:
+        target = os.path.join(self.path, RUN_ID)
+        if not os.path.isfile(target) or os.path.islink(target):
+            return None
+        try:
+            with open(target, encoding="utf-8", errors="replace") as f:
+                text = f.read(200).strip()
+        except OSError:
+            return None
+        return text if text.isalnum() else None  # an id is hex: anything else is no run of ours
 
     def write(self, name: str, text: str) -> None:
         """A file of the run's own (config.toml), written whole, never through a link (rank 0)."""
         if self.is_main:
             fs.write_text(os.path.join(self.path, name), text)
 
-    def start_records(self, resumed_step: int | None) -> int | None:
-        """Make the folder's records one run's history; returns TensorBoard's purge_step (or None)."""
+    def start_records(self, resumed_step: int | None, run_id: str, branched: bool = False) -> int | None:
+        """Make the folder's records one run's history, that of `run_id`; returns TensorBoard's purge_step
+        (or None). `branched`: resumed from another run's checkpoint, so the folder's records (of the run
+        it held) are not this run's history: they move away as for a fresh run."""
         if not self.is_main:
             return None
-        if resumed_step is None:
+        purge_step = self._start_records(resumed_step, branched)
+        fs.write_text(os.path.join(self.path, RUN_ID), run_id + "\n")
+        self.run_id = run_id
+        return purge_step
+
+    def _start_records(self, resumed_step: int | None, branched: bool) -> int | None:
+        if resumed_step is None or branched:
             found = [n for n in RECORDS if os.path.lexists(os.path.join(self.path, n))]
             if found:
                 written = os.lstat(os.path.join(self.path, found[0])).st_mtime
@@ -86,8 +111,9 @@ class RunFolder:
                 os.makedirs(target)
                 for name in found:
                     os.replace(os.path.join(self.path, name), os.path.join(target, name))
-                logger.info(f"{self.path} held another run's records: moved {', '.join(found)} to {target}/ "
-                            f"(this run starts afresh, not from a checkpoint)")
+                how = ("this run branches from another run's checkpoint" if branched
+                       else "this run starts afresh, not from a checkpoint")
+                logger.info(f"{self.path} held another run's records: moved {', '.join(found)} to {target}/ ({how})")
             return None
         self._drop_metrics_after(resumed_step)
         return resumed_step + 1

@@ -218,7 +218,8 @@ class MetricsLogger:
             record.update(self._notes)
             self._notes = {}
         if self.jsonl:
-            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+            clean = {k: ({n: _finite(x) for n, x in v.items()} if isinstance(v, dict) else _finite(v))
+                     for k, v in record.items()}
             self.jsonl.write_line(json.dumps({"kind": prefix, **clean}))
         if self.tb or self.wandb:
             tag = f"{prefix}/{record['source']}" if "source" in record else prefix
@@ -256,6 +257,11 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb:
             self.wandb.close()
+
+
+def _finite(v):
+    """JSON has no NaN or Infinity: a non-finite number is written as null."""
+    return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
 def format_line(prefix: str, r: dict, total_steps: int | None = None, eta_s: float | None = None) -> str:
