@@ -421,7 +421,7 @@ def test_two_gpus_context_parallel_attention_matches_unsplit(tmp_path):
     assert not any("math" in k for k in kernels), kernels
 
 
-def test_long_context_stage_switches_compiled_on_two_gpus(tmp_path, corpus):
+def test_long_context_stage_switches_compiled_on_two_gpus(tmp_path):
     """A long-context stage on two GPUs, compiled, with float8 and document masks: seq_len 256 → 512 with
     a larger RoPE base and half the samples at step 11; the blocks recompile once, the loss stays finite,
     and a resume from the step before the switch repeats the losses after it."""
@@ -431,15 +431,15 @@ def test_long_context_stage_switches_compiled_on_two_gpus(tmp_path, corpus):
              *RECIPES["tensorwise"], "--model.attn_mask", "block_causal", "--checkpoint.enable",
              "--checkpoint.interval", "10", "--data.phase", "11:seq_len=512,rope_theta=100000,local_batch_size=4,"
              "global_batch_size=16")
-    dump = tmp_path / "run"
-    proc = run_train(dump, *stage, nproc=2, device="cuda", corpus=corpus)
+    dump = tmp_path / "run"  # the embedded corpus as a run reads it by default: its end-of-text id is known
+    proc = run_train(dump, *stage, nproc=2, device="cuda")
     assert "stage 2 of 2 from step 11: seq_len 512" in proc.stderr and "recompile" in proc.stderr
     records = metrics(dump)
     assert all(math.isfinite(r["loss"]) for r in records)
     assert {r["seq_len"] for r in records if r["step"] > 10} == {512}
     resumed = tmp_path / "resumed"
     shutil.copytree(dump / "checkpoint" / "step-10", resumed / "checkpoint" / "step-10")
-    run_train(resumed, *stage, nproc=2, device="cuda", corpus=corpus)
+    run_train(resumed, *stage, nproc=2, device="cuda")
     want = {r["step"]: r["loss"] for r in records if r["step"] > 10}
     got = train_losses(resumed)
     assert max(abs(got[s] - want[s]) for s in want) < 1e-3, (got, want)

@@ -63,11 +63,9 @@ def head_loss(norm: nn.Module, output: nn.Module, h: torch.Tensor, targets: torc
     return cross_entropy(output(norm(h)), targets)
 
 
-def head_loss_and_tokens(norm: nn.Module, output: nn.Module, h: torch.Tensor, targets: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """head_loss, and each token's loss beside it (token_cross_entropy) from the same logits."""
-    logits = output(norm(h))
-    return cross_entropy(logits, targets), token_cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+def head_token_losses(norm: nn.Module, output: nn.Module, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each token's loss (token_cross_entropy) of the logits `output(norm(h))`, for a reading under no_grad."""
+    return token_cross_entropy(output(norm(h)).flatten(0, 1), targets.flatten(0, 1))
 
 
 def _chunk_loss(output: nn.Module, h: torch.Tensor, targets: torch.Tensor, ce_sum) -> torch.Tensor:
@@ -237,15 +235,24 @@ def build_token_loss(chunk_tokens: int, compile: bool, compile_head: bool = Fals
     """loss(model, inputs, targets, context=None) -> (the mean loss, each token's loss): build_loss's loss, computed
     by the same operations on the same values, with every token's fp32 loss read beside it, detached
     (a mixture's per-source training loss sums them by source). The per-token reading costs one more
-    pass over each chunk's logits (the fused chunked loss gets it from the pass it makes anyway)."""
+    pass over each chunk's logits (the fused chunked loss gets it from the pass it makes anyway; the
+    compiled head, one more forward of the output layer)."""
     if not chunk_tokens:
         if compile and compile_head:
-            compiled_head = torch.compile(head_loss_and_tokens, fullgraph=True)
+            # The loss is head_loss's own compiled graph, and the reading a second one under no_grad: one
+            # graph giving both fused differently on a GPU (the loss then differed in its last bits), for
+            # one more output-layer matmul (forward only) a mixed step.
+            compiled_head = torch.compile(head_loss, fullgraph=True)
+            compiled_tokens = torch.compile(head_token_losses, fullgraph=True)
 
             def compiled_head_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, context=None
                                    ) -> tuple[torch.Tensor, torch.Tensor]:
-                loss, tokens = model(inputs, head=lambda norm, output, h: compiled_head(norm, output, h, targets),
-                                     context=context)
+                def head(norm: nn.Module, output: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    loss = compiled_head(norm, output, h, targets)
+                    with torch.no_grad():
+                        return loss, compiled_tokens(norm, output, h, targets)
+
+                loss, tokens = model(inputs, head=head, context=context)
                 return loss, tokens.view_as(targets)
 
             return compiled_head_loss
