@@ -23,6 +23,7 @@ FUSED = f"{B}2026-11-23-one-gpu-fused-chunked-loss-1b-32gb.md"
 HEAD = f"{B}2026-11-23-one-gpu-124m-compiled-head-1b-32gb.md"
 TIER = f"{B}2026-11-24-gpu-test-tier.md"
 LEVERS = f"{B}2026-11-26-memory-levers-and-estimator.md"
+LEVERS8B = f"{B}2026-11-26-8b-levers-chunked-loss-context-parallel.md"
 ONE = C + "llama3_1b.toml"
 CAP = "--training.gpu_memory_limit_gib 31"
 
@@ -57,6 +58,14 @@ MEASURED = [
     (ONE, "--activation_checkpoint.mode full --optimizer.state_dtype 8bit", 1, H200, 20.3, LEVERS),
     (ONE, "--model.flavor 3b --fp8.recipe none --training.local_batch_size 4", 2, H200, 79.1, LEVERS),
     (ONE, "--fp8.recipe none --training.loss_chunk_tokens 4096", 2, H200, 47.3, LEVERS),
+    (C + "llama3_8b.toml", "--training.loss_chunk_tokens 1024", 2, H200, 99.3, LEVERS8B),
+    (C + "llama3_8b.toml", "--training.loss_chunk_tokens 4096 --optimizer.state_dtype 8bit", 2, H200, 77.0, LEVERS8B),
+    (C + "llama3_8b.toml", "--training.loss_chunk_tokens 4096 --activation_checkpoint.selective_ac_option "
+     "op:wqkv,wo,w1", 2, H200, 85.3, LEVERS8B),
+    (ONE, "--data.seq_len 16384 --training.local_batch_size 1 --training.global_batch_size 1", 1, H200, 37.0,
+     LEVERS8B),
+    (ONE, "--data.seq_len 16384 --training.local_batch_size 1 --training.global_batch_size 1 --parallel.cp 2", 2,
+     H200, 27.3, LEVERS8B),
 ]
 
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from titanlike.config.dims import ParallelDims
 from titanlike.config.schema import JobConfig
-from titanlike.config.speed import resolve_reshard
-from titanlike.model.shape import ModelArgs, count_params
+from titanlike.config.speed import matmul_outputs_kept, resolve_reshard
+from titanlike.model.shape import BLOCK_MATMULS, ModelArgs, count_params
 
 GIB = 2**30
 
@@ -101,10 +101,11 @@ def shape_of(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, card_gib: floa
     t, ac, fp8 = cfg.training, cfg.activation_checkpoint, cfg.fp8
     float8 = fp8.recipe != "none"
     ag = fp8.enable_fsdp_float8_all_gather
-    float8_ag = dims.dp_shard > 1 and fp8.recipe == "tensorwise" and (ag is None or ag)
+    float8_ag = dims.fsdp_shard > 1 and fp8.recipe == "tensorwise" and (ag is None or ag)
     gathered = 2 * count_params(args)[0]
     reshard = resolve_reshard(cfg.parallel.reshard_after_forward, gathered, int(card_gib * GIB) if card_gib else None)
-    return Shape(args, dims, t.local_batch_size * cfg.data.seq_len, ac.mode, ac.selective_ac_option,
+    # With context parallelism each rank holds 1/cp of every window's tokens (and FSDP shards over dp × cp).
+    return Shape(args, dims, t.local_batch_size * cfg.data.seq_len // dims.cp, ac.mode, ac.selective_ac_option,
                  ac.memory_budget, float8, float8_ag, cfg.compile.enable, t.loss_chunk_tokens,
                  cfg.optimizer.state_dtype, reshard, bool(getattr(cfg.parallel, "cpu_offload", False)))
 
@@ -118,6 +119,16 @@ def op_bytes_per_token(a: ModelArgs) -> float:
     Measured on 8b: 1.443 GiB a block at 16,384 tokens, this formula's 1.440 plus the embedding's share."""
     kv = a.n_kv_heads * a.head_dim
     return 2 * (a.dim + 2 * kv) + 2 * a.dim + 4 * a.n_heads + 4 * a.dim + 4 * a.ffn_dim
+
+
+def op_kept_bytes_per_token(a: ModelArgs, option: str) -> float:
+    """Selective `op:NAMES`: `op`'s tensors less the outputs of the Linears it does not keep (recomputed
+    in backward; without wo's, the residual stream after attention too). w2's is never kept. Measured on
+    8b: op:wqkv,wo,w1 keeps 0.4375 GiB a block less at 16,384 tokens (w3's), op:wqkv,w1 0.5625 (w3's
+    and wo's), docs/benchmarks/2026-11-26-8b-memory-breakdown.md."""
+    kept = matmul_outputs_kept(option) or BLOCK_MATMULS
+    width = {"wqkv": a.dim + 2 * a.n_kv_heads * a.head_dim, "wo": a.dim, "w1": a.ffn_dim, "w3": a.ffn_dim, "w2": 0}
+    return op_bytes_per_token(a) - sum(2 * width[name] for name in BLOCK_MATMULS if name not in kept)
 
 
 def none_bytes_per_token(a: ModelArgs) -> float:
@@ -137,16 +148,25 @@ def block_bytes(s: Shape) -> tuple[float, float]:
     """(bytes all blocks keep for backward, bytes one block recomputing in backward holds at once)."""
     a, n, layers = s.args, s.tokens, s.args.n_layers
     none = none_bytes_per_token(a) + (0 if s.compile else eager_extra_per_token(a))
-    op = op_bytes_per_token(a)
+    op = op_kept_bytes_per_token(a, s.ac_option) if s.ac_option.startswith("op") else op_bytes_per_token(a)
     if s.float8:
         none *= FLOAT8_NONE_SHARE
         op += FLOAT8_OP_EXTRA_PER_DIM * a.dim
     block_input = 2 * a.dim  # a fully recomputed block keeps its input only
+    if s.dims.cp > 1:
+        # Context parallelism (parallel/context.py): attention's backward reads the keys and values of the
+        # whole window, gathered (kv heads); not recomputed, also the copies repeated to the query heads that
+        # the causal flash calls take. Per local token: cp window tokens' worth each. The 1b row at 16,384
+        # tokens with cp 2 measured this.
+        gathered = 2 * 2 * a.n_kv_heads * a.head_dim * s.dims.cp
+        repeated = 2 * 2 * a.n_heads * a.head_dim * s.dims.cp if a.n_kv_heads < a.n_heads else 0
+        none += gathered + repeated
+        op += gathered
     if s.ac_mode == "none":
         return layers * none * n, 0.0
     if s.ac_mode == "budget":
         return layers * none * n * s.ac_budget, 0.0
-    if s.ac_mode == "selective" and s.ac_option == "op":
+    if s.ac_mode == "selective" and s.ac_option.startswith("op"):
         return layers * op * n, 0.0
     every = 1 if s.ac_mode == "full" else int(s.ac_option)
     recomputed = math.ceil(layers / every)
@@ -158,7 +178,7 @@ def block_bytes_recomputed_whole(s: Shape) -> int:
     """Blocks that full or every-N selective recompute whole (they keep only their input)."""
     if s.ac_mode == "full":
         return s.args.n_layers
-    if s.ac_mode == "selective" and s.ac_option != "op":
+    if s.ac_mode == "selective" and not s.ac_option.startswith("op"):
         return math.ceil(s.args.n_layers / int(s.ac_option))
     return 0
 
@@ -169,7 +189,7 @@ def block_bytes_recomputed_whole(s: Shape) -> int:
 def estimate(s: Shape) -> Estimate:
     a, dims = s.args, s.dims
     total, embed = count_params(a)
-    shard = dims.dp_shard if dims.sharded else 1
+    shard = dims.fsdp_shard if dims.sharded else 1
     sharded = dims.sharded or s.cpu_offload  # offload runs FSDP even on one GPU
     on_gpu = 0.0 if s.cpu_offload else 1.0  # FSDP's CPU offload keeps these three in host memory
     weights = on_gpu * 4 * total / shard
@@ -200,7 +220,7 @@ def estimate(s: Shape) -> Estimate:
     # the weight cast to float8 and its transpose), kept by every block that is not recomputed whole. Under
     # FSDP the gathered bf16 weights are that copy already; float8 still keeps its casts.
     # Selective `op` and full recompute redo the casts in backward instead.
-    copy_bytes = 2.0 if (s.float8 or not sharded) and not (s.ac_mode == "selective" and s.ac_option == "op") else 0.0
+    copy_bytes = 2.0 if (s.float8 or not sharded) and not (s.ac_mode == "selective" and s.ac_option.startswith("op")) else 0.0
     kept += copy_bytes * block_params * (a.n_layers - block_bytes_recomputed_whole(s))
     gathered, ag_pool = 0.0, 0.0
     if sharded:
@@ -251,7 +271,8 @@ def estimate(s: Shape) -> Estimate:
 
 def ac_words(s: Shape) -> str:
     if s.ac_mode == "selective":
-        what = "selective, op" if s.ac_option == "op" else f"selective, every {s.ac_option}th block recomputed"
+        what = (f"selective, {s.ac_option}" if s.ac_option.startswith("op")
+                else f"selective, every {s.ac_option}th block recomputed")
     elif s.ac_mode == "budget":
         what = f"budget {s.ac_budget}"
     else:
