@@ -63,6 +63,10 @@ ROWS = [
         common=["--training.gpu_memory_limit_gib", "31"]),
     Row("8b", "`8b`, seq 8192, batch 2, FSDP, selective AC", "train_configs/llama3_8b.toml", 4,
         bf16="--fp8.recipe none", float8="", float8_mode="tensorwise, float8 all-gather"),
+    Row("1b-2gpu", "`1b`, seq 4096, batch 6, FSDP", "train_configs/llama3_1b.toml", 2,
+        bf16="--fp8.recipe none", float8="", float8_mode="tensorwise, float8 all-gather"),
+    Row("8b-2gpu", "`8b`, seq 8192, batch 2, FSDP, selective AC (`llama3_8b.toml`)", "train_configs/llama3_8b.toml", 2,
+        bf16="--fp8.recipe none", float8="", float8_mode="tensorwise, float8 all-gather"),
 ]
 
 

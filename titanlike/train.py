@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from titanlike import parallel
 from titanlike.checkpoint.manager import CheckpointManager
-from titanlike.config import ConfigError, JobConfig, help_text, load_config, to_toml
+from titanlike.config import JobConfig, help_text, load_config, to_toml
 from titanlike.config.dims import world_from_env
 from titanlike.config.run import resolve_run
 from titanlike.data.build import build_run_data
@@ -73,19 +73,13 @@ class Trainer:
         self.device = parallel.pick_device(t.device, local_rank)
         parallel.configure_device(self.device, t.gpu_memory_limit_gib, t.deterministic)
         offload = cfg.parallel.cpu_offload
-        if offload and self.device.type != "cuda":
-            raise ConfigError("parallel.cpu_offload moves the training state from a GPU to host memory, and no CUDA "
-                              "GPU is visible: drop --parallel.cpu_offload")
         self.mesh = parallel.init_distributed(self.dims, self.device, cfg.parallel.backend_timeout_s,
                                               cpu_offload=offload)
-        if offload:  # before any model is built: the host must hold the state the GPU gives up
-            parallel.offload.check_host_memory(
-                count_params(self.run.model.args)[0], self.dims.fsdp_shard, cfg.optimizer.state_dtype,
-                cfg.checkpoint.enable and cfg.checkpoint.async_mode != "disabled",
-                local_ranks=parallel.offload.local_ranks(), log=self.is_main)
-            threads = parallel.offload.cpu_threads(parallel.offload.local_ranks())
-            if threads:
-                torch.set_num_threads(threads)
+        # Offloaded: the host must hold the state the GPU gives up, before any model is built.
+        parallel.offload.prepare_host(offload, self.device, count_params(self.run.model.args)[0],
+                                      self.dims.fsdp_shard, cfg.optimizer.state_dtype,
+                                      cfg.checkpoint.enable and cfg.checkpoint.async_mode != "disabled",
+                                      log=self.is_main)
         cp_mesh = parallel.context_mesh(self.dims, self.device)  # the ranks that split each sequence
         torch.manual_seed(cfg.job.seed)
         # The dump folder is this run's alone (a lock; checked writable before any work).

@@ -111,3 +111,18 @@ def cpu_threads(local_ranks: int, environ=os.environ) -> int | None:
 def local_ranks(environ=os.environ) -> int:
     """Ranks on this host, as torchrun says (LOCAL_WORLD_SIZE); 1 for a plain process."""
     return int(environ.get("LOCAL_WORLD_SIZE", 1))
+
+
+def prepare_host(enabled: bool, device: torch.device, n_params: int, dp_shard: int, state_dtype: str,
+                 background_saves: bool, *, log: bool) -> None:
+    """Before any model is built, on a run that offloads: a GPU to offload from, host memory for the state
+    the GPUs give up (check_host_memory), and the host's cores for the CPU update (cpu_threads)."""
+    if not enabled:
+        return
+    if device.type != "cuda":
+        raise ConfigError("parallel.cpu_offload moves the training state from a GPU to host memory, and no CUDA "
+                          "GPU is visible: drop --parallel.cpu_offload")
+    check_host_memory(n_params, dp_shard, state_dtype, background_saves, local_ranks=local_ranks(), log=log)
+    threads = cpu_threads(local_ranks())
+    if threads:
+        torch.set_num_threads(threads)

@@ -220,7 +220,8 @@ def estimate(s: Shape) -> Estimate:
     # the weight cast to float8 and its transpose), kept by every block that is not recomputed whole. Under
     # FSDP the gathered bf16 weights are that copy already; float8 still keeps its casts.
     # Selective `op` and full recompute redo the casts in backward instead.
-    copy_bytes = 2.0 if (s.float8 or not sharded) and not (s.ac_mode == "selective" and s.ac_option.startswith("op")) else 0.0
+    selective_op = s.ac_mode == "selective" and s.ac_option.startswith("op")
+    copy_bytes = 2.0 if (s.float8 or not sharded) and not selective_op else 0.0
     kept += copy_bytes * block_params * (a.n_layers - block_bytes_recomputed_whole(s))
     gathered, ag_pool = 0.0, 0.0
     if sharded:
