@@ -243,3 +243,21 @@ def test_a_run_with_fit_gib_trains_with_the_chosen_levers_and_records_them(tmp_p
     # A resume from the saved file keeps every setting: the fit has nothing left to change.
     again, line = fit_to_target(saved, ["--job.config_file", str(folder / "config.toml")], 1)
     assert again == saved and line is not None and "no lever needed" in line
+
+
+def test_what_fits_prints_each_card_and_gpu_count_without_torch():
+    """scripts/what_fits.py (the README's "what fits" table): a row for each card and GPU count, each
+    naming a preset and a window that fit by the estimate, with no torch imported."""
+    code = ("import runpy, sys; sys.argv = ['what_fits.py']; runpy.run_path('scripts/what_fits.py', "
+            "run_name='__main__'); print('torch loaded' if 'torch' in sys.modules else 'no torch')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[-1] == "no torch"
+    rows = [line for line in lines if line.startswith("| ") and "GB (" in line]
+    assert len(rows) == 6 and all(" GiB, " in row for row in rows), rows
+    # More GPUs never fit a smaller preset on the same card.
+    order = ["`124m`", "`1b`", "`3b`", "`8b`", "`70b`"]
+    for card in ("32 GB", "80 GB"):
+        sizes = [max(i for i, name in enumerate(order) if name in row) for row in rows if row.startswith(f"| {card}")]
+        assert sizes == sorted(sizes), (card, rows)
