@@ -268,6 +268,7 @@ def test_host_copy_of_8bit_state_is_a_snapshot():
                                                           copy.signed).dequantize())
 
 
+@pytest.mark.slow  # three more training runs: 26 s of the default tier
 def test_8bit_background_save_writes_what_the_foreground_save_writes(straight, tmp_path, corpus):
     """checkpoint.async_mode with 8-bit moments: step 3 is saved in the background (step 6, the last,
     in the foreground as always); its files hold what the foreground save of the same run held, and a
