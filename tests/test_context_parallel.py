@@ -224,6 +224,8 @@ def test_checkpoint_moves_between_cp_degrees(runs, tmp_path):
     from conftest import ckpt, run_train, step_losses, train_here
 
     mask, one, two = runs
+    if mask[1] != "causal":
+        pytest.skip("one mask suffices: what DCP reshards does not depend on it")
     to_one, to_two = tmp_path / "to_cp1", tmp_path / "to_cp2"
     for src, dst in ((two, to_one), (one, to_two)):
         shutil.copytree(ckpt(src) / "step-3", ckpt(dst) / "step-3")
@@ -241,6 +243,8 @@ def test_cp2_compiled_tracks_eager(runs, tmp_path):
     from conftest import run_train, step_losses
 
     mask, one, _ = runs
+    if mask[1] != "causal":
+        pytest.skip("one mask on the CPU (a dense mask either way); the GPU tier compiles both")
     run_train(tmp_path, *RUN, *mask, "--parallel.cp", "2", "--compile.enable", "--activation_checkpoint.mode",
               "selective", nproc=2, timeout=900)
     got, want = step_losses(tmp_path), step_losses(one)
