@@ -1,7 +1,8 @@
 """What fits on 32 and 80 GB cards, by titanlike-plan's estimate: the largest preset each GPU count trains
 (with the fastest memory levers that make it fit, CPU offload aside) and the longest window `1b` trains
 with one window a GPU. Estimates (±10 %, tests/test_plan.py holds them to recorded peaks), not measurements; each row
-prints the titanlike-plan command that shows its breakdown.
+prints the titanlike-plan command that shows its breakdown. The window column is the weakest: with full
+recompute at long windows the estimate was half the measured peak (docs/memory.md).
 
     python scripts/what_fits.py            # the README's "what fits" table, as Markdown
 

@@ -7,6 +7,7 @@ training run with cp 2 matches one process, and checkpoints move between cp degr
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
@@ -26,6 +27,65 @@ from titanlike.parallel.mesh import destroy_process_group
 # fp32 on one CPU: the split attention sums the same products in another order (measured ~1e-7).
 ATOL, RTOL = 1e-5, 1e-5
 
+
+
+class ExactKernel:
+    """One part's attention written out in torch (fp32): the stand-in for cuDNN's kernel on CPU, with
+    the same contract as parallel/chunk_attention.py's CudnnKernel (a causal part is square)."""
+
+    @staticmethod
+    def scores(q, k, causal):
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        if causal:
+            s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+        return s
+
+    @staticmethod
+    def forward(q, k, v, causal):
+        s = ExactKernel.scores(q, k, causal)
+        lse = s.logsumexp(-1, keepdim=True)
+        out = (s - lse).exp() @ v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        return out, lse, (), ()
+
+    @staticmethod
+    def backward(grad, q, k, v, out, lse, causal, tensors, values):
+        groups = q.shape[1] // k.shape[1]
+        p = (ExactKernel.scores(q, k, causal) - lse).exp()  # the merged softmax, from the merged lse
+        dv = p.transpose(-1, -2) @ grad
+        ds = p * (grad @ v.repeat_interleave(groups, dim=1).transpose(-1, -2) - (grad * out).sum(-1, keepdim=True))
+        ds = ds * q.shape[-1] ** -0.5
+        dq = ds @ k.repeat_interleave(groups, dim=1)
+        dk = ds.transpose(-1, -2) @ q
+
+        def per_kv_head(x):
+            return x.unflatten(1, (k.shape[1], groups)).sum(2)
+
+        return dq, per_kv_head(dk), per_kv_head(dv)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_causal_chunks_match_whole_window_attention(cp):
+    """The GPU causal path (parallel/chunk_attention.py: each chunk as an unmasked prefix and a square
+    causal block, merged by log-sum-exp, backward per part with the merged softmax), with an exact
+    kernel in cuDNN's place: every rank's output and the summed key/value gradients are whole-window
+    causal attention's."""
+    from titanlike.parallel.chunk_attention import CausalChunks
+    from titanlike.parallel.context import chunks_of
+
+    torch.manual_seed(0)
+    b, heads, kv_heads, seq, dim = 2, 4, 2, 32, 8
+    q, k, v = (torch.randn(b, h, seq, dim, requires_grad=True) for h in (heads, kv_heads, kv_heads))
+    g = torch.randn(b, heads, seq, dim)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    want_grads = torch.autograd.grad((want * g).sum(), (q, k, v))
+    outs = [CausalChunks.apply(shard_sequence(q, r, cp, dim=2), k, v, chunks_of(r, cp), ExactKernel)
+            for r in range(cp)]
+    got = unshard_sequence(outs, dim=2)
+    got_grads = torch.autograd.grad((got * g).sum(), (q, k, v))
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    for mine, theirs in zip(got_grads, want_grads):
+        torch.testing.assert_close(mine, theirs, atol=ATOL, rtol=RTOL)
 
 def test_split_then_unsplit_is_identity():
     x = torch.arange(2 * 48 * 3).view(2, 48, 3)
@@ -286,3 +346,30 @@ def test_cp2_with_float8_all_gather_tracks_float8_one_process(tmp_path):
     assert sorted(two) == list(range(1, STEPS + 1))
     for step in one:
         assert two[step] == pytest.approx(one[step], rel=1e-2), step
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_ranks_document_blockmask_is_torchs_and_laid_out_as_flex_reads_it(cp):
+    """A cp rank's BlockMask (its queries against the whole window, model/masks.py document_mask_at): the
+    blocks of torch's create_block_mask for the same mask function, and every count and index list
+    contiguous. Flex's kernels read the lists row after row; the query-side lists (what backward reads)
+    once came out with transposed strides for these non-square masks, and the key and value gradients
+    were wrong on a GPU while this CPU comparison of values alone passed."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from titanlike.model.masks import document_ids, document_mask_at
+
+    seq = 2048
+    tokens = torch.randint(0, 300, (2, seq), generator=torch.Generator().manual_seed(cp))
+    docs = document_ids(tokens, 0)
+    for rank in range(cp):
+        mask = document_mask_at(docs, shard_sequence(torch.arange(seq), rank, cp, dim=0), flex=True)
+        reference = create_block_mask(mask.mask_mod, 2, None, seq // cp, seq, device="cpu")
+        for side in ("kv", "full_kv", "q", "full_q"):
+            counts, indices = getattr(mask, f"{side}_num_blocks"), getattr(mask, f"{side}_indices")
+            assert counts.is_contiguous() and indices.is_contiguous(), (rank, side)
+            want_counts, want_indices = getattr(reference, f"{side}_num_blocks"), getattr(reference, f"{side}_indices")
+            assert torch.equal(counts, want_counts), (rank, side)
+            for row in itertools.product(*map(range, counts.shape)):
+                n = int(counts[row])
+                assert sorted(indices[row][:n].tolist()) == sorted(want_indices[row][:n].tolist()), (rank, side, row)

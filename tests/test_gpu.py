@@ -389,7 +389,7 @@ def test_one_gpu_cpu_offload_with_8bit_moments_and_compiled_float8(tmp_path, cor
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: context parallelism over NCCL")
 @pytest.mark.parametrize("mask", ["causal", "block_causal"])
 def test_two_gpus_context_parallel_matches_one_gpu(tmp_path, mask):
-    """--parallel.cp 2 on two GPUs, compiled (the bottom-right causal SDPA kernels, or flex attention
+    """--parallel.cp 2 on two GPUs, compiled (cuDNN's attention on each chunk's parts, or flex attention
     over a BlockMask of window positions): each GPU holds half of every window, and the losses track
     one GPU's on the same global batch (bf16: the two sum attention in different orders)."""
     common = ("--training.steps", "10", "--metrics.log_freq", "1", "--validation.enable", "false",
@@ -409,8 +409,8 @@ def test_two_gpus_context_parallel_matches_one_gpu(tmp_path, mask):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: context parallelism over NCCL")
 def test_two_gpus_context_parallel_attention_matches_unsplit(tmp_path):
     """Context-parallel attention on two GPUs in bf16, eager and compiled: outputs and q, k, v gradients
-    against unsplit attention, and causal runs the fused bottom-right kernels (no materialised mask,
-    no math fallback)."""
+    against unsplit attention, and causal runs fused kernels (cuDNN's, parallel/chunk_attention.py; no
+    materialised mask, no math fallback)."""
     found = run_probe("context_parallel_probe.py", tmp_path / "probe.json", device="cuda")
     assert set(found) == {"causal-eager", "causal-compiled", "block_causal-eager", "block_causal-compiled"}
     for name, case in found.items():

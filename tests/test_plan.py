@@ -24,6 +24,7 @@ HEAD = f"{B}2026-11-23-one-gpu-124m-compiled-head-1b-32gb.md"
 TIER = f"{B}2026-11-24-gpu-test-tier.md"
 LEVERS = f"{B}2026-11-26-memory-levers-and-estimator.md"
 LEVERS8B = f"{B}2026-11-26-8b-levers-chunked-loss-context-parallel.md"
+FIT = f"{B}2026-11-26-cp-kernels-fit-to-target.md"
 ONE = C + "llama3_1b.toml"
 CAP = "--training.gpu_memory_limit_gib 31"
 
@@ -66,6 +67,19 @@ MEASURED = [
      LEVERS8B),
     (ONE, "--data.seq_len 16384 --training.local_batch_size 1 --training.global_batch_size 1 --parallel.cp 2", 2,
      H200, 27.3, LEVERS8B),
+    (C + "llama3_8b.toml", "", 2, H200, 104.0, FIT),
+    (C + "llama3_8b.toml", "--training.loss_chunk_tokens 4096", 2, H200, 99.3, FIT),
+    (C + "llama3_8b.toml", "--training.loss_chunk_tokens 1024 --optimizer.state_dtype 8bit "
+     "--training.gpu_memory_limit_gib 78", 2, H200, 77.0, FIT),  # what --training.fit_gib 78 chose
+    (ONE, "", 1, H200, 46.3, FIT),
+    (ONE, "--training.loss_chunk_tokens 1024 --activation_checkpoint.mode budget "
+     "--activation_checkpoint.memory_budget 0.5", 1, H200, 33.5, FIT),
+    (ONE, "--training.local_batch_size 3 --training.global_batch_size 6 --optimizer.state_dtype 8bit "
+     "--training.loss_chunk_tokens 4096 --training.gpu_memory_limit_gib 31", 1, H200, 28.7, FIT),
+    (ONE, "--model.flavor 3b --optimizer.state_dtype 8bit --activation_checkpoint.mode full "
+     "--training.gpu_memory_limit_gib 31", 2, H200, 28.8, FIT),
+    (ONE, "--data.seq_len 16384 --training.local_batch_size 1 --training.global_batch_size 1 --parallel.cp 2", 2,
+     H200, 26.3, FIT),
 ]
 
 
@@ -181,7 +195,8 @@ ONE_B = ["--job.config_file", str(ROOT / C / "llama3_1b.toml")]
 
 @pytest.mark.parametrize("target, chosen", [
     (70, {}),
-    (40, {"training.loss_chunk_tokens": 4096, "optimizer.state_dtype": "8bit"}),
+    # The micro-batch the TOML file sets is a lever (the same global batch in more micro-batches).
+    (40, {"training.loss_chunk_tokens": 4096, "training.local_batch_size": 3}),
     (20, {"training.loss_chunk_tokens": 4096, "optimizer.state_dtype": "8bit", "activation_checkpoint.mode": "full"}),
 ])
 def test_fit_picks_the_fastest_levers_that_fit(target, chosen):
@@ -190,10 +205,12 @@ def test_fit_picks_the_fastest_levers_that_fit(target, chosen):
     assert line and line.startswith(f"training.fit_gib = {target}")
     got = {"training.loss_chunk_tokens": cfg.training.loss_chunk_tokens,
            "optimizer.state_dtype": cfg.optimizer.state_dtype,
-           "activation_checkpoint.mode": cfg.activation_checkpoint.mode}
+           "activation_checkpoint.mode": cfg.activation_checkpoint.mode,
+           "training.local_batch_size": cfg.training.local_batch_size}
     base = load_config(ONE_B)
     want = {"training.loss_chunk_tokens": base.training.loss_chunk_tokens,
-            "optimizer.state_dtype": base.optimizer.state_dtype, "activation_checkpoint.mode": "none", **chosen}
+            "optimizer.state_dtype": base.optimizer.state_dtype, "activation_checkpoint.mode": "none",
+            "training.local_batch_size": base.training.local_batch_size, **chosen}
     assert got == want
     assert estimate_run(cfg, 1, target).reserved_gib <= target
     # The choice is in the config the run saves, so a resume trains the same.
@@ -203,7 +220,7 @@ def test_fit_picks_the_fastest_levers_that_fit(target, chosen):
 
 
 def test_fit_keeps_the_levers_the_user_set():
-    argv = ONE_B + ["--training.fit_gib", "40", "--optimizer.state_dtype", "fp32"]
+    argv = ONE_B + ["--training.fit_gib", "40", "--optimizer.state_dtype", "fp32", "--training.local_batch_size", "6"]
     assert "optimizer.state_dtype" in given_keys(argv) and "training.local_batch_size" in given_keys(argv)
     cfg, _ = fit(argv, 1)
     assert cfg.optimizer.state_dtype == "fp32" and cfg.training.local_batch_size == 6
@@ -217,16 +234,16 @@ def test_fit_off_changes_nothing():
 
 def test_fit_refuses_a_target_nothing_reaches_naming_the_closest():
     with pytest.raises(UserError) as e:
-        fit(ONE_B + ["--training.fit_gib", "5"], 1)
+        fit(ONE_B + ["--training.fit_gib", "2"], 1)
     msg = str(e.value)
     assert "\n" not in msg and "the smallest estimate is" in msg and "comes closest alone is --" in msg
 
 
 def test_the_preflight_refuses_an_unreachable_target_before_any_work():
     out = subprocess.run([sys.executable, "-m", "titanlike.preflight", "--job.config_file",
-                          "train_configs/llama3_1b.toml", "--training.fit_gib", "5"],
+                          "train_configs/llama3_1b.toml", "--training.fit_gib", "2"],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
-    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "training.fit_gib = 5" in out.stderr
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "training.fit_gib = 2" in out.stderr
 
 
 @pytest.mark.slow  # a CPU training step: about 18 s

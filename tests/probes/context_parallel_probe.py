@@ -1,7 +1,7 @@
 """Worker for tests/test_gpu.py: context-parallel attention on two ranks against unsplit attention.
 
 Run as `torchrun --nproc_per_node=2 tests/probes/context_parallel_probe.py OUT.json DEVICE`. For each
-mask (causal: SDPA with bottom-right causal masks; block_causal: flex attention over a BlockMask of
+mask (causal: cuDNN attention on each chunk's parts; block_causal: flex attention over a BlockMask of
 window positions on a GPU, a dense mask on a CPU), eager and compiled, each rank attends its part of
 the queries (grouped-query heads) to the gathered keys and values, and compares its outputs and the
 gradients of q, k and v (gathered back to window order) with unsplit attention on the same tensors.

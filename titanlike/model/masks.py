@@ -124,7 +124,11 @@ def _block_lists(blocks: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.T
     for side in sides:
         side = side.to(torch.int8)
         counts += list(side.sum(dim=-1, dtype=torch.int32)[:, :, None])
-        indices += list(torch.argsort(side, dim=-1, descending=True, stable=True).to(torch.int32)[:, :, None])
+        # Contiguous: flex's kernels read the lists as laid out row after row, and argsort of the
+        # transposed side keeps its transposed strides (a context-parallel rank's non-square mask; the
+        # key and value gradients came out wrong on an H200 from such q_indices).
+        indices += list(torch.argsort(side, dim=-1, descending=True, stable=True).to(torch.int32)
+                        .contiguous()[:, :, None])
     return counts, indices
 
 

@@ -35,7 +35,7 @@ def _save_policy_context(keep: frozenset[int] | None):
     if hasattr(torch.ops.higher_order, "flex_attention"):  # model.attn_mask = block_causal
         save.add(torch.ops.higher_order.flex_attention)
     # Context parallelism (parallel/context.py): the gathered keys and values, so that backward does not
-    # gather them again (its causal kernel is the flash op above).
+    # gather them again (its causal kernel is the cuDNN op above, parallel/chunk_attention.py).
     for namespace in ("_c10d_functional", "_c10d_functional_autograd"):
         ops = getattr(torch.ops, namespace, None)
         if ops is not None and hasattr(ops, "all_gather_into_tensor"):

@@ -14,21 +14,22 @@ whose backward reduce-scatters (sums) the keys' and values' gradients back to th
 them; it traces under torch.compile and runs over gloo, so the CPU tests run the same code.
 - causal: per local chunk c covering window positions [s, s+L), attention of its queries against
   keys [0, s+L) under a causal mask aligned to the bottom right (query j of the chunk sees keys up
-  to s + j). On a GPU in bf16/fp16 that is FlashAttention's own causal mask when queries are fewer
-  than keys, called through SDPA's flash op (`_scaled_dot_product_flash_attention`, differentiable,
-  traced by compile), with grouped-query kv heads repeated to the query heads for the call (the
-  op takes equal head counts): one layer's gathered keys and values, n_heads / n_kv_heads times.
-  Elsewhere (CPU, fp32) a dense boolean mask for SDPA. Not torch's CausalBias, which selects the
-  same kernel: torch 2.11's dynamo fails on it as a compiled block's input ("'CausalBias' object has
-  no attribute 'seq_len_q'") and 2.13's refuses to build one inside compiled code. Not flex
-  attention either: on an H200 its causal kernel took 2.4 times cuDNN's time at 16,384 tokens.
+  to s + j). On a GPU in bf16/fp16 that is parallel/chunk_attention.py: cuDNN's fused kernel (the one
+  SDPA runs for a whole window on Hopper) on an unmasked prefix and a square causal block, merged by
+  log-sum-exp. Elsewhere (CPU, fp32) a dense boolean mask for SDPA. Not FlashAttention's own
+  bottom-right mask through SDPA's flash op, which is one call a chunk but a slower kernel: a cp 2
+  rank of `1b` at 16,384 tokens ran at 0.67× one GPU's speed on it, 0.81× on cuDNN's (H200,
+  docs/benchmarks). Not torch's CausalBias, which selects that flash kernel: torch 2.11's dynamo
+  fails on it as a compiled block's input. Not flex attention either: on an H200 its causal kernel
+  took 2.4 times cuDNN's time at 16,384 tokens.
 - block_causal: the decoder's document mask over window positions (model/masks.py
   `document_mask_at`): query i is the local token's window position, keys are the gathered ones;
   document ids come from the whole window, which every rank of the group reads anyway. A flex
-  BlockMask on a GPU, a dense mask for SDPA on a CPU. Flex runs here on contiguous inputs with
-  torch's default kernel options: with fewer queries than keys and grouped kv heads, the tuned
-  options (model/masks.py KERNEL_OPTIONS) or a transposed layout gave wrong key and value
-  gradients on an H200 (torch 2.11), measured against unsplit attention.
+  BlockMask on a GPU, a dense mask for SDPA on a CPU. Flex runs here with torch's default kernel
+  options on contiguous inputs, kv heads repeated to the query heads: with fewer queries than keys,
+  its key and value gradients came out wrong on an H200 (torch 2.11) under the tuned options
+  (model/masks.py KERNEL_OPTIONS), on a transposed layout, or with grouped kv heads left to it,
+  measured against unsplit attention (docs/benchmarks).
 
 Why not torch's own `context_parallel`: it lives in a private, experimental module whose API changed
 across the torch versions this runs on (2.11 to 2.14), it has no CPU SDPA path (so no gloo tests),
@@ -52,6 +53,7 @@ import torch.distributed._functional_collectives as funcol
 
 from titanlike.model.decoder import Transformer
 from titanlike.model.masks import document_ids, document_mask_at, masked_attention
+from titanlike.parallel.chunk_attention import CausalChunks, CudnnKernel
 
 # The autograd-aware all-gather: all_gather_single_autograd from torch 2.13 (there
 # all_gather_tensor_autograd warns that it is deprecated), all_gather_tensor_autograd before.
@@ -139,27 +141,16 @@ class ContextParallel:
         k, v = self.gather(k, v)
         if isinstance(mask, str):  # CAUSAL
             if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-                return self.flash_causal(q, k, v, gqa)
+                return CausalChunks.apply(q, k, v, chunks_of(self.rank, self.cp), CudnnKernel)
             keys = torch.arange(k.shape[2], device=q.device)
             queries = shard_sequence(keys, self.rank, self.cp, dim=0)
             mask = (queries[:, None] >= keys[None, :])[None, None]
-        else:
+        elif not isinstance(mask, torch.Tensor):  # a flex BlockMask: kv heads repeated, all contiguous
+            if gqa:
+                repeats = q.shape[1] // k.shape[1]
+                k, v, gqa = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1), False
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         return masked_attention(q, k, v, mask, gqa, tuned=False)
-
-    def flash_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
-        """Each local chunk's queries against the keys up to its end, FlashAttention's causal mask
-        aligned to the bottom right (queries fewer than keys)."""
-        if gqa:
-            repeats = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
-        local = q.shape[2] // 2
-        outs = []
-        for i, chunk in enumerate(chunks_of(self.rank, self.cp)):
-            end = (chunk + 1) * local
-            outs.append(torch.ops.aten._scaled_dot_product_flash_attention(
-                q[:, :, i * local:(i + 1) * local], k[:, :, :end], v[:, :, :end], 0.0, is_causal=True)[0])
-        return torch.cat(outs, dim=2)
 
 
 def apply_context_parallel(model: Transformer, group) -> ContextParallel:

@@ -3,7 +3,8 @@
 
 Every combination of one value (or none) per lever key is estimated (a few hundred at most, plain
 arithmetic); the fastest that fits wins, the smaller estimate breaking ties. Keys the user set, in the
-TOML file or on the command line, are never changed.
+TOML file or on the command line, are never changed, but for a micro-batch the TOML file sets (more
+micro-batches of the same global batch train the same).
 """
 
 from __future__ import annotations
@@ -101,7 +102,9 @@ def fit_to_target(cfg: JobConfig, argv: list[str], world: int) -> tuple[JobConfi
     target = cfg.training.fit_gib
     if not target:
         return cfg, None
-    given = given_keys(argv)
+    # The micro-batch a TOML file sets is how its global batch is computed, not what is trained (more
+    # micro-batches accumulate the same gradient): fit may change it unless the command line sets it.
+    given = given_keys(argv, with_file=False) | (given_keys(argv) - {"training.local_batch_size"})
     best, every = best_fit(cfg, world, target, given)
     now = every[0].reserved_gib
     if best is None:
