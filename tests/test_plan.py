@@ -65,8 +65,6 @@ MEASURED = [
      "op:wqkv,wo,w1", 2, H200, 85.3, LEVERS8B),
     (ONE, "--data.seq_len 16384 --training.local_batch_size 1 --training.global_batch_size 1", 1, H200, 37.0,
      LEVERS8B),
-    (ONE, "--data.seq_len 16384 --training.local_batch_size 1 --training.global_batch_size 1 --parallel.cp 2", 2,
-     H200, 27.3, LEVERS8B),
     (C + "llama3_8b.toml", "", 2, H200, 104.0, FIT),
     (C + "llama3_8b.toml", "--training.loss_chunk_tokens 4096", 2, H200, 99.3, FIT),
     (C + "llama3_8b.toml", "--training.loss_chunk_tokens 1024 --optimizer.state_dtype 8bit "

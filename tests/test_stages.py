@@ -193,21 +193,24 @@ def test_a_resume_with_another_stage_table_says_so(long_run, tmp_path, corpus):
 
 
 @pytest.mark.slow
-def test_two_ranks_change_the_batch_at_the_switch_and_resume_exactly(tmp_path, corpus):
-    """On two ranks (gloo), a stage that halves the local batch and keeps the global one (so doubles the
-    gradient accumulation): a resume from the step before the switch and from the switch's step gives
-    the uninterrupted losses bit for bit."""
-    stage = (*RUN, "--training.global_batch_size", "8", "--data.phase",
+def test_four_ranks_with_cp_change_the_batch_at_the_switch_and_resume_exactly(tmp_path, corpus):
+    """On four ranks (gloo), two data-parallel ranks each splitting their windows over a context group of
+    two (--parallel.cp 2), a stage that doubles seq_len and halves the local batch, keeping the global one
+    (so doubling the gradient accumulation): a resume from the step before the switch gives the
+    uninterrupted losses bit for bit (docs/parallelism.md's long-context stage with cp; resumes at the
+    other steps around a switch are the one-rank tests above)."""
+    stage = (*RUN, "--training.global_batch_size", "16", "--parallel.cp", "2", "--data.phase",
              f"{SWITCH}:seq_len=128,rope_theta=100000,local_batch_size=2")
     ref = tmp_path / "ref"
-    run_train(ref, *stage, nproc=2, corpus=corpus)
+    proc = run_train(ref, *stage, nproc=4, corpus=corpus)
+    assert "× cp 2)" in proc.stdout + proc.stderr
     want = losses(ref)
     assert sorted(want) == list(range(1, 7))
-    for step in (SWITCH - 1, SWITCH):
-        dump = tmp_path / f"from-{step}"
-        shutil.copytree(ref / "checkpoint" / f"step-{step}", dump / "checkpoint" / f"step-{step}")
-        run_train(dump, *stage, nproc=2, corpus=corpus)
-        assert losses(dump) == {s: want[s] for s in range(step + 1, 7)}, step
+    step = SWITCH - 1
+    dump = tmp_path / f"from-{step}"
+    shutil.copytree(ref / "checkpoint" / f"step-{step}", dump / "checkpoint" / f"step-{step}")
+    run_train(dump, *stage, nproc=4, corpus=corpus)
+    assert losses(dump) == {s: want[s] for s in range(step + 1, 7)}
 
 
 def test_out_of_memory_in_a_long_stage_names_the_stage_s_knobs():

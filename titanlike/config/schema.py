@@ -198,8 +198,9 @@ class Training:
     fit_gib: float = 0.0
     """Fit the run in this many GiB per GPU (0 = off): before the first step, apply the fastest levers whose
     estimate fits (titanlike-plan: loss chunks, 8-bit moments, recompute, smaller micro-batches, ...), log one
-    line saying which, and record them in config.toml. Options you set yourself are kept; no fitting
-    combination is an error. docs/memory.md."""
+    line saying which, and record them in config.toml. Options you set yourself are kept, but for a
+    micro-batch set in the TOML file (more micro-batches of the same global batch train the same); no
+    fitting combination is an error. docs/memory.md."""
     loss_chunk_tokens: int = 0
     """Compute the output layer and the loss this many tokens at a time, so that the whole
     (tokens × vocab) logits never exist (0 = off: whole logits). Each chunk's gradients are computed

@@ -21,6 +21,8 @@ one GPU's speed on it, 0.81× on this (H200, docs/benchmarks/2026-11-26-cp-kerne
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 aten = torch.ops.aten
@@ -59,7 +61,8 @@ class CausalChunks(torch.autograd.Function):
     (CudnnKernel; the tests hand it an exact one written out in torch)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, chunks: tuple[int, ...], kernel):
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: tuple[int, ...],
+                kernel: Any) -> torch.Tensor:
         length = q.shape[2] // len(chunks)
         outs, lses, saved, meta = [], [], [], []
         for i, chunk in enumerate(chunks):
@@ -84,7 +87,7 @@ class CausalChunks(torch.autograd.Function):
         return torch.cat(outs, dim=2)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, *rest = ctx.saved_tensors
         n = len(ctx.chunks)
         outs, lses, saved = rest[:n], rest[n:2 * n], rest[2 * n:]

@@ -93,6 +93,7 @@ class Shape:
     state_dtype: str
     reshard: str  # as resolved: never, default or always
     cpu_offload: bool = False
+    document_masks: bool = False  # model.attn_mask = block_causal
 
 
 def shape_of(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, card_gib: float | None) -> Shape:
@@ -107,7 +108,8 @@ def shape_of(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, card_gib: floa
     # With context parallelism each rank holds 1/cp of every window's tokens (and FSDP shards over dp × cp).
     return Shape(args, dims, t.local_batch_size * cfg.data.seq_len // dims.cp, ac.mode, ac.selective_ac_option,
                  ac.memory_budget, float8, float8_ag, cfg.compile.enable, t.loss_chunk_tokens,
-                 cfg.optimizer.state_dtype, reshard, bool(getattr(cfg.parallel, "cpu_offload", False)))
+                 cfg.optimizer.state_dtype, reshard, bool(getattr(cfg.parallel, "cpu_offload", False)),
+                 cfg.model.attn_mask == "block_causal")
 
 
 # ---- activations ------------------------------------------------------------------------------------
@@ -155,13 +157,17 @@ def block_bytes(s: Shape) -> tuple[float, float]:
     block_input = 2 * a.dim  # a fully recomputed block keeps its input only
     if s.dims.cp > 1:
         # Context parallelism (parallel/context.py): attention's backward reads the keys and values of the
-        # whole window, gathered (kv heads); not recomputed, also the copies repeated to the query heads that
-        # the causal flash calls take. Per local token: cp window tokens' worth each. The 1b row at 16,384
-        # tokens with cp 2 measured this.
+        # whole window, gathered (kv heads); not recomputed, and under document masks also the copies repeated
+        # to the query heads that flex is handed. Per local token: cp window tokens' worth each. The 1b rows
+        # at 16,384 tokens with cp 2 measured this (causal).
         gathered = 2 * 2 * a.n_kv_heads * a.head_dim * s.dims.cp
-        repeated = 2 * 2 * a.n_heads * a.head_dim * s.dims.cp if a.n_kv_heads < a.n_heads else 0
-        none += gathered + repeated
-        op += gathered
+        repeated = (2 * 2 * a.n_heads * a.head_dim * s.dims.cp
+                    if a.n_kv_heads < a.n_heads and s.document_masks else 0)
+        # Causal: parallel/chunk_attention.py keeps its merged output for backward, beside the copy the
+        # output projection reads (bf16, the query heads' width).
+        merged = 0 if s.document_masks else 2 * a.n_heads * a.head_dim
+        none += gathered + repeated + merged
+        op += gathered + merged
     if s.ac_mode == "none":
         return layers * none * n, 0.0
     if s.ac_mode == "budget":
