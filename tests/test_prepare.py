@@ -440,7 +440,8 @@ def test_workers_beyond_four_per_core_are_refused_before_any_process_starts(tmp_
 
 @pytest.mark.parametrize("sig,workers", [("SIGTERM", 2), ("SIGTERM", 1), ("SIGINT", 2)])
 def test_a_stopped_prepare_removes_its_temporary_folder(tmp_path, sig, workers):
-    """Stopped while it tokenizes (a reader that never finishes): one line, and no OUT.tmp-<pid> left."""
+    """Stopped while it tokenizes (a reader that never finishes): one line, and no OUT.tmp-<pid> left. Started
+    with SIGINT ignored, as a script's background job (or a CI runner) starts it: Ctrl-C stops it all the same."""
     import signal
     import subprocess
     import sys
@@ -456,7 +457,8 @@ def test_a_stopped_prepare_removes_its_temporary_folder(tmp_path, sig, workers):
               "from titanlike.data.prepare.cli import main\n"
               "sys.exit(main(sys.argv[1:]))\n")
     proc = subprocess.Popen([sys.executable, "-c", script, str(out), str(tmp_path / "a.txt"), "--workers",
-                             str(workers)], env=_env(), stderr=subprocess.PIPE, text=True, start_new_session=True)
+                             str(workers)], env=_env(), stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         deadline = time.monotonic() + 60
         while not [p for p in os.listdir(tmp_path) if p.startswith("out.tmp-")]:

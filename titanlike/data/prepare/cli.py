@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (a scheduler, `kill`) or SIGHUP (a closed terminal) unwinds like Ctrl-C: the workers stop and
     # OUT.tmp-<pid> is removed, where the default action would end the process and leave both behind.
     previous = {sig: signal.signal(sig, _stop) for sig in STOP_SIGNALS}
+    # Ctrl-C (or `kill -INT`) raises KeyboardInterrupt even where the process started with SIGINT ignored,
+    # as a background job of a script starts it, where Python would leave it ignored and prepare unstoppable.
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         info = prepare(a.out, a.inputs, a.tokenizer, a.workers, a.text_field or "", a.val_fraction, a.shard_tokens,
                        a.overwrite, a.bos_token, a.eos_token, progress=sys.stderr.isatty())
