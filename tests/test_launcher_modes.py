@@ -38,6 +38,7 @@ def test_torchrun_with_no_arguments_trains_what_the_launcher_trains():
     assert launcher["training"]["local_batch_size"] == 16 and launcher["job"]["dump_folder"] == "./outputs/debug"
 
 
+@pytest.mark.slow  # four launches, both modes: 13-16 s of the default tier
 def test_config_file_env_and_an_explicit_config_file_mean_the_same_in_both_modes(tmp_path):
     mine = tmp_path / "mine.toml"
     mine.write_text("[training]\nsteps = 7\n")
