@@ -26,10 +26,10 @@ them; it traces under torch.compile and runs over gloo, so the CPU tests run the
   `document_mask_at`): query i is the local token's window position, keys are the gathered ones;
   document ids come from the whole window, which every rank of the group reads anyway. A flex
   BlockMask on a GPU, a dense mask for SDPA on a CPU. Flex runs here with torch's default kernel
-  options on contiguous inputs, kv heads repeated to the query heads: with fewer queries than keys,
-  its key and value gradients came out wrong on an H200 (torch 2.11) under the tuned options
-  (model/masks.py KERNEL_OPTIONS), on a transposed layout, or with grouped kv heads left to it,
-  measured against unsplit attention (docs/benchmarks).
+  options on contiguous inputs, kv heads repeated to the query heads: the configuration the two-GPU
+  tests measured right against unsplit attention (H200, torch 2.11). Its wrong key and value gradients
+  before were the BlockMask's transposed index lists (model/masks.py `_block_lists`, docs/benchmarks);
+  the tuned options and grouped kv heads left to flex were not measured again after that fix.
 
 Why not torch's own `context_parallel`: it lives in a private, experimental module whose API changed
 across the torch versions this runs on (2.11 to 2.14), it has no CPU SDPA path (so no gloo tests),
