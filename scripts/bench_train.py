@@ -68,7 +68,9 @@ def run_variant(name: str, overrides: list[str], args, workdir: Path, extra_env:
            str(ROOT / "run_train.sh"), "--job.config_file", args.config, "--job.dump_folder", str(dump),
            "--training.steps", str(args.steps), "--metrics.log_freq", str(args.log_freq),
            "--validation.enable", "false", "--checkpoint.enable", "false", *args.common, *overrides]
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **extra_env)
+    # A variant may set PYTHONPATH itself; this tree's root goes first either way.
+    env = {**os.environ, **extra_env}
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
     if args.corpus:  # the folder that holds an already-built corpus is the cache the runs read
         env["TITANLIKE_CACHE"] = str(Path(args.corpus).resolve())
     start = time.perf_counter()

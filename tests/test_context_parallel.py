@@ -29,48 +29,36 @@ ATOL, RTOL = 1e-5, 1e-5
 
 
 
-class ExactKernel:
-    """One part's attention written out in torch (fp32): the stand-in for cuDNN's kernel on CPU, with
-    the same contract as parallel/chunk_attention.py's CudnnKernel (a causal part is square)."""
+class WholeWindow:
+    """The exchange of one cp rank, in one process: the "gather" hands back the whole window's keys and
+    values, and the "reduce-scatter" keeps what this rank sends (its sum over ranks is the test's)."""
 
-    @staticmethod
-    def scores(q, k, causal):
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-        if causal:
-            s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
-        return s
+    def __init__(self, k, v, cp):
+        self.k, self.v, self.cp, self.sent = k, v, cp, None
 
-    @staticmethod
-    def forward(q, k, v, causal):
-        s = ExactKernel.scores(q, k, causal)
-        lse = s.logsumexp(-1, keepdim=True)
-        out = (s - lse).exp() @ v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        return out, lse, (), ()
+    def gather_start(self, kv):
+        return kv
 
-    @staticmethod
-    def backward(grad, q, k, v, out, lse, causal, tensors, values):
-        groups = q.shape[1] // k.shape[1]
-        p = (ExactKernel.scores(q, k, causal) - lse).exp()  # the merged softmax, from the merged lse
-        dv = p.transpose(-1, -2) @ grad
-        ds = p * (grad @ v.repeat_interleave(groups, dim=1).transpose(-1, -2) - (grad * out).sum(-1, keepdim=True))
-        ds = ds * q.shape[-1] ** -0.5
-        dq = ds @ k.repeat_interleave(groups, dim=1)
-        dk = ds.transpose(-1, -2) @ q
+    def gather_finish(self, pending):
+        return self.k.detach(), self.v.detach()
 
-        def per_kv_head(x):
-            return x.unflatten(1, (k.shape[1], groups)).sum(2)
+    def scatter_start(self, whole_dkv):
+        self.sent = whole_dkv
+        return whole_dkv
 
-        return dq, per_kv_head(dk), per_kv_head(dv)
+    def scatter_finish(self, pending):
+        local = pending.shape[-2] // self.cp
+        return torch.zeros((*pending.shape[:-2], local, pending.shape[-1]), dtype=pending.dtype)
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_causal_chunks_match_whole_window_attention(cp):
-    """The GPU causal path (parallel/chunk_attention.py: each chunk as an unmasked prefix and a square
-    causal block, merged by log-sum-exp, backward per part with the merged softmax), with an exact
-    kernel in cuDNN's place: every rank's output and the summed key/value gradients are whole-window
-    causal attention's."""
-    from titanlike.parallel.chunk_attention import CausalChunks
+    """The causal path under cp (parallel/chunk_attention.py: each chunk as a square causal block on the
+    rank's own keys and an unmasked prefix on the gathered ones, merged by log-sum-exp, backward per part
+    with the merged softmax), with torch's exact kernel in cuDNN's place: every rank's output, and the key
+    and value gradients each rank keeps plus what it sends to be summed, are whole-window causal
+    attention's."""
+    from titanlike.parallel.chunk_attention import CausalChunks, TorchKernel
     from titanlike.parallel.context import chunks_of
 
     torch.manual_seed(0)
@@ -79,13 +67,24 @@ def test_causal_chunks_match_whole_window_attention(cp):
     g = torch.randn(b, heads, seq, dim)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     want_grads = torch.autograd.grad((want * g).sum(), (q, k, v))
-    outs = [CausalChunks.apply(shard_sequence(q, r, cp, dim=2), k, v, chunks_of(r, cp), ExactKernel)
-            for r in range(cp)]
-    got = unshard_sequence(outs, dim=2)
-    got_grads = torch.autograd.grad((got * g).sum(), (q, k, v))
+    exchanges, outs = [], []
+    for r in range(cp):
+        exchange = WholeWindow(k, v, cp)
+        exchanges.append(exchange)
+        local_k, local_v = (shard_sequence(t.detach(), r, cp, dim=2).requires_grad_() for t in (k, v))
+        outs.append((CausalChunks.apply(shard_sequence(q, r, cp, dim=2), local_k, local_v, chunks_of(r, cp),
+                                        TorchKernel, exchange), local_k, local_v))
+    got = unshard_sequence([out for out, _, _ in outs], dim=2)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
-    for mine, theirs in zip(got_grads, want_grads):
-        torch.testing.assert_close(mine, theirs, atol=ATOL, rtol=RTOL)
+    (got * g).sum().backward()
+    torch.testing.assert_close(q.grad, want_grads[0], atol=ATOL, rtol=RTOL)
+    sent = sum(exchange.sent for exchange in exchanges)
+    for r, (_, local_k, local_v) in enumerate(outs):
+        for mine, summed, theirs in ((local_k, 0, want_grads[1]), (local_v, 1, want_grads[2])):
+            received = shard_sequence(sent[summed], r, cp, dim=2)
+            torch.testing.assert_close(mine.grad + received, shard_sequence(theirs, r, cp, dim=2),
+                                       atol=ATOL, rtol=RTOL)
+
 
 def test_split_then_unsplit_is_identity():
     x = torch.arange(2 * 48 * 3).view(2, 48, 3)

@@ -25,6 +25,9 @@ TIER = f"{B}2026-11-24-gpu-test-tier.md"
 LEVERS = f"{B}2026-11-26-memory-levers-and-estimator.md"
 LEVERS8B = f"{B}2026-11-26-8b-levers-chunked-loss-context-parallel.md"
 FIT = f"{B}2026-11-26-cp-kernels-fit-to-target.md"
+LONG = f"{B}2026-11-26-cp-prefetch-offload-long-windows.md"
+OFFLOAD = ("--parallel.cpu_offload --fp8.enable_fsdp_float8_all_gather false --activation_checkpoint.mode full "
+           "--training.loss_chunk_tokens 4096 --training.local_batch_size 1")
 ONE = C + "llama3_1b.toml"
 CAP = "--training.gpu_memory_limit_gib 31"
 
@@ -78,6 +81,12 @@ MEASURED = [
      "--training.gpu_memory_limit_gib 31", 2, H200, 28.8, FIT),
     (ONE, "--data.seq_len 16384 --training.local_batch_size 1 --training.global_batch_size 1 --parallel.cp 2", 2,
      H200, 26.3, FIT),
+    (ONE, "--data.seq_len 32768 --training.local_batch_size 1 --training.global_batch_size 1", 1, H200, 55.8, LONG),
+    (ONE, "--data.seq_len 32768 --training.local_batch_size 1 --training.global_batch_size 1 --parallel.cp 2", 2,
+     H200, 37.8, LONG),
+    (C + "llama3_8b.toml", f"{OFFLOAD} --training.global_batch_size 1 --optimizer.state_dtype 8bit", 1, H200, 8.8,
+     LONG),  # 8b on one GPU
+    (C + "llama3_8b.toml", f"{OFFLOAD} --training.global_batch_size 2", 2, H200, 10.2, LONG),
 ]
 
 

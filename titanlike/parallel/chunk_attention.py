@@ -1,4 +1,5 @@
-"""Causal attention of a context-parallel rank's chunks over the window's keys, on cuDNN's kernel.
+"""Causal attention of a context-parallel rank's chunks over the window's keys, with the gather of the
+group's keys and values overlapped with the attention that needs only the rank's own.
 
 A rank's chunk c of a window cut into chunks of L tokens holds the queries at window positions
 [cL, cL + L); under a causal mask they see keys [0, cL + L): every key before the chunk, unmasked, and
@@ -6,17 +7,26 @@ the chunk's own keys under the square causal mask. cuDNN's fused attention (thro
 `_scaled_dot_product_cudnn_attention`, what SDPA runs for the whole window on Hopper) aligns its
 causal mask to the top left, which is only right for the square block, so each chunk is two calls:
 
+    block:  queries of c against keys [cL, cL + L), causal  (the rank's own keys)
     prefix: queries of c against keys [0, cL), no mask      (absent for chunk 0)
-    block:  queries of c against keys [cL, cL + L), causal
 
 merged exactly with their log-sum-exps (out = Σ out_p · exp(lse_p − lse), lse = log Σ exp(lse_p)).
-Backward calls cuDNN's backward for each part with the merged output and log-sum-exp, which makes each
-part's softmax the merged one (ring attention's rule); the parts' gradients add up in fp32.
+Backward calls the kernel's backward for each part with the merged output and log-sum-exp, which makes
+each part's softmax the merged one (ring attention's rule); the parts' gradients add up in fp32.
 Grouped-query kv heads go to the kernel as they are (it shares them).
 
-Why not FlashAttention's bottom-right causal mask in one call per chunk (SDPA's flash op takes fewer
-queries than keys that way): it is a slower kernel, and a cp 2 rank of `1b` at 16,384 tokens ran at 0.67×
-one GPU's speed on it, 0.81× on this (H200, docs/benchmarks/2026-11-26-cp-kernels-fit-to-target.md).
+The exchange (context.py's KeyValueExchange) is what overlaps. Forward starts the all-gather of the
+group's keys and values, computes the square blocks on the rank's own keys while it runs, then waits
+and computes the prefixes. Backward computes the prefixes' gradients first (the only ones that reach
+other ranks' keys), starts the reduce-scatter that sums and returns them, and computes the square
+blocks' gradients while it runs. Without this the gather and the reduce-scatter sat in each layer's
+path with nothing to do beside them.
+
+Kernels: CudnnKernel on a GPU in bf16/fp16; TorchKernel (the same contract written out in torch,
+exact in fp32) elsewhere, which is what the CPU tests run over gloo. Why not FlashAttention's
+bottom-right causal mask in one call per chunk (SDPA's flash op takes fewer queries than keys that
+way): a slower kernel; a cp 2 rank of `1b` at 16,384 tokens ran at 0.67× one GPU's speed on it, 0.81×
+on cuDNN's parts (H200, docs/benchmarks/2026-11-26-cp-kernels-fit-to-target.md).
 """
 
 from __future__ import annotations
@@ -26,13 +36,6 @@ from typing import Any
 import torch
 
 aten = torch.ops.aten
-
-
-def parts_of(chunk: int, length: int) -> list[tuple[int, int, bool]]:
-    """The (key start, key end, causal) parts of chunk `chunk`'s attention, chunks `length` long."""
-    start = chunk * length
-    block = (start, start + length, True)
-    return [(0, start, False), block] if start else [block]
 
 
 class CudnnKernel:
@@ -55,52 +58,117 @@ class CudnnKernel:
             grad, q, k, v, out, lse.contiguous(), seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal)
 
 
+class TorchKernel:
+    """One part's attention written out in torch: exact in fp32 (the scores are materialised, so it is
+    for CPUs and small windows); the same contract as CudnnKernel."""
+
+    @staticmethod
+    def scores(q, k, causal: bool):
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        if causal:  # square: query j sees keys 0..j of the part
+            s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
+        return s
+
+    @staticmethod
+    def forward(q, k, v, causal: bool):
+        s = TorchKernel.scores(q, k, causal)
+        lse = s.logsumexp(-1, keepdim=True)
+        out = (s - lse).exp() @ v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        return out, lse.float(), (), ()
+
+    @staticmethod
+    def backward(grad, q, k, v, out, lse, causal: bool, tensors, values):
+        groups = q.shape[1] // k.shape[1]
+        p = (TorchKernel.scores(q, k, causal) - lse).exp()  # the merged softmax, from the merged lse
+        dv = p.transpose(-1, -2) @ grad
+        ds = p * (grad @ v.repeat_interleave(groups, dim=1).transpose(-1, -2) - (grad * out).sum(-1, keepdim=True))
+        ds = ds * q.shape[-1] ** -0.5
+        dq = ds @ k.repeat_interleave(groups, dim=1)
+        dk = ds.transpose(-1, -2) @ q
+
+        def per_kv_head(x):
+            return x.unflatten(1, (k.shape[1], groups)).sum(2)
+
+        return dq, per_kv_head(dk), per_kv_head(dv)
+
+
 class CausalChunks(torch.autograd.Function):
-    """(batch, heads, len(chunks)·L, head_dim) queries of window chunks `chunks`, side by side, over
-    (batch, kv_heads, window, head_dim) keys and values in window order; `kernel` computes each part
-    (CudnnKernel; the tests hand it an exact one written out in torch)."""
+    """(batch, heads, len(chunks)·L, head_dim) queries of window chunks `chunks`, side by side, over the
+    window's keys and values, from this rank's (batch, kv_heads, len(chunks)·L, head_dim) keys and values
+    (the same chunks) and `exchange`, which gathers the rest (context.py's KeyValueExchange; the tests
+    hand it a stand-in). `kernel` computes each part (CudnnKernel, TorchKernel)."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: tuple[int, ...],
-                kernel: Any) -> torch.Tensor:
+                kernel: Any, exchange: Any) -> torch.Tensor:
         length = q.shape[2] // len(chunks)
-        outs, lses, saved, meta = [], [], [], []
-        for i, chunk in enumerate(chunks):
+        pending = exchange.gather_start(torch.stack([k, v]))
+        merged: list[tuple[torch.Tensor, torch.Tensor]] = []  # per chunk: (out, lse), fp32
+        saved, meta = [], []
+
+        def part(i: int, keys: torch.Tensor, values_: torch.Tensor, start: int, end: int, causal: bool):
+            """Chunk i's queries against `keys` and `values_`: the window's keys [start, end)."""
             qi = q[:, :, i * length:(i + 1) * length]
-            merged: tuple[torch.Tensor, torch.Tensor] | None = None  # (out, lse) in fp32
-            for start, end, causal in parts_of(chunk, length):
-                o, part_lse, tensors, values = kernel.forward(qi, k[:, :, start:end], v[:, :, start:end], causal)
-                if merged is None:
-                    merged = (o.float(), part_lse)
-                else:  # out - sigmoid(lse_p - lse)·(out - out_p): the merge, stable whichever is larger
-                    out, lse = merged
-                    merged = (out - torch.sigmoid(part_lse - lse) * (out - o.float()),
-                              lse - torch.nn.functional.logsigmoid(lse - part_lse))
-                saved += tensors
-                meta.append((i, start, end, causal, len(tensors), values))
-            assert merged is not None
-            out, lse = merged
-            outs.append(out.to(q.dtype).contiguous())
-            lses.append(lse)
-        ctx.chunks, ctx.meta, ctx.kernel = chunks, meta, kernel
-        ctx.save_for_backward(q, k, v, *outs, *lses, *saved)
+            o, lse, tensors, values = kernel.forward(qi, keys, values_, causal)
+            saved.extend(tensors)
+            meta.append((i, start, end, causal, len(tensors), values))
+            if len(merged) <= i:
+                merged.append((o.float(), lse))
+            else:  # out - sigmoid(lse_p - lse)·(out - out_p): the merge, stable whichever is larger
+                out, total = merged[i]
+                merged[i] = (out - torch.sigmoid(lse - total) * (out - o.float()),
+                             total - torch.nn.functional.logsigmoid(total - lse))
+
+        # While the gather runs: each chunk's square block, on this rank's own keys.
+        for i, chunk in enumerate(chunks):
+            own = slice(i * length, (i + 1) * length)
+            part(i, k[:, :, own], v[:, :, own], chunk * length, (chunk + 1) * length, True)
+        whole_k, whole_v = exchange.gather_finish(pending)
+        for i, chunk in enumerate(chunks):
+            if chunk:
+                part(i, whole_k[:, :, :chunk * length], whole_v[:, :, :chunk * length], 0, chunk * length, False)
+        outs = [out.to(q.dtype).contiguous() for out, _ in merged]
+        lses = [lse for _, lse in merged]
+        ctx.chunks, ctx.meta, ctx.kernel, ctx.exchange = chunks, meta, kernel, exchange
+        ctx.save_for_backward(q, k, v, whole_k, whole_v, *outs, *lses, *saved)
         return torch.cat(outs, dim=2)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, *rest = ctx.saved_tensors
+        q, k, v, whole_k, whole_v, *rest = ctx.saved_tensors
         n = len(ctx.chunks)
         outs, lses, saved = rest[:n], rest[n:2 * n], rest[2 * n:]
         length = q.shape[2] // n
-        dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
-        used = 0
-        for i, start, end, causal, count, values in ctx.meta:
-            rows = slice(i * length, (i + 1) * length)
-            gq, gk, gv = ctx.kernel.backward(grad[:, :, rows].contiguous(), q[:, :, rows], k[:, :, start:end],
-                                             v[:, :, start:end], outs[i], lses[i], causal,
-                                             saved[used:used + count], values)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
+        whole_dkv = torch.zeros((2, *whole_k.shape), dtype=torch.float32, device=k.device)
+        offsets, used = [], 0
+        for *_, count, _ in ctx.meta:
+            offsets.append(used)
             used += count
+
+        def part_backward(j: int, keys: torch.Tensor, values_: torch.Tensor, dkeys, dvalues, base: int) -> None:
+            i, start, end, causal, count, values = ctx.meta[j]
+            rows = slice(i * length, (i + 1) * length)
+            gq, gk, gv = ctx.kernel.backward(grad[:, :, rows].contiguous(), q[:, :, rows], keys[:, :, start:end],
+                                             values_[:, :, start:end], outs[i], lses[i], causal,
+                                             saved[offsets[j]:offsets[j] + count], values)
             dq[:, :, rows] += gq
-            dk[:, :, start:end] += gk
-            dv[:, :, start:end] += gv
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+            dkeys[:, :, start - base:end - base] += gk
+            dvalues[:, :, start - base:end - base] += gv
+
+        blocks = [j for j, m in enumerate(ctx.meta) if m[3]]
+        prefixes = [j for j, m in enumerate(ctx.meta) if not m[3]]
+        # The prefixes first: their key gradients are the ones to sum over the group and send back.
+        for j in prefixes:
+            part_backward(j, whole_k, whole_v, whole_dkv[0], whole_dkv[1], 0)
+        pending = ctx.exchange.scatter_start(whole_dkv.to(k.dtype))
+        # While the reduce-scatter runs: the square blocks, whose key gradients are this rank's own.
+        for j in blocks:
+            i = ctx.meta[j][0]
+            part_backward(j, whole_k, whole_v, dk, dv, ctx.meta[j][1] - i * length)
+        returned = ctx.exchange.scatter_finish(pending)
+        dk += returned[0]
+        dv += returned[1]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None

@@ -9,19 +9,19 @@ every r, so no rank waits on another at the end of a layer.
 Attention (all-gather, as Llama 3's paper describes): every other part of a block is per token and
 runs on the local tokens untouched. In each attention layer the rank all-gathers the keys and
 values of its group, one collective for both, reorders them to window order, and computes its own
-queries against the keys each may see. The gather is torch's functional collective with autograd,
-whose backward reduce-scatters (sums) the keys' and values' gradients back to the ranks that made
-them; it traces under torch.compile and runs over gloo, so the CPU tests run the same code.
+queries against the keys each may see; backward reduce-scatters (sums) the keys' and values'
+gradients back to the ranks that made them. Torch's functional collectives: they trace under
+torch.compile and run over gloo, so the CPU tests run the same code.
 - causal: per local chunk c covering window positions [s, s+L), attention of its queries against
-  keys [0, s+L) under a causal mask aligned to the bottom right (query j of the chunk sees keys up
-  to s + j). On a GPU in bf16/fp16 that is parallel/chunk_attention.py: cuDNN's fused kernel (the one
-  SDPA runs for a whole window on Hopper) on an unmasked prefix and a square causal block, merged by
-  log-sum-exp. Elsewhere (CPU, fp32) a dense boolean mask for SDPA. Not FlashAttention's own
-  bottom-right mask through SDPA's flash op, which is one call a chunk but a slower kernel: a cp 2
-  rank of `1b` at 16,384 tokens ran at 0.67× one GPU's speed on it, 0.81× on cuDNN's (H200,
-  docs/benchmarks). Not torch's CausalBias, which selects that flash kernel: torch 2.11's dynamo
-  fails on it as a compiled block's input. Not flex attention either: on an H200 its causal kernel
-  took 2.4 times cuDNN's time at 16,384 tokens.
+  keys [0, s+L): an unmasked prefix and a square causal block on the rank's own keys, merged by
+  log-sum-exp (parallel/chunk_attention.py). The square blocks run while the gather is on its way,
+  and their backward while the reduce-scatter is. The kernel: cuDNN's fused attention on a GPU in
+  bf16/fp16 (the one SDPA runs for a whole window on Hopper), attention written out in torch
+  elsewhere. Not FlashAttention's own bottom-right mask through SDPA's flash op, which is one call a
+  chunk but a slower kernel: a cp 2 rank of `1b` at 16,384 tokens ran at 0.67× one GPU's speed on it,
+  0.81× on cuDNN's (H200, docs/benchmarks). Not torch's CausalBias, which selects that flash kernel:
+  torch 2.11's dynamo fails on it as a compiled block's input. Not flex attention either: on an H200
+  its causal kernel took 2.4 times cuDNN's time at 16,384 tokens.
 - block_causal: the decoder's document mask over window positions (model/masks.py
   `document_mask_at`): query i is the local token's window position, keys are the gathered ones;
   document ids come from the whole window, which every rank of the group reads anyway. A flex
@@ -29,7 +29,9 @@ them; it traces under torch.compile and runs over gloo, so the CPU tests run the
   options on contiguous inputs, kv heads repeated to the query heads: the configuration the two-GPU
   tests measured right against unsplit attention (H200, torch 2.11). Its wrong key and value gradients
   before were the BlockMask's transposed index lists (model/masks.py `_block_lists`, docs/benchmarks);
-  the tuned options and grouped kv heads left to flex were not measured again after that fix.
+  the tuned options and grouped kv heads left to flex were not measured again after that fix. Its
+  keys and values come from `gather` (autograd's all-gather, whose backward is the reduce-scatter),
+  with nothing beside them.
 
 Why not torch's own `context_parallel`: it lives in a private, experimental module whose API changed
 across the torch versions this runs on (2.11 to 2.14), it has no CPU SDPA path (so no gloo tests),
@@ -53,7 +55,7 @@ import torch.distributed._functional_collectives as funcol
 
 from titanlike.model.decoder import Transformer
 from titanlike.model.masks import document_ids, document_mask_at, masked_attention
-from titanlike.parallel.chunk_attention import CausalChunks, CudnnKernel
+from titanlike.parallel.chunk_attention import CausalChunks, CudnnKernel, TorchKernel
 
 # The autograd-aware all-gather: all_gather_single_autograd from torch 2.13 (there
 # all_gather_tensor_autograd warns that it is deprecated), all_gather_tensor_autograd before.
@@ -82,6 +84,51 @@ def unshard_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     return torch.cat(ordered, dim=dim)
 
 
+def window_order(gathered: torch.Tensor, cp: int) -> torch.Tensor:
+    """(cp · n, ..., 2L, d), every rank's (n, ..., 2L, d) part stacked in rank order (what an all-gather
+    along dim 0 makes), as (n, ..., cp · 2L, d) in window order: the inverse of rank_order."""
+    n, *middle, local, dim = gathered.shape
+    n //= cp
+    parts = gathered.view(cp, n, *middle, 2, local // 2, dim)
+    # Every rank's head chunk in rank order, then the tail chunks in reverse.
+    ordered = torch.stack([*parts.select(-3, 0), *parts.flip(0).select(-3, 1)], dim=-3)  # (n, ..., 2cp, L, d)
+    return ordered.reshape(n, *middle, cp * local, dim)
+
+
+def rank_order(whole: torch.Tensor, cp: int) -> torch.Tensor:
+    """(n, ..., S, d) in window order as every rank's (n, ..., S / cp, d) part stacked in rank order along
+    dim 0: (cp · n, ..., S / cp, d), what a reduce-scatter along dim 0 hands back rank by rank."""
+    return torch.cat([shard_sequence(whole, r, cp, dim=-2) for r in range(cp)])
+
+
+class KeyValueExchange:
+    """The collectives of causal attention under cp (parallel/chunk_attention.py), each split into a start
+    and a finish so that attention runs between them: torch's functional collectives, which trace under
+    torch.compile and run over gloo."""
+
+    def __init__(self, group):
+        self.cp, self.group_name = dist.get_world_size(group), group.group_name
+
+    def gather_start(self, kv: torch.Tensor) -> torch.Tensor:
+        """Start gathering every rank's (2, batch, kv_heads, 2L, head_dim) stacked keys and values."""
+        return torch.ops._c10d_functional.all_gather_into_tensor(kv.contiguous(), self.cp, self.group_name)
+
+    def gather_finish(self, pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window's keys and values, in window order."""
+        whole = window_order(torch.ops._c10d_functional.wait_tensor(pending), self.cp)
+        return whole[0], whole[1]
+
+    def scatter_start(self, whole_dkv: torch.Tensor) -> torch.Tensor:
+        """Start summing the (2, batch, kv_heads, window, head_dim) key and value gradients over the group,
+        each rank receiving its own chunks' sums."""
+        return torch.ops._c10d_functional.reduce_scatter_tensor(rank_order(whole_dkv, self.cp).contiguous(), "sum",
+                                                                self.cp, self.group_name)
+
+    def scatter_finish(self, pending: torch.Tensor) -> torch.Tensor:
+        """This rank's (2, batch, kv_heads, 2L, head_dim) summed key and value gradients."""
+        return torch.ops._c10d_functional.wait_tensor(pending)
+
+
 @dataclass
 class SequenceShard:
     """What the model needs of one micro-batch beyond its local tokens: their window positions (for
@@ -100,6 +147,7 @@ class ContextParallel:
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.flex = flex  # document masks for flex attention; None = on CUDA
         self._positions: dict[tuple, torch.Tensor] = {}
+        self.exchange = KeyValueExchange(group)
 
     def positions(self, seq: int, device: torch.device) -> torch.Tensor:
         """Window positions of this rank's tokens of a `seq`-token window."""
@@ -122,15 +170,10 @@ class ContextParallel:
 
     def gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The group's keys and values, (batch, heads, seq, head_dim) each, in window order, from each
-        rank's (batch, heads, seq / cp, head_dim)."""
+        rank's (batch, heads, seq / cp, head_dim); backward sums their gradients back (autograd)."""
         kv = torch.stack([k, v])  # one collective for both
-        gathered = _all_gather(kv.contiguous(), 0, self.group)  # (cp · 2, batch, heads, 2L, head_dim)
-        two, batch, heads, local, dim = kv.shape
-        parts = gathered.view(self.cp, two, batch, heads, 2, local // 2, dim)
-        # Window order: every rank's head chunk in rank order, then the tail chunks in reverse.
-        ordered = torch.cat([parts[:, :, :, :, 0], parts.flip(0)[:, :, :, :, 1]])  # (2·cp, 2, b, h, L, d)
-        full = ordered.permute(1, 2, 3, 0, 4, 5).reshape(two, batch, heads, self.cp * local, dim)
-        return full[0], full[1]
+        whole = window_order(_all_gather(kv.contiguous(), 0, self.group), self.cp)
+        return whole[0], whole[1]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gqa: bool) -> torch.Tensor:
         """Attention of this rank's (batch, heads, 2L, head_dim) queries over the whole window; `mask`:
@@ -138,14 +181,12 @@ class ContextParallel:
         if mask is None:
             raise RuntimeError("context-parallel attention needs the micro-batch's mask: call the model with "
                                "the SequenceShard that ContextParallel.shard made")
-        k, v = self.gather(k, v)
         if isinstance(mask, str):  # CAUSAL
-            if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-                return CausalChunks.apply(q, k, v, chunks_of(self.rank, self.cp), CudnnKernel)
-            keys = torch.arange(k.shape[2], device=q.device)
-            queries = shard_sequence(keys, self.rank, self.cp, dim=0)
-            mask = (queries[:, None] >= keys[None, :])[None, None]
-        elif not isinstance(mask, torch.Tensor):  # a flex BlockMask: kv heads repeated, all contiguous
+            cudnn = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            return CausalChunks.apply(q, k, v, chunks_of(self.rank, self.cp), CudnnKernel if cudnn else TorchKernel,
+                                      self.exchange)
+        k, v = self.gather(k, v)
+        if not isinstance(mask, torch.Tensor):  # a flex BlockMask: kv heads repeated, all contiguous
             if gqa:
                 repeats = q.shape[1] // k.shape[1]
                 k, v, gqa = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1), False

@@ -90,11 +90,30 @@ def apply_fsdp(model: Transformer, mesh, param_dtype: torch.dtype | None, reshar
         if fused:
             unshard_in_backward(model.output, False)
     shard(model, reshard_after_forward=reshard == "always")
+    prefetch_forward(model)
     if gradients_in_compute_pool:
         comm = GradientsInComputePool()
         for module in modules:
             if hasattr(module, "set_custom_reduce_scatter"):
                 module.set_custom_reduce_scatter(comm)
+
+
+def prefetch_forward(model: Transformer) -> None:
+    """Each sharded module of the forward chain (embedding, blocks, output layer) issues the next one's
+    all-gather as soon as its own is done, before its forward is queued.
+
+    By default FSDP issues a module's all-gather from that module's pre-forward hook, on the CPU. That
+    overlaps with the previous module's compute only while the CPU runs ahead of the GPU; where a
+    block's GPU time is close to its CPU time (FSDP's hooks, the float8 casts, the compiled block's
+    launch: about 4 ms a block of `1b`), the gather is queued just when the GPU needs it and the GPU
+    waits it out. A cp 2 rank of `1b` at 16,384 tokens waited 11 ms a step for these gathers, and 1 ms
+    with this (H200, docs/benchmarks/2026-11-26-cp-prefetch-offload-long-windows.md; that run stayed
+    bound by its CPU, at the same speed). One module ahead holds the same memory as FSDP's default
+    overlap (torch's `set_modules_to_forward_prefetch`)."""
+    forward_order = (model.tok_embeddings, *model.layers, model.output)
+    chain = [m for m in forward_order if hasattr(m, "set_modules_to_forward_prefetch")]
+    for module, following in zip(chain, chain[1:]):
+        module.set_modules_to_forward_prefetch([following])
 
 
 def unshard_in_backward(module, needed: bool) -> None:
