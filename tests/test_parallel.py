@@ -301,3 +301,42 @@ def test_default_reshard_keeps_small_models_gathered():
         assert parallel.resolve_reshard(asked, one_b, 80 * gb) == asked
         assert parallel.resolve_reshard(asked, eight_b, None) == asked
     assert parallel.device_memory_bytes(torch.device("cpu"), 0) is None
+
+
+def test_fsdp_gathers_the_next_block_before_a_blocks_forward_runs(tmp_path):
+    """Forward prefetch (parallel/fsdp.py prefetch_forward): a block's pre-forward issues the next
+    block's all-gather, so that gather is on its way while the block computes, whether or not the CPU
+    runs ahead of the GPU. Without it the next gather is issued only when the next block starts."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from titanlike.parallel.fsdp import apply_fsdp
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = Transformer(ModelArgs(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64))
+        model.init_weights(0, 16)
+        apply_fsdp(model, init_device_mesh("cpu", (1,)), None, "always")
+        names = {id(block): f"layers.{i}" for i, block in enumerate(model.layers)}
+        events: list[str] = []
+        unshard = FSDPParamGroup.unshard
+
+        def logged_unshard(self, *args, **kwargs):
+            for module in getattr(self, "modules", None) or (self.module,):
+                event = f"gather {names.get(id(module))}"
+                if id(module) in names and event not in events:  # a second call finds it on its way
+                    events.append(event)
+            return unshard(self, *args, **kwargs)
+
+        for block in model.layers:  # registered after FSDP's: runs once FSDP's pre-forward is done
+            block.register_forward_pre_hook(lambda module, args: events.append(f"forward {names[id(module)]}"))
+        FSDPParamGroup.unshard = logged_unshard
+        try:
+            model(torch.randint(0, 64, (1, 16)))
+        finally:
+            FSDPParamGroup.unshard = unshard
+        assert events == ["gather layers.0", "gather layers.1", "forward layers.0", "gather layers.2",
+                          "forward layers.1", "forward layers.2"], events
+    finally:
+        dist.destroy_process_group()
