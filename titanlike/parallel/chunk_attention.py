@@ -1,5 +1,5 @@
 """Causal attention of a context-parallel rank's chunks over the window's keys, with the gather of the
-group's keys and values overlapped with the attention that needs only the rank's own.
+group's keys and values started before the attention that needs only the rank's own.
 
 A rank's chunk c of a window cut into chunks of L tokens holds the queries at window positions
 [cL, cL + L); under a causal mask they see keys [0, cL + L): every key before the chunk, unmasked, and
@@ -15,12 +15,15 @@ Backward calls the kernel's backward for each part with the merged output and lo
 each part's softmax the merged one (ring attention's rule); the parts' gradients add up in fp32.
 Grouped-query kv heads go to the kernel as they are (it shares them).
 
-The exchange (context.py's KeyValueExchange) is what overlaps. Forward starts the all-gather of the
-group's keys and values, computes the square blocks on the rank's own keys while it runs, then waits
-and computes the prefixes. Backward computes the prefixes' gradients first (the only ones that reach
-other ranks' keys), starts the reduce-scatter that sums and returns them, and computes the square
-blocks' gradients while it runs. Without this the gather and the reduce-scatter sat in each layer's
-path with nothing to do beside them.
+The collectives go through an exchange (context.py's KeyValueExchange), each started and finished
+apart, so that work that does not need them can sit between: forward starts the all-gather of the
+group's keys and values, computes the square blocks on the rank's own keys, then waits and computes
+the prefixes; backward computes the prefixes' gradients first (the only ones that reach other ranks'
+keys), starts the reduce-scatter that sums and returns them, computes the square blocks' gradients,
+then waits. Eager, the work queues in that order. Compiled (H200, torch 2.11), inductor's schedule
+placed both collectives after the square blocks, so a compiled run does not overlap them yet; it ran
+at the speed of the gather outside this Function
+(docs/benchmarks/2026-11-26-cp-prefetch-offload-long-windows.md).
 
 Kernels: CudnnKernel on a GPU in bf16/fp16; TorchKernel (the same contract written out in torch,
 exact in fp32) elsewhere, which is what the CPU tests run over gloo. Why not FlashAttention's
@@ -131,18 +134,20 @@ class CausalChunks(torch.autograd.Function):
         outs = [out.to(q.dtype).contiguous() for out, _ in merged]
         lses = [lse for _, lse in merged]
         ctx.chunks, ctx.meta, ctx.kernel, ctx.exchange = chunks, meta, kernel, exchange
-        ctx.save_for_backward(q, k, v, whole_k, whole_v, *outs, *lses, *saved)
+        ctx.local_kv = (k.shape, k.dtype)  # the local keys are in whole_k: not saved twice
+        ctx.save_for_backward(q, whole_k, whole_v, *outs, *lses, *saved)
         return torch.cat(outs, dim=2)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, whole_k, whole_v, *rest = ctx.saved_tensors
+        q, whole_k, whole_v, *rest = ctx.saved_tensors
         n = len(ctx.chunks)
         outs, lses, saved = rest[:n], rest[n:2 * n], rest[2 * n:]
         length = q.shape[2] // n
+        local_shape, kv_dtype = ctx.local_kv
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
-        whole_dkv = torch.zeros((2, *whole_k.shape), dtype=torch.float32, device=k.device)
+        dk, dv = (torch.zeros(local_shape, dtype=torch.float32, device=q.device) for _ in range(2))
+        whole_dkv = torch.zeros((2, *whole_k.shape), dtype=torch.float32, device=q.device)
         offsets, used = [], 0
         for *_, count, _ in ctx.meta:
             offsets.append(used)
@@ -163,7 +168,7 @@ class CausalChunks(torch.autograd.Function):
         # The prefixes first: their key gradients are the ones to sum over the group and send back.
         for j in prefixes:
             part_backward(j, whole_k, whole_v, whole_dkv[0], whole_dkv[1], 0)
-        pending = ctx.exchange.scatter_start(whole_dkv.to(k.dtype))
+        pending = ctx.exchange.scatter_start(whole_dkv.to(kv_dtype))
         # While the reduce-scatter runs: the square blocks, whose key gradients are this rank's own.
         for j in blocks:
             i = ctx.meta[j][0]
@@ -171,4 +176,4 @@ class CausalChunks(torch.autograd.Function):
         returned = ctx.exchange.scatter_finish(pending)
         dk += returned[0]
         dv += returned[1]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(kv_dtype), dv.to(kv_dtype), None, None, None

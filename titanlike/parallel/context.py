@@ -14,8 +14,9 @@ gradients back to the ranks that made them. Torch's functional collectives: they
 torch.compile and run over gloo, so the CPU tests run the same code.
 - causal: per local chunk c covering window positions [s, s+L), attention of its queries against
   keys [0, s+L): an unmasked prefix and a square causal block on the rank's own keys, merged by
-  log-sum-exp (parallel/chunk_attention.py). The square blocks run while the gather is on its way,
-  and their backward while the reduce-scatter is. The kernel: cuDNN's fused attention on a GPU in
+  log-sum-exp (parallel/chunk_attention.py). The gather starts before the square blocks and the
+  reduce-scatter before their backward (compiled, inductor still places both after them: measured in
+  that module's docstring). The kernel: cuDNN's fused attention on a GPU in
   bf16/fp16 (the one SDPA runs for a whole window on Hopper), attention written out in torch
   elsewhere. Not FlashAttention's own bottom-right mask through SDPA's flash op, which is one call a
   chunk but a slower kernel: a cp 2 rank of `1b` at 16,384 tokens ran at 0.67× one GPU's speed on it,
