@@ -6,6 +6,10 @@ where the recorded steps' time went on the GPU timeline (compute, idle, exposed 
 
 --against prints, kernel by kernel, what the first trace spends more or less than the second (per
 step): e.g. what FSDP adds to a step, or what a change did to each kernel.
+
+--gaps prints what the compute kernels waited for, gap by gap (over 50 µs): the CPU, when the kernel
+after the gap was launched just before it ran (the GPU had nothing queued); a collective, when one ran
+through the gap (named by its collective and the kernel that waited for it); else "a stream wait".
 """
 
 from __future__ import annotations
@@ -78,6 +82,42 @@ def load(path: str) -> tuple[list[dict], list[tuple[float, float]]]:
     return kernels, windows
 
 
+GAP_US = 50  # shorter gaps are launch latency, not waiting
+CPU_LATE_US = 30  # a kernel that started this soon after its launch returned was waiting for the CPU
+
+
+def gaps(path: str, kernels: list[dict], steps: int, top: int) -> None:
+    """Each gap over GAP_US in the compute kernels of the recorded steps, by what it waited for."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    comm = [e for e in kernels if kind(e["name"]) == "communication"]
+    compute = sorted((e for e in kernels if kind(e["name"]) != "communication"), key=lambda e: e["ts"])
+    waits: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    end = compute[0]["ts"] + compute[0]["dur"] if compute else 0.0
+    for e in compute[1:]:
+        gap = e["ts"] - end
+        if gap > GAP_US:
+            launch = launches.get(e.get("args", {}).get("correlation"))
+            running = [c for c in comm if c["ts"] < e["ts"] and c["ts"] + c["dur"] > end]
+            if launch is not None and e["ts"] - (launch["ts"] + launch.get("dur", 0)) < CPU_LATE_US:
+                cause = "the CPU"
+            elif running:
+                cause = running[0].get("args", {}).get("Collective name") or stable_name(running[0]["name"])[:40]
+            else:
+                cause = "a stream wait"
+            row = waits[f"{cause:<32} before {stable_name(e['name'])[:70]}"]
+            row[0] += gap
+            row[1] += 1
+        end = max(end, e["ts"] + e["dur"])
+    total = sum(us for us, _ in waits.values())
+    print(f"\ncompute kernels waiting (gaps over {GAP_US} µs): {total / 1e3 / steps:.1f} ms per step")
+    print(f"{'ms/step':>9} {'gaps':>5}  waited for")
+    for what, (us, count) in sorted(waits.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"{us / 1e3 / steps:>9.2f} {count // steps:>5}  {what}")
+
+
 def stable_name(name: str) -> str:
     # Inductor numbers its kernels per graph (..._view_4 here, ..._view_3 there): drop the number
     # so that the same fusion in two traces compares.
@@ -111,6 +151,7 @@ def main() -> None:
     p.add_argument("trace")
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--against", default="", help="another trace: print the per-kernel differences")
+    p.add_argument("--gaps", action="store_true", help="print what the compute kernels waited for, gap by gap")
     args = p.parse_args()
     kernels, windows = load(args.trace)
     total = sum(e["dur"] for e in kernels)
@@ -129,6 +170,8 @@ def main() -> None:
         print(f"{ms:>9.2f} {ms * 1e3 * steps / total:>6.1%} {calls:>6}  {name[:110]}")
     if args.against:
         compare(kernels, steps, args.against, args.top)
+    if args.gaps:
+        gaps(args.trace, kernels, steps, args.top)
 
 
 if __name__ == "__main__":

@@ -186,9 +186,11 @@ def test_the_export_records_the_mask_and_says_what_it_means_at_inference(tmp_pat
 def test_export_refuses_a_folder_that_is_not_empty(tmp_path):
     """Writing into a folder that holds files would replace the user's config.json silently, or leave an
     older export's weights beside the new ones."""
-    synthetic_checkpoint(tmp_path / "step-1")
+    from titanlike.hf.interchange import write_hf_folder
+
+    model = synthetic_checkpoint(tmp_path / "step-1")
     hf, mine = tmp_path / "hf", tmp_path / "mine"
-    assert export(tmp_path / "step-1", hf, "--dtype", "fp32").returncode == 0
+    write_hf_folder(model.state_dict(), model.args, str(hf), torch.float32)  # an earlier export, written in-process
     (hf / "README.md").write_text("the user's model card")
     mine.mkdir()
     (mine / "config.json").write_text('{"the user": "own config"}')

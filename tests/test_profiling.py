@@ -149,3 +149,29 @@ def test_summarize_trace_timeline_and_comparison(tmp_path):
              if line.strip()[:1] in "+-" and not line.startswith("against")}
     # Inductor's per-graph kernel numbers are dropped, so the same fusion compares across traces.
     assert diffs == {"ncclDevKernel_ReduceScatter": 30.0, "nvjet_gemm": 5.0, "triton_poi_fused_mul_silu": 0.0}
+
+
+def test_summarize_trace_names_what_each_gap_waited_for(tmp_path):
+    """--gaps: a kernel launched just before it ran waited for the CPU; one that started when a collective
+    ended waited for that collective; short gaps (launch latency) are not counted."""
+    events = [{"cat": "gpu_user_annotation", "name": "ProfilerStep#4", "ts": 0, "dur": 100_000}]
+
+    def kernel(name, start_ms, dur_ms, launched_ms, correlation, collective=None):
+        args = {"correlation": correlation, **({"Collective name": collective} if collective else {})}
+        events.append({"cat": "kernel", "name": name, "ts": start_ms * 1e3, "dur": dur_ms * 1e3, "args": args})
+        events.append({"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": launched_ms * 1e3, "dur": 5,
+                       "args": {"correlation": correlation}})
+
+    kernel("nvjet_gemm", 0, 10, 0, 1)
+    kernel("ncclDevKernel_AllGather_RING_LL", 5, 15, 1, 2, collective="allgather_into_tensor_coalesced")
+    kernel("triton_poi_fused_cat_7", 20, 10, 2, 3)  # queued long before: waited 10 ms for the gather
+    kernel("nvjet_gemm", 34, 10, 33.99, 4)  # launched 10 µs before it ran: 4 ms waiting for the CPU
+    kernel("nvjet_gemm", 44.03, 10, 40, 5)  # a 30 µs gap: launch latency, not counted
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    out = summarize(str(path), "--gaps")
+    assert "compute kernels waiting (gaps over 50 µs): 14.0 ms per step" in out
+    rows = {" ".join(line.split()[2:]): float(line.split()[0]) for line in out.split("waited for")[-1].splitlines()
+            if line.strip()}
+    assert rows == {"allgather_into_tensor_coalesced before triton_poi_fused_cat": 10.0,
+                    "the CPU before nvjet_gemm": 4.0}
