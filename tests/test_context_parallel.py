@@ -21,7 +21,14 @@ import torch.nn.functional as F
 from titanlike.model.decoder import Transformer
 from titanlike.model.masks import document_mask
 from titanlike.model.shape import ModelArgs
-from titanlike.parallel.context import ContextParallel, apply_context_parallel, shard_sequence, unshard_sequence
+from titanlike.parallel.context import (
+    ContextParallel,
+    apply_context_parallel,
+    rank_order,
+    shard_sequence,
+    unshard_sequence,
+    window_order,
+)
 from titanlike.parallel.mesh import destroy_process_group
 
 # fp32 on one CPU: the split attention sums the same products in another order (measured ~1e-7).
@@ -95,6 +102,10 @@ def test_split_then_unsplit_is_identity():
         # Head-tail balance: rank r holds chunks r and 2cp-1-r, so the positions it holds sum alike.
         positions = [shard_sequence(torch.arange(48), r, cp, dim=0) for r in range(cp)]
         assert len({int(p.sum()) for p in positions}) == 1
+        # What the collectives hand over: ranks' parts stacked along dim 0, to window order and back.
+        kv = torch.arange(2 * 5 * 48 * 4).view(2, 5, 48, 4)  # (keys and values, heads, window, head_dim)
+        stacked = torch.cat([shard_sequence(kv, r, cp, dim=2) for r in range(cp)])
+        assert torch.equal(window_order(stacked, cp), kv) and torch.equal(rank_order(kv, cp), stacked)
     assert torch.equal(shard_sequence(torch.arange(8), 0, 2, dim=0), torch.tensor([0, 1, 6, 7]))
     assert torch.equal(shard_sequence(torch.arange(8), 1, 2, dim=0), torch.tensor([2, 3, 4, 5]))
 
