@@ -58,14 +58,16 @@ class WholeWindow:
         return torch.zeros((*pending.shape[:-2], local, pending.shape[-1]), dtype=pending.dtype)
 
 
+@pytest.mark.parametrize("kernel", ["CpuKernel", "TorchKernel"])
 @pytest.mark.parametrize("cp", [1, 2, 4])
-def test_causal_chunks_match_whole_window_attention(cp):
+def test_causal_chunks_match_whole_window_attention(cp, kernel):
     """The causal path under cp (parallel/chunk_attention.py: each chunk as a square causal block on the
     rank's own keys and an unmasked prefix on the gathered ones, merged by log-sum-exp, backward per part
-    with the merged softmax), with torch's exact kernel in cuDNN's place: every rank's output, and the key
+    with the merged softmax), with each CPU kernel in cuDNN's place: every rank's output, and the key
     and value gradients each rank keeps plus what it sends to be summed, are whole-window causal
     attention's."""
-    from titanlike.parallel.chunk_attention import CausalChunks, TorchKernel
+    from titanlike.parallel import chunk_attention
+    from titanlike.parallel.chunk_attention import CausalChunks
     from titanlike.parallel.context import chunks_of
 
     torch.manual_seed(0)
@@ -80,7 +82,7 @@ def test_causal_chunks_match_whole_window_attention(cp):
         exchanges.append(exchange)
         local_k, local_v = (shard_sequence(t.detach(), r, cp, dim=2).requires_grad_() for t in (k, v))
         outs.append((CausalChunks.apply(shard_sequence(q, r, cp, dim=2), local_k, local_v, chunks_of(r, cp),
-                                        TorchKernel, exchange), local_k, local_v))
+                                        getattr(chunk_attention, kernel), exchange), local_k, local_v))
     got = unshard_sequence([out for out, _, _ in outs], dim=2)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
     (got * g).sum().backward()
@@ -308,13 +310,13 @@ def test_checkpoint_moves_between_cp_degrees(runs, tmp_path):
 
 @pytest.mark.slow
 def test_cp2_compiled_tracks_eager(runs, tmp_path):
-    """cp 2 with the blocks compiled (the all-gather, the bottom-right causal mask or the flex document
-    mask inside the compiled graph) and selective activation checkpointing."""
+    """cp 2 with the blocks compiled (the causal chunks' Function with its collectives, or the gather and
+    the document mask, inside the compiled graph) and selective activation checkpointing."""
     from conftest import run_train, step_losses
 
     mask, one, _ = runs
     if mask[1] != "causal":
-        pytest.skip("one mask on the CPU (a dense mask either way); the GPU tier compiles both")
+        pytest.skip("one mask on the CPU (compile is slow here); the GPU tier compiles both")
     run_train(tmp_path, *RUN, *mask, "--parallel.cp", "2", "--compile.enable", "--activation_checkpoint.mode",
               "selective", nproc=2, timeout=900)
     got, want = step_losses(tmp_path), step_losses(one)

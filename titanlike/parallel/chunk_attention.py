@@ -25,8 +25,8 @@ placed both collectives after the square blocks, so a compiled run does not over
 at the speed of the gather outside this Function
 (docs/benchmarks/2026-11-26-cp-prefetch-offload-long-windows.md).
 
-Kernels: CudnnKernel on a GPU in bf16/fp16; TorchKernel (the same contract written out in torch,
-exact in fp32) elsewhere, which is what the CPU tests run over gloo. Why not FlashAttention's
+Kernels: CudnnKernel on a GPU in bf16/fp16; CpuKernel, torch's fused CPU attention, on a CPU (what
+the gloo tests run); TorchKernel, attention written out in torch, on a GPU in fp32. Why not FlashAttention's
 bottom-right causal mask in one call per chunk (SDPA's flash op takes fewer queries than keys that
 way): a slower kernel; a cp 2 rank of `1b` at 16,384 tokens ran at 0.67× one GPU's speed on it, 0.81×
 on cuDNN's parts (H200, docs/benchmarks/2026-11-26-cp-kernels-fit-to-target.md).
@@ -61,9 +61,31 @@ class CudnnKernel:
             grad, q, k, v, out, lse.contiguous(), seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal)
 
 
+class CpuKernel:
+    """One part on torch's fused CPU attention (`_scaled_dot_product_flash_attention_for_cpu` and its
+    backward, what SDPA runs on a CPU): exact to fp32 rounding, and a few extern calls for torch.compile
+    to trace instead of TorchKernel's materialised scores (the compiled cp test, cold: 51 s against 59).
+    It takes as many kv heads as query heads: they are repeated, and their gradients summed back."""
+
+    @staticmethod
+    def forward(q, k, v, causal: bool):
+        groups = q.shape[1] // k.shape[1]
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), 0.0, causal)
+        return out, lse.float().unsqueeze(-1), (), ()
+
+    @staticmethod
+    def backward(grad, q, k, v, out, lse, causal: bool, tensors, values):
+        groups = q.shape[1] // k.shape[1]
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), out,
+            lse.squeeze(-1).contiguous(), 0.0, causal)
+        return dq, dk.unflatten(1, (k.shape[1], groups)).sum(2), dv.unflatten(1, (k.shape[1], groups)).sum(2)
+
+
 class TorchKernel:
-    """One part's attention written out in torch: exact in fp32 (the scores are materialised, so it is
-    for CPUs and small windows); the same contract as CudnnKernel."""
+    """One part's attention written out in torch: exact in fp32, the scores materialised (for a GPU in
+    fp32, where neither fused kernel runs, and small windows); the same contract as CudnnKernel."""
 
     @staticmethod
     def scores(q, k, causal: bool):

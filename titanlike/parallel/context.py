@@ -16,13 +16,13 @@ torch.compile and run over gloo, so the CPU tests run the same code.
   keys [0, s+L): an unmasked prefix and a square causal block on the rank's own keys, merged by
   log-sum-exp (parallel/chunk_attention.py). The gather starts before the square blocks and the
   reduce-scatter before their backward (compiled, inductor still places both after them: measured in
-  that module's docstring). The kernel: cuDNN's fused attention on a GPU in
-  bf16/fp16 (the one SDPA runs for a whole window on Hopper), attention written out in torch
-  elsewhere. Not FlashAttention's own bottom-right mask through SDPA's flash op, which is one call a
-  chunk but a slower kernel: a cp 2 rank of `1b` at 16,384 tokens ran at 0.67× one GPU's speed on it,
-  0.81× on cuDNN's (H200, docs/benchmarks). Not torch's CausalBias, which selects that flash kernel:
-  torch 2.11's dynamo fails on it as a compiled block's input. Not flex attention either: on an H200
-  its causal kernel took 2.4 times cuDNN's time at 16,384 tokens.
+  that module's docstring). The kernel (`kernel_for`): cuDNN's fused attention on a GPU in bf16/fp16
+  (the one SDPA runs for a whole window on Hopper), torch's fused CPU attention on a CPU, attention
+  written out in torch on a GPU in fp32. Not FlashAttention's own bottom-right mask through SDPA's
+  flash op, which is one call a chunk but a slower kernel: a cp 2 rank of `1b` at 16,384 tokens ran at
+  0.67× one GPU's speed on it, 0.81× on cuDNN's (H200, docs/benchmarks). Not torch's CausalBias, which
+  selects that flash kernel: torch 2.11's dynamo fails on it as a compiled block's input. Not flex
+  attention either: on an H200 its causal kernel took 2.4 times cuDNN's time at 16,384 tokens.
 - block_causal: the decoder's document mask over window positions (model/masks.py
   `document_mask_at`): query i is the local token's window position, keys are the gathered ones;
   document ids come from the whole window, which every rank of the group reads anyway. A flex
@@ -56,7 +56,7 @@ import torch.distributed._functional_collectives as funcol
 
 from titanlike.model.decoder import Transformer
 from titanlike.model.masks import document_ids, document_mask_at, masked_attention
-from titanlike.parallel.chunk_attention import CausalChunks, CudnnKernel, TorchKernel
+from titanlike.parallel.chunk_attention import CausalChunks, CpuKernel, CudnnKernel, TorchKernel
 
 # The autograd-aware all-gather: all_gather_single_autograd from torch 2.13 (there
 # all_gather_tensor_autograd warns that it is deprecated), all_gather_tensor_autograd before.
@@ -183,9 +183,7 @@ class ContextParallel:
             raise RuntimeError("context-parallel attention needs the micro-batch's mask: call the model with "
                                "the SequenceShard that ContextParallel.shard made")
         if isinstance(mask, str):  # CAUSAL
-            cudnn = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-            return CausalChunks.apply(q, k, v, chunks_of(self.rank, self.cp), CudnnKernel if cudnn else TorchKernel,
-                                      self.exchange)
+            return CausalChunks.apply(q, k, v, chunks_of(self.rank, self.cp), kernel_for(q), self.exchange)
         k, v = self.gather(k, v)
         if not isinstance(mask, torch.Tensor):  # a flex BlockMask: kv heads repeated, all contiguous
             if gqa:
@@ -193,6 +191,13 @@ class ContextParallel:
                 k, v, gqa = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1), False
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         return masked_attention(q, k, v, mask, gqa, tuned=False)
+
+
+def kernel_for(q: torch.Tensor):
+    """The kernel of causal attention's parts (parallel/chunk_attention.py) for queries like `q`."""
+    if q.device.type == "cpu":
+        return CpuKernel
+    return CudnnKernel if q.dtype in (torch.bfloat16, torch.float16) else TorchKernel
 
 
 def apply_context_parallel(model: Transformer, group) -> ContextParallel:
