@@ -61,11 +61,17 @@ class CudnnKernel:
             grad, q, k, v, out, lse.contiguous(), seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal)
 
 
+def _per_kv_head(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Gradients computed for kv heads repeated to the query heads, summed back per kv head."""
+    return x.unflatten(1, (kv_heads, x.shape[1] // kv_heads)).sum(2)
+
+
 class CpuKernel:
     """One part on torch's fused CPU attention (`_scaled_dot_product_flash_attention_for_cpu` and its
     backward, what SDPA runs on a CPU): exact to fp32 rounding, and a few extern calls for torch.compile
-    to trace instead of TorchKernel's materialised scores (the compiled cp test, cold: 51 s against 59).
-    It takes as many kv heads as query heads: they are repeated, and their gradients summed back."""
+    to trace instead of TorchKernel's materialised scores (the compiled cp test, cold, once on a 2-core CI
+    machine: 51 s against 59). It takes as many kv heads as query heads: they are repeated, and their
+    gradients summed back."""
 
     @staticmethod
     def forward(q, k, v, causal: bool):
@@ -80,7 +86,7 @@ class CpuKernel:
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), out,
             lse.squeeze(-1).contiguous(), 0.0, causal)
-        return dq, dk.unflatten(1, (k.shape[1], groups)).sum(2), dv.unflatten(1, (k.shape[1], groups)).sum(2)
+        return dq, _per_kv_head(dk, k.shape[1]), _per_kv_head(dv, k.shape[1])
 
 
 class TorchKernel:
@@ -111,18 +117,15 @@ class TorchKernel:
         ds = ds * q.shape[-1] ** -0.5
         dq = ds @ k.repeat_interleave(groups, dim=1)
         dk = ds.transpose(-1, -2) @ q
-
-        def per_kv_head(x):
-            return x.unflatten(1, (k.shape[1], groups)).sum(2)
-
-        return dq, per_kv_head(dk), per_kv_head(dv)
+        return dq, _per_kv_head(dk, k.shape[1]), _per_kv_head(dv, k.shape[1])
 
 
 class CausalChunks(torch.autograd.Function):
     """(batch, heads, len(chunks)·L, head_dim) queries of window chunks `chunks`, side by side, over the
     window's keys and values, from this rank's (batch, kv_heads, len(chunks)·L, head_dim) keys and values
     (the same chunks) and `exchange`, which gathers the rest (context.py's KeyValueExchange; the tests
-    hand it a stand-in). `kernel` computes each part (CudnnKernel, TorchKernel)."""
+    hand it a stand-in). `kernel` computes each part (CudnnKernel, CpuKernel, TorchKernel: context.py's
+    `kernel_for` picks)."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: tuple[int, ...],
