@@ -26,6 +26,7 @@ LEVERS = f"{B}2026-11-26-memory-levers-and-estimator.md"
 LEVERS8B = f"{B}2026-11-26-8b-levers-chunked-loss-context-parallel.md"
 FIT = f"{B}2026-11-26-cp-kernels-fit-to-target.md"
 LONG = f"{B}2026-11-26-cp-prefetch-offload-long-windows.md"
+L1B = f"{B}2026-11-26-cp-long-windows-1b-levers.md"
 OFFLOAD = ("--parallel.cpu_offload --fp8.enable_fsdp_float8_all_gather false --activation_checkpoint.mode full "
            "--training.loss_chunk_tokens 4096 --training.local_batch_size 1")
 ONE = C + "llama3_1b.toml"
@@ -87,6 +88,20 @@ MEASURED = [
     (C + "llama3_8b.toml", f"{OFFLOAD} --training.global_batch_size 1 --optimizer.state_dtype 8bit", 1, H200, 8.8,
      LONG),  # 8b on one GPU
     (C + "llama3_8b.toml", f"{OFFLOAD} --training.global_batch_size 2", 2, H200, 10.2, LONG),
+    # Every lever on 1b over two GPUs, and cp 2 at 65,536 tokens.
+    (ONE, "--optimizer.state_dtype 8bit", 2, H200, 41.8, L1B),
+    (ONE, "--activation_checkpoint.mode full", 2, H200, 25.3, L1B),
+    (ONE, "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op:wqkv,wo,w1", 2,
+     H200, 37.5, L1B),
+    (ONE, "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op:wqkv,w1", 2, H200,
+     36.0, L1B),
+    (ONE, "--parallel.reshard_after_forward always", 2, H200, 44.8, L1B),
+    (ONE, "--parallel.cpu_offload --fp8.enable_fsdp_float8_all_gather false", 2, H200, 38.6, L1B),
+    (ONE, "--data.seq_len 16384 --training.local_batch_size 1 --training.global_batch_size 1 --parallel.cp 2 "
+     "--fp8.enable_fsdp_float8_all_gather false", 2, H200, 26.9, L1B),
+    (ONE, "--data.seq_len 65536 --training.local_batch_size 1 --training.global_batch_size 1", 1, H200, 93.4, L1B),
+    (ONE, "--data.seq_len 65536 --training.local_batch_size 1 --training.global_batch_size 1 --parallel.cp 2", 2,
+     H200, 60.7, L1B),
 ]
 
 

@@ -52,26 +52,34 @@ CHOICES: tuple[Choice, ...] = (
            f"{B}2026-11-26-8b-levers-chunked-loss-context-parallel.md: on 8b over two GPUs chunks of 1,024 run as "
            "fast as chunks of 4,096 (0.995×) at the same peak (99.3 GiB: the peak is not in the loss), while the "
            "estimate counts one chunk's logits; one GPU: estimate, more and smaller chunks", cost_sharded=0.005),
-    Choice("parallel.reshard_after_forward", "always", 0.019,
-           f"{B}2026-11-22-bf16-residual-fused-clip.md: keeping 1b's gathered weights is worth 1.8-1.9 %"),
+    Choice("parallel.reshard_after_forward", "always", 0.029,
+           f"{B}2026-11-26-cp-long-windows-1b-levers.md: 1b over two H200s 0.971× for 1.4 GiB; keeping 1b's "
+           f"gathered weights was worth 1.8-1.9 % before ({B}2026-11-22-bf16-residual-fused-clip.md)"),
     Choice("optimizer.state_dtype", "8bit", 0.046,
-           f"{B}2026-11-23-one-gpu-fused-chunked-loss-1b-32gb.md: torchao's 8-bit step, 4.6 % of a 1b step"),
+           f"{B}2026-11-23-one-gpu-fused-chunked-loss-1b-32gb.md: torchao's 8-bit step, 4.6 % of a 1b step; over "
+           f"two H200s 1b ran 0.963× for 4.3 GiB ({B}2026-11-26-cp-long-windows-1b-levers.md), 8b 0.959× "
+           f"for 22.3 GiB ({B}2026-11-26-8b-levers-chunked-loss-context-parallel.md)", cost_sharded=0.04),
     Choice("activation_checkpoint.mode", "selective:op", 0.03,
-           "estimate: op recomputes elementwise ops only (norms, RoPE, SwiGLU), no matmul"),
+           "estimate: op recomputes elementwise ops only (norms, RoPE, SwiGLU), no matmul; on 1b over two H200s "
+           "op:wqkv,wo,w1, which recomputes more, cost 3.5 % from none "
+           f"({B}2026-11-26-cp-long-windows-1b-levers.md)"),
     Choice("activation_checkpoint.mode", "selective:op:wqkv,wo,w1", 0.07,
            f"{B}2026-11-26-8b-levers-chunked-loss-context-parallel.md: 8b on two H200s, w3's output recomputed, "
-           "0.96 of `op`'s speed for 14 GiB; with `op`'s own cost (from none)"),
+           "0.96 of `op`'s speed for 14 GiB; with `op`'s own cost (from none). 1b on two H200s: 0.965× from none "
+           f"for 8.7 GiB ({B}2026-11-26-cp-long-windows-1b-levers.md)"),
     Choice("activation_checkpoint.mode", "selective:op:wqkv,w1", 0.10,
            f"{B}2026-11-26-8b-memory-breakdown.md: 8b on two H200s, wo's and w3's outputs recomputed, 0.927 of "
-           "`op`'s speed for 18 GiB; with `op`'s own cost (from none)"),
+           "`op`'s speed for 18 GiB; with `op`'s own cost (from none). 1b on two H200s: 0.961× from none for "
+           f"10.2 GiB ({B}2026-11-26-cp-long-windows-1b-levers.md)"),
     # Not `activation_checkpoint.mode budget`: what a budget keeps is compile's partitioner's choice, and the
     # estimate of 1b at budget 0.5 with chunks of 1,024 was 30.9 GiB against 33.5 measured (one H200,
     # 2026-11-26-cp-kernels-fit-to-target.md), too far under to pick it for a target.
-    Choice("activation_checkpoint.mode", "selective:2", 0.12,
-           "estimate: half of full recompute (every 2nd block recomputed whole)"),
-    Choice("activation_checkpoint.mode", "full", 0.25,
-           "estimate: one more forward of every block, about a third of its step's FLOPs; on 1b in 31 GiB full "
-           f"recompute ran 0.84 of the uncapped speed ({B}2026-11-23-one-gpu-fused-chunked-loss-1b-32gb.md)"),
+    Choice("activation_checkpoint.mode", "selective:2", 0.08,
+           "estimate: about half of full recompute's cost (every 2nd block recomputed whole)"),
+    Choice("activation_checkpoint.mode", "full", 0.15,
+           f"{B}2026-11-26-cp-long-windows-1b-levers.md: 1b over two H200s 0.867× from none for 20.9 GiB; on one "
+           f"GPU in 31 GiB full recompute ran 0.84 of the uncapped speed "
+           f"({B}2026-11-23-one-gpu-fused-chunked-loss-1b-32gb.md)"),
     Choice("training.local_batch_size", "1/2", 0.03,
            "estimate: per halving of the micro-batch (more micro-batches, the same global batch): each "
            "micro-batch pays fixed per-step work (weight casts, gathers, gradient accumulation)"),
@@ -79,7 +87,8 @@ CHOICES: tuple[Choice, ...] = (
     Choice("training.local_batch_size", "1/8", 0.12, "estimate: three halvings"),
     Choice("parallel.cpu_offload", True, 0.7,
            f"{B}2026-11-26-cp-kernels-fit-to-target.md: 8b over two H200s with weights, gradients and AdamW's "
-           "state in host memory and the optimizer step on the CPU ran 0.30× the speed",
+           "state in host memory and the optimizer step on the CPU ran 0.30× the speed; 1b 0.354× "
+           f"({B}2026-11-26-cp-long-windows-1b-levers.md)",
            usable=_has("parallel", "cpu_offload")),
 )
 
