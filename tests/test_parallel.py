@@ -171,6 +171,72 @@ def test_selective_op_keeps_the_named_matmul_outputs(option, recomputed):
         assert torch.equal(grads[name], want[name]), name
 
 
+class RecomputedLinearsOfModel(RecomputedLinears):
+    """RecomputedLinears over every block of a model: (block index, Linear name) for each forward
+    matmul rerun in backward."""
+
+    def __init__(self, model):
+        TorchDispatchMode.__init__(self)
+        self.weights = {m.weight.data_ptr(): (i, name.rsplit(".", 1)[-1]) for i, block in enumerate(model.layers)
+                        for name, m in block.named_modules() if isinstance(m, torch.nn.Linear)}
+        self.names = []
+
+
+def four_blocks(blocks: int | None, compiled: bool = False) -> Transformer:
+    """The debug shape at four blocks, w3 recomputed in `blocks` of them (None: no checkpointing)."""
+    torch._dynamo.reset()
+    model = Transformer(ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=50))
+    model.init_weights(0, 16)
+    if blocks is not None:
+        parallel.apply_activation_checkpointing(model, "selective", "op:wqkv,wo,w1", 1.0, blocks)
+    if compiled:
+        parallel.apply_compile(model)
+    return model
+
+
+TOKENS = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(3))
+
+
+def test_selective_ac_blocks_recomputes_in_that_many_blocks_spread_out():
+    """selective_ac_blocks = 2 of 4: blocks 0 and 2 follow op:wqkv,wo,w1 (backward reruns w3), 1 and 3
+    follow op (nothing rerun); the gradients are bit for bit those without checkpointing."""
+    model = four_blocks(2)
+    out = model(TOKENS)
+    with RecomputedLinearsOfModel(model) as seen:
+        out.float().pow(2).mean().backward()
+    assert sorted(seen.names) == [(0, "w3"), (2, "w3")]
+    plain = four_blocks(None)
+    plain(TOKENS).float().pow(2).mean().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), plain.named_parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
+@pytest.mark.slow  # two compiled block graphs: about 10 s
+def test_compiled_blocks_under_two_policies_get_a_graph_each():
+    """Compiled blocks share graphs, and dynamo does not look into a checkpoint policy function: with the
+    policy bound into each block's checkpoint_fn, every block ran the first block's policy. Looked up by
+    the block's policy name, each policy gets its graph. Counted in what each block saves for backward:
+    blocks 0 and 2 save w3's output (fp32 here) less than blocks 1 and 3."""
+    from torch.autograd.graph import saved_tensors_hooks
+
+    model = four_blocks(2, compiled=True)
+    params = {p.data_ptr() for p in model.parameters()}
+    saved, current = [0] * 4, [None]  # bytes each block saves; the block running now
+    for i, block in enumerate(model.layers):
+        block.register_forward_pre_hook(lambda module, args, i=i: current.__setitem__(0, i))
+        block.register_forward_hook(lambda module, args, out: current.__setitem__(0, None))
+
+    def pack(t):
+        if current[0] is not None and t.data_ptr() not in params:
+            saved[current[0]] += t.numel() * t.element_size()
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        model(TOKENS)
+    w3_output = TOKENS.numel() * 64 * 4
+    assert saved[0] == saved[2] and saved[1] == saved[3] and saved[1] - saved[0] == w3_output, saved
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["none", "rowwise"])
 def test_selective_op_names_under_compile_and_float8(monkeypatch, recipe):

@@ -102,6 +102,8 @@ MEASURED = [
     (ONE, "--data.seq_len 65536 --training.local_batch_size 1 --training.global_batch_size 1", 1, H200, 93.4, L1B),
     (ONE, "--data.seq_len 65536 --training.local_batch_size 1 --training.global_batch_size 1 --parallel.cp 2", 2,
      H200, 60.7, L1B),
+    (C + "llama3_8b.toml", "--training.loss_chunk_tokens 4096 --activation_checkpoint.selective_ac_option "
+     "op:wqkv,wo,w1 --activation_checkpoint.selective_ac_blocks 4", 2, H200, 97.2, L1B),
 ]
 
 
@@ -129,6 +131,26 @@ def test_the_categories_add_up_and_the_8b_breakdown_is_recognisable():
     assert e.row("parameters") == pytest.approx(14.96, abs=0.01)  # measured: 14.96
     assert e.row("optimizer") == pytest.approx(29.92, abs=0.01)  # measured: 29.92
     assert e.row("activations") == pytest.approx(46.06, rel=0.01)  # measured: 32 × 1.443 + the embedding's
+
+
+def test_selective_ac_blocks_moves_the_estimate_a_block_at_a_time():
+    """op:NAMES in k of the blocks keeps k/n_layers of the way from op's activations to op:NAMES's; the
+    lever's flags name the count for this model (a quarter of 8b's 32 blocks: 8)."""
+    from titanlike.plan.levers import CHOICES, flags
+
+    eight_b = ["--job.config_file", str(ROOT / C / "llama3_8b.toml")]
+    names = ["--activation_checkpoint.selective_ac_option", "op:wqkv,wo,w1"]
+
+    def kept(*extra: str) -> float:
+        return estimate_run(load_config(eight_b + list(extra)), 2, H200).row("activations")
+
+    op, every, four = kept(), kept(*names), kept(*names, "--activation_checkpoint.selective_ac_blocks", "4")
+    assert four == pytest.approx(op - (op - every) * 4 / 32)
+    assert op - four == pytest.approx(4 * 0.4375, rel=0.01)  # w3's output: 0.4375 GiB a block, measured
+    quarter = next(c for c in CHOICES if c.value == "selective:op:wqkv,wo,w1@1/4")
+    assert flags(load_config(eight_b), (quarter,), 4) == [
+        "--activation_checkpoint.mode selective", "--activation_checkpoint.selective_ac_option op:wqkv,wo,w1",
+        "--activation_checkpoint.selective_ac_blocks 8"]
 
 
 def test_levers_lower_the_estimate():

@@ -124,7 +124,8 @@ class Trainer:
         # Context parallelism: each attention layer gathers the keys and values of the group's ranks.
         self.context = parallel.apply_context_parallel(model, cp_mesh.get_group()) if cp_mesh is not None else None
         ac = cfg.activation_checkpoint
-        parallel.apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option, ac.memory_budget)
+        parallel.apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option, ac.memory_budget,
+                                                 ac.selective_ac_blocks)
         if cfg.compile.enable:
             parallel.apply_compile(model, self.float8.compile_options())
         # FSDP over the mesh (bf16 compute through its mixed precision), or one rank under autocast.

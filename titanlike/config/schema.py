@@ -424,6 +424,10 @@ def validate_across_sections(cfg: JobConfig) -> None:
         max_seq_len = model_args(m.flavor, **m.shape_overrides()).max_seq_len
         need(cfg.data.seq_len <= max_seq_len,
              f"data.seq_len = {cfg.data.seq_len} exceeds model.max_seq_len = {max_seq_len}")
+        n_layers = model_args(m.flavor, **m.shape_overrides()).n_layers
+        blocks = cfg.activation_checkpoint.selective_ac_blocks
+        need(blocks <= n_layers,
+             f"activation_checkpoint.selective_ac_blocks = {blocks} is more than the model's {n_layers} blocks")
     check_stages(cfg, max_seq_len if m.flavor != "hf" else None)
     for where, seq_len in stage_seq_lens(cfg):  # a long-context stage's windows split over cp ranks too
         speed.validate_context_parallel(cfg.parallel.cp, seq_len, m.attn_mask, cfg.training.device, where)

@@ -125,6 +125,10 @@ class TransformerBlock(nn.Module):
         # Set by activation checkpointing (parallel/activation_checkpoint.py): runs the body so that its activations
         # are recomputed in backward. A hook rather than a wrapper module keeps parameter names.
         self.checkpoint_fn: Callable[..., torch.Tensor] | None = None
+        # The name of checkpoint_fn's recompute policy, which checkpoint_fn looks the policy up by. Compiled
+        # blocks share graphs, and dynamo does not look into a policy function: it guards on this name, so
+        # blocks under different policies (activation_checkpoint.selective_ac_blocks) get a graph each.
+        self.checkpoint_policy: str = ""
 
     def body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, mask)
@@ -134,7 +138,7 @@ class TransformerBlock(nn.Module):
         # `mask`: a document mask (masks.py) with model.attn_mask = block_causal; None is causal.
         args = (x, cos, sin) if mask is None else (x, cos, sin, mask)
         if self.checkpoint_fn is not None:
-            return self.checkpoint_fn(self.body, *args)
+            return self.checkpoint_fn(self.body, *args, policy=self.checkpoint_policy)
         return self.body(*args)
 
 

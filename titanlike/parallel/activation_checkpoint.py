@@ -4,11 +4,11 @@ every N blocks, or a memory budget)."""
 
 from __future__ import annotations
 
-from functools import partial
+from collections.abc import Callable
 
 import torch
 
-from titanlike.config.speed import matmul_outputs_kept
+from titanlike.config.speed import matmul_outputs_kept, named_blocks
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import BLOCK_MATMULS
 
@@ -59,15 +59,26 @@ def _save_policy_context(keep: frozenset[int] | None):
     return context
 
 
-def _checkpointed(body, *args, context_fn=None):
+# Op-level policies by name ("op", "op:NAMES"): a block's checkpoint_fn looks its policy up here by the
+# block's checkpoint_policy. Compiled, that lookup is what makes dynamo guard on the name, so blocks under
+# different policies get a graph each; a policy bound into checkpoint_fn (a partial) is not guarded, and
+# every block ran the first one's (tests/test_parallel.py).
+_POLICIES: dict[str, Callable] = {}
+
+
+def _checkpointed(body, *args, policy: str = ""):
     from torch.utils.checkpoint import checkpoint
 
+    context_fn = _POLICIES[policy] if policy else None
     if context_fn is None:
         return checkpoint(body, *args, use_reentrant=False)
     return checkpoint(body, *args, use_reentrant=False, context_fn=context_fn)
 
 
-def apply_activation_checkpointing(model: Transformer, mode: str, option: str, budget: float = 1.0) -> None:
+def apply_activation_checkpointing(model: Transformer, mode: str, option: str, budget: float = 1.0,
+                                   named_blocks_count: int = 0) -> None:
+    """`named_blocks_count`: activation_checkpoint.selective_ac_blocks (with an op:NAMES option, how many
+    blocks follow it; the others follow "op")."""
     if mode == "none":
         return
     if mode == "budget":
@@ -81,9 +92,12 @@ def apply_activation_checkpointing(model: Transformer, mode: str, option: str, b
     kept = matmul_outputs_kept(option) if mode == "selective" else None
     if kept is not None:
         keep = None if kept == BLOCK_MATMULS else frozenset(BLOCK_MATMULS.index(name) for name in kept)
-        runner = partial(_checkpointed, context_fn=_save_policy_context(keep))
-        for block in model.blocks():
-            block.checkpoint_fn = runner
+        _POLICIES[option] = _save_policy_context(keep)
+        _POLICIES["op"] = _save_policy_context(None)
+        blocks = list(model.blocks())
+        named = named_blocks(len(blocks), named_blocks_count)
+        for i, block in enumerate(blocks):
+            block.checkpoint_fn, block.checkpoint_policy = _checkpointed, option if i in named else "op"
         return
     every = 1 if mode == "full" else int(option)
     for i, block in enumerate(model.blocks()):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from titanlike.config.dims import ParallelDims
 from titanlike.config.schema import JobConfig
-from titanlike.config.speed import matmul_outputs_kept, resolve_reshard
+from titanlike.config.speed import matmul_outputs_kept, named_blocks, resolve_reshard
 from titanlike.model.shape import BLOCK_MATMULS, ModelArgs, count_params
 
 GIB = 2**30
@@ -98,6 +98,7 @@ class Shape:
     reshard: str  # as resolved: never, default or always
     cpu_offload: bool = False
     document_masks: bool = False  # model.attn_mask = block_causal
+    ac_blocks: int = 0  # activation_checkpoint.selective_ac_blocks: blocks that follow op:NAMES (0: all)
 
 
 def shape_of(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, card_gib: float | None) -> Shape:
@@ -113,7 +114,7 @@ def shape_of(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, card_gib: floa
     return Shape(args, dims, t.local_batch_size * cfg.data.seq_len // dims.cp, ac.mode, ac.selective_ac_option,
                  ac.memory_budget, float8, float8_ag, cfg.compile.enable, t.loss_chunk_tokens,
                  cfg.optimizer.state_dtype, reshard, bool(getattr(cfg.parallel, "cpu_offload", False)),
-                 cfg.model.attn_mask == "block_causal")
+                 cfg.model.attn_mask == "block_causal", ac.selective_ac_blocks)
 
 
 # ---- activations ------------------------------------------------------------------------------------
@@ -154,7 +155,10 @@ def block_bytes(s: Shape) -> tuple[float, float]:
     """(bytes all blocks keep for backward, bytes one block recomputing in backward holds at once)."""
     a, n, layers = s.args, s.tokens, s.args.n_layers
     none = none_bytes_per_token(a) + (0 if s.compile else eager_extra_per_token(a))
-    op = op_kept_bytes_per_token(a, s.ac_option) if s.ac_option.startswith("op") else op_bytes_per_token(a)
+    op = op_bytes_per_token(a)
+    if s.ac_option.startswith("op"):  # op:NAMES in the blocks that follow it, op in the others
+        named = len(named_blocks(layers, s.ac_blocks))
+        op = (named * op_kept_bytes_per_token(a, s.ac_option) + (layers - named) * op) / layers
     if s.float8:
         none *= FLOAT8_NONE_SHARE
         op += FLOAT8_OP_EXTRA_PER_DIM * a.dim
@@ -294,6 +298,8 @@ def ac_words(s: Shape) -> str:
     if s.ac_mode == "selective":
         what = (f"selective, {s.ac_option}" if s.ac_option.startswith("op")
                 else f"selective, every {s.ac_option}th block recomputed")
+        if s.ac_option.startswith("op:") and len(named_blocks(s.args.n_layers, s.ac_blocks)) < s.args.n_layers:
+            what += f" in {s.ac_blocks} of {s.args.n_layers} blocks, op in the rest"
     elif s.ac_mode == "budget":
         what = f"budget {s.ac_budget}"
     else:

@@ -53,7 +53,8 @@ def candidates(cfg: JobConfig, given: set[str]) -> list[list[Choice | None]]:
         if c.key in given or not c.usable(cfg):
             continue
         if c.key == "activation_checkpoint.mode":
-            if ({"activation_checkpoint.selective_ac_option", "activation_checkpoint.memory_budget"} & given
+            if ({"activation_checkpoint.selective_ac_option", "activation_checkpoint.selective_ac_blocks",
+                 "activation_checkpoint.memory_budget"} & given
                     or ac_now not in AC_ORDER or AC_ORDER.index(str(c.value)) <= AC_ORDER.index(ac_now)):
                 continue
         elif c.key == "training.loss_chunk_tokens" and cfg.training.loss_chunk_tokens:

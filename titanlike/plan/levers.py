@@ -63,6 +63,14 @@ CHOICES: tuple[Choice, ...] = (
            "estimate: op recomputes elementwise ops only (norms, RoPE, SwiGLU), no matmul; on 1b over two H200s "
            "op:wqkv,wo,w1, which recomputes more, cost 3.5 % from none "
            f"({B}2026-11-26-cp-long-windows-1b-levers.md)"),
+    # w3's output recomputed in a share of the blocks (activation_checkpoint.selective_ac_blocks): steps of
+    # one block's w3 output between `op` and op:wqkv,wo,w1, at that share of the recomputation.
+    Choice("activation_checkpoint.mode", "selective:op:wqkv,wo,w1@1/8", 0.035,
+           "estimate: `op`'s cost and an eighth of op:wqkv,wo,w1's over `op` (below)"),
+    Choice("activation_checkpoint.mode", "selective:op:wqkv,wo,w1@1/4", 0.04,
+           "estimate: `op`'s cost and a quarter of op:wqkv,wo,w1's over `op` (below)"),
+    Choice("activation_checkpoint.mode", "selective:op:wqkv,wo,w1@1/2", 0.05,
+           "estimate: `op`'s cost and half of op:wqkv,wo,w1's over `op` (below)"),
     Choice("activation_checkpoint.mode", "selective:op:wqkv,wo,w1", 0.07,
            f"{B}2026-11-26-8b-levers-chunked-loss-context-parallel.md: 8b on two H200s, w3's output recomputed, "
            "0.96 of `op`'s speed for 14 GiB; with `op`'s own cost (from none). 1b on two H200s: 0.965× from none "
@@ -93,15 +101,30 @@ CHOICES: tuple[Choice, ...] = (
 )
 
 # The AC modes, from the one that keeps most to the one that keeps least, as Choice values spell them.
-AC_ORDER = ("none", "budget:0.5", "selective:op", "selective:op:wqkv,wo,w1", "selective:op:wqkv,w1", "selective:2",
-            "full")
+AC_ORDER = ("none", "budget:0.5", "selective:op", "selective:op:wqkv,wo,w1@1/8", "selective:op:wqkv,wo,w1@1/4",
+            "selective:op:wqkv,wo,w1@1/2", "selective:op:wqkv,wo,w1", "selective:op:wqkv,w1", "selective:2", "full")
 
 
 def ac_value(cfg: JobConfig) -> str:
     ac = cfg.activation_checkpoint
+    if ac.mode == "selective" and ac.selective_ac_blocks:  # a count of blocks: not one of AC_ORDER's shares
+        return f"selective:{ac.selective_ac_option}@{ac.selective_ac_blocks}"
     if ac.mode == "selective":
         return f"selective:{ac.selective_ac_option}"
     return f"budget:{ac.memory_budget}" if ac.mode == "budget" else ac.mode
+
+
+def _named_share(option: str, cfg: JobConfig) -> tuple[str, int]:
+    """An AC option with a share of the blocks (op:NAMES@1/4) as selective_ac_option and selective_ac_blocks
+    for this model (at least one block); without a share, the option and 0 (every block)."""
+    option, _, share = option.partition("@")
+    if not share:
+        return option, 0
+    from titanlike.config.resolve import resolve_model
+
+    n_layers = resolve_model(cfg).args.n_layers
+    num, den = (int(x) for x in share.split("/"))
+    return option, max(1, n_layers * num // den)
 
 
 def apply(cfg: JobConfig, choice: Choice, global_batch: int) -> JobConfig | None:
@@ -113,7 +136,7 @@ def apply(cfg: JobConfig, choice: Choice, global_batch: int) -> JobConfig | None
         ac = cfg.activation_checkpoint
         changes: dict[str, object] = {"mode": mode}  # a Literal field: the values are AC_ORDER's, checked below
         if mode == "selective":
-            changes["selective_ac_option"] = option
+            changes["selective_ac_option"], changes["selective_ac_blocks"] = _named_share(option, cfg)
         elif mode == "budget":
             changes["memory_budget"] = float(option)
         new = dataclasses.replace(ac, **changes)  # type: ignore[arg-type]
@@ -145,7 +168,10 @@ def flags(cfg: JobConfig, choices: tuple[Choice, ...], global_batch: int) -> lis
             mode, _, option = str(c.value).partition(":")
             out.append(f"--activation_checkpoint.mode {mode}")
             if mode == "selective":
+                option, blocks = _named_share(option, cfg)
                 out.append(f"--activation_checkpoint.selective_ac_option {option}")
+                if blocks:
+                    out.append(f"--activation_checkpoint.selective_ac_blocks {blocks}")
             elif mode == "budget":
                 out.append(f"--activation_checkpoint.memory_budget {option}")
         else:
