@@ -165,12 +165,14 @@ def resume_from(src: Path, step: int, dst: Path) -> None:
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, corpus) -> Path:
-    """One process, 8-bit moments, six steps straight, checkpoints at 3 and 6."""
+    """One process, 8-bit moments, six steps straight, checkpoints at 3 and 6. Its users are all in the slow
+    tier, which makes it once for them (cold, with torchao's compiled step, about 30 s)."""
     dump = tmp_path_factory.mktemp("straight")
     run_train(dump, *SCHEDULE, *EIGHT_BIT, corpus=corpus)
     return dump
 
 
+@pytest.mark.slow  # uses `straight`
 def test_8bit_resume_is_bitwise_exact(straight, tmp_path, corpus):
     resumed = tmp_path / "resumed"
     resume_from(straight, 3, resumed)
@@ -182,6 +184,7 @@ def test_8bit_resume_is_bitwise_exact(straight, tmp_path, corpus):
     assert_same_checkpoint(straight / "checkpoint" / "step-6", resumed / "checkpoint" / "step-6", tmp_path)
 
 
+@pytest.mark.slow  # uses `straight`
 def test_8bit_differs_from_fp32(straight, tmp_path, corpus):
     """The option changes the optimizer the trainer builds (and its LR is logged as a number)."""
     fp32 = tmp_path / "fp32"
@@ -191,6 +194,7 @@ def test_8bit_differs_from_fp32(straight, tmp_path, corpus):
     assert all(isinstance(r["lr"], float) for r in metrics(straight))
 
 
+@pytest.mark.slow  # uses `straight`
 def test_resume_that_changes_state_dtype_is_refused(straight, tmp_path, corpus):
     now = "fp32"
     resume_from(straight, 3, tmp_path)
