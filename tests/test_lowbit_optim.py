@@ -173,18 +173,6 @@ def straight(tmp_path_factory, corpus) -> Path:
 
 
 @pytest.mark.slow  # uses `straight`
-def test_8bit_resume_is_bitwise_exact(straight, tmp_path, corpus):
-    resumed = tmp_path / "resumed"
-    resume_from(straight, 3, resumed)
-    proc = run_train(resumed, *SCHEDULE, *EIGHT_BIT, corpus=corpus)
-    assert "resumed from" in proc.stderr and "at step 3 (data position and RNG restored)" in proc.stderr
-    full = {r["step"]: (r["loss"], r["lr"]) for r in metrics(straight)}
-    again = {r["step"]: (r["loss"], r["lr"]) for r in metrics(resumed)}
-    assert sorted(again) == [4, 5, 6] and again == {s: full[s] for s in again}  # bit for bit
-    assert_same_checkpoint(straight / "checkpoint" / "step-6", resumed / "checkpoint" / "step-6", tmp_path)
-
-
-@pytest.mark.slow  # uses `straight`
 def test_8bit_differs_from_fp32(straight, tmp_path, corpus):
     """The option changes the optimizer the trainer builds (and its LR is logged as a number)."""
     fp32 = tmp_path / "fp32"
@@ -273,12 +261,21 @@ def test_host_copy_of_8bit_state_is_a_snapshot():
 
 
 @pytest.mark.slow  # two more training runs
-def test_8bit_background_save_writes_what_the_foreground_save_writes(straight, tmp_path, corpus):
+def test_8bit_background_save_writes_what_the_foreground_save_writes_and_resumes_exactly(straight, tmp_path, corpus):
     """checkpoint.async_mode with 8-bit moments: step 3 is saved in the background (step 6, the last,
-    in the foreground as always); its files hold what the foreground save of the same run held. (A
-    resume from a background-saved 8-bit step, bit for bit: test_8bit_two_rank_fsdp_resume_is_bitwise_exact.)"""
+    in the foreground as always); its files hold what the foreground save of the same run held. Resumed
+    from it, steps 4-6 are the straight run's bit for bit, and so is the step-6 checkpoint. (On two ranks
+    under FSDP: test_8bit_two_rank_fsdp_resume_is_bitwise_exact.)"""
     background = tmp_path / "background"
     proc = run_train(background, *SCHEDULE, *EIGHT_BIT, "--checkpoint.async_mode", "async", corpus=corpus)
     assert "checkpoint step 3: saving in the background to" in proc.stderr
     assert losses(background) == losses(straight)
     assert_same_checkpoint(straight / "checkpoint" / "step-3", background / "checkpoint" / "step-3", tmp_path)
+    resumed = tmp_path / "resumed"
+    resume_from(background, 3, resumed)
+    proc = run_train(resumed, *SCHEDULE, *EIGHT_BIT, corpus=corpus)
+    assert "resumed from" in proc.stderr and "at step 3 (data position and RNG restored)" in proc.stderr
+    full = {r["step"]: (r["loss"], r["lr"]) for r in metrics(straight)}
+    again = {r["step"]: (r["loss"], r["lr"]) for r in metrics(resumed)}
+    assert sorted(again) == [4, 5, 6] and again == {s: full[s] for s in again}  # bit for bit
+    assert_same_checkpoint(straight / "checkpoint" / "step-6", resumed / "checkpoint" / "step-6", tmp_path)
