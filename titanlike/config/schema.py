@@ -421,10 +421,10 @@ def validate_across_sections(cfg: JobConfig) -> None:
          "set --checkpoint.initial_load_path")
     max_seq_len = 0
     if m.flavor != "hf":
-        max_seq_len = model_args(m.flavor, **m.shape_overrides()).max_seq_len
+        shape = model_args(m.flavor, **m.shape_overrides())
+        max_seq_len, n_layers = shape.max_seq_len, shape.n_layers
         need(cfg.data.seq_len <= max_seq_len,
              f"data.seq_len = {cfg.data.seq_len} exceeds model.max_seq_len = {max_seq_len}")
-        n_layers = model_args(m.flavor, **m.shape_overrides()).n_layers
         blocks = cfg.activation_checkpoint.selective_ac_blocks
         need(blocks <= n_layers,
              f"activation_checkpoint.selective_ac_blocks = {blocks} is more than the model's {n_layers} blocks")
