@@ -238,16 +238,22 @@ def test_two_gpus_all_gather_float8_and_match_one_gpu(tmp_path, corpus):
         assert abs(one[s] - two[s]) < 0.03 * one[s], (s, one[s], two[s])
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: FSDP's reduce-scatter over NCCL")
-def test_two_gpus_sharded_gradients_live_in_the_compute_streams_memory(tmp_path):
-    """FSDP reduce-scatters on a stream of its own, and torch's gradients come from that stream's pool,
-    which the memory backward frees on the compute stream cannot refill (8b on two GPUs: 15 GiB more
-    at the peak). titanlike's gradients come from the compute stream's pool, and equal torch's, with
-    gradient accumulation too."""
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: FSDP's collectives over NCCL")
+def test_two_gpus_gradients_and_the_largest_gathers_live_in_the_compute_streams_memory(tmp_path):
+    """The caching allocator keeps each CUDA stream's memory apart, and FSDP allocates from side streams'
+    pools, which the memory freed on the compute stream cannot refill.
+    - Gradients: torch's come from the reduce-scatter stream's pool (8b on two GPUs: 15 GiB more at the
+      peak). titanlike's come from the compute stream's pool, and equal torch's, with gradient
+      accumulation too.
+    - Gathered weights: torch's side pool stays big enough for the largest (the embedding or the output
+      layer: 2 GiB reserved on 8b over two GPUs, half of it idle at the peak). titanlike gathers those two
+      on the compute stream: the side pool holds less than one of them, where torch's holds at least one."""
     found = run_probe("grad_pool_probe.py", tmp_path / "probe.json", device="cuda")
     assert found["ours"] == [found["default_stream"]], found
     assert found["torch"] and found["default_stream"] not in found["torch"], found  # the check can tell them apart
     assert found["largest_difference"] <= 1e-6, found  # the same reductions, in other memory
+    assert found["torch_gather_pool_bytes"] >= found["embedding_gathered_bytes"], found  # the check can tell
+    assert found["ours_gather_pool_bytes"] < found["embedding_gathered_bytes"], found
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["flex-compiled-alone", "blocks-compiled"])

@@ -32,7 +32,12 @@ class GradientsInComputePool:
     compute stream's pool they reuse that memory. Two rules keep it safe: the reduce-scatter stream
     waits for the compute stream's work queued so far (the block may have been freed by a kernel
     still queued there), and the block records the reduce-scatter stream (not reused before the
-    reduce-scatter's own work on it is done)."""
+    reduce-scatter's own work on it is done).
+
+    The reduce-scatter's input (one module's unsharded fp32 gradients) goes back as soon as the
+    collective is queued, where FSDP would keep it until the next module's reduce-scatter: through
+    that module's whole backward. The output layer's is 2 GiB on 8b, kept through the last block's
+    backward, at the peak."""
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         current, compute = torch.cuda.current_stream(device), torch.cuda.default_stream(device)
@@ -45,7 +50,15 @@ class GradientsInComputePool:
         return out
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        if not async_op:
+            # FSDP holds the input only so that nothing reuses its memory while the collective may still
+            # read it. A synchronous call has made this (the reduce-scatter) stream wait for the
+            # collective, and the block records this stream: freed now, it is reused only once the
+            # collective is done. Nothing reads the input after this call.
+            input_tensor.record_stream(torch.cuda.current_stream(input_tensor.device))
+            input_tensor.untyped_storage().resize_(0)
+        return work
 
 
 def apply_fsdp(model: Transformer, mesh, param_dtype: torch.dtype | None, reshard: str,
@@ -91,6 +104,9 @@ def apply_fsdp(model: Transformer, mesh, param_dtype: torch.dtype | None, reshar
             unshard_in_backward(model.output, False)
     shard(model, reshard_after_forward=reshard == "always")
     prefetch_forward(model)
+    if mesh.device_type == "cuda" and offload_policy is None and not model.args.tie_embeddings:
+        for module in (model.tok_embeddings, model.output):
+            gather_on_compute_stream(module)
     if gradients_in_compute_pool:
         comm = GradientsInComputePool()
         for module in modules:
@@ -114,6 +130,24 @@ def prefetch_forward(model: Transformer) -> None:
     chain = [m for m in forward_order if hasattr(m, "set_modules_to_forward_prefetch")]
     for module, following in zip(chain, chain[1:]):
         module.set_modules_to_forward_prefetch([following])
+
+
+def gather_on_compute_stream(module) -> None:
+    """FSDP gathers `module`'s weights into memory from the compute stream's pool, and frees that as soon
+    as they are copied out of it.
+
+    By default FSDP gathers every module into memory from a side stream's pool and, in forward, keeps
+    each gathered buffer until the next module's gather is done. The embedding and the output layer
+    are a vocabulary × dim matrix each, 1 GiB in bf16 on `8b`, where a block gathers 0.2 GiB in
+    float8: between steps the side pool is cut into blocks' buffers, and it grew to fit one more of
+    those matrices beside them. On 8b over two GPUs it reserved 2.0 GiB, half of it free at the peak
+    (docs/benchmarks/2026-11-26-8b-under-the-peer.md). On the compute stream these two take memory only
+    while their gather is copied out, from the pool that activations use anyway; the cast of their
+    shard to bf16 before the gather then runs on the compute stream too, twice a step. The switch is
+    private to FSDP (torch 2.11 to 2.13 have it); a torch without it keeps FSDP's default."""
+    setter = getattr(module, "_set_unshard_async_op", None)
+    if setter is not None:
+        setter(True)
 
 
 def unshard_in_backward(module, needed: bool) -> None:
