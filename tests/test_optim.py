@@ -110,6 +110,33 @@ def test_no_weight_decay_on_1d_params():
             torch.testing.assert_close(p, before[name] * (1 - 0.1 * 0.5)), name
 
 
+def test_the_moments_exist_before_the_first_step_and_it_is_the_same_step():
+    """build_optimizer makes AdamW's state at once (zero moments, step 0), and leaves the weights as they were;
+    three updates from there equal three from an AdamW that made its state at its first update, bit for bit."""
+    ours, theirs = small_model(), small_model()
+    weights = [p.detach().clone() for p in ours.parameters()]
+    opt = build_optimizer(ours, lr=0.1, weight_decay=0.5, betas=[0.9, 0.95], eps=1e-8, device_type="cpu")
+    assert all(torch.equal(p, w) for p, w in zip(ours.parameters(), weights))
+    assert all(p.grad is None for p in ours.parameters())
+    states = [opt.state[p] for p in ours.parameters()]
+    assert len(states) == len(weights) and all(float(s["step"]) == 0 for s in states)
+    assert all(not s["exp_avg"].any() and not s["exp_avg_sq"].any() for s in states)
+    twin = dict(zip(map(id, ours.parameters()), theirs.parameters()))
+    lazy = torch.optim.AdamW([{"params": [twin[id(p)] for p in g["params"]], "weight_decay": g["weight_decay"]}
+                              for g in opt.param_groups], lr=0.1, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+    assert not lazy.state
+    for step in range(3):
+        for a, b in zip(ours.parameters(), theirs.parameters()):
+            grad = torch.randn(a.shape, generator=torch.Generator().manual_seed(step))
+            a.grad, b.grad = grad.clone(), grad.clone()
+        opt.step()
+        lazy.step()
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(a, b)
+        assert torch.equal(opt.state[a]["exp_avg_sq"], lazy.state[b]["exp_avg_sq"])
+        assert float(opt.state[a]["step"]) == float(lazy.state[b]["step"]) == 3
+
+
 # ---- clipping --------------------------------------------------------------------------------------------
 
 

@@ -32,7 +32,36 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: lis
     # CPU run's small models. Offloaded, the CPU update is the slow part of a step and torch's fused
     # CPU kernel is several times faster than foreach (a quick check, 67M parameters on 2 cores: 0.12 s against 0.57 s).
     fused = device_type == "cuda" or host_params
-    return torch.optim.AdamW(groups, lr=lr, betas=(betas[0], betas[1]), eps=eps, fused=fused, foreach=not fused)
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=(betas[0], betas[1]), eps=eps, fused=fused, foreach=not fused)
+    allocate_state(optimizer)
+    return optimizer
+
+
+def allocate_state(optimizer: torch.optim.AdamW) -> None:
+    """Make AdamW's state (zero moments, step 0: what its first update would make) now, while the GPU
+    holds little more than the weights, instead of at the first update.
+
+    Made at the first update, the moments (8 bytes a parameter) land in the memory the first step's
+    activations have just freed, scattered among the gradients, and every later step lays its
+    activations out around them: `8b` over two GPUs reserved 0.4 GiB more at the peak so
+    (docs/benchmarks/2026-11-26-8b-under-the-peer.md). Made here they sit beside the weights. The
+    optimizer makes them itself, by one update of zero gradients at a zero learning rate (which
+    leaves every weight as it was: AdamW's decay and step both scale by the learning rate), and the
+    step counts go back to 0, so the first real update is the same one, bit for bit."""
+    if optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    for state in optimizer.state.values():
+        state["step"].zero_()
 
 
 def _adamw_8bit() -> type[torchao.optim.AdamW8bit]:
