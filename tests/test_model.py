@@ -146,6 +146,34 @@ def test_residual_stream_in_the_autocast_dtype():
     assert seen == [(torch.float32, torch.float32)] * SMALL.n_layers
 
 
+def test_blocks_share_one_copy_of_the_rope_tables_in_the_weights_dtype():
+    """With bf16 weights and no autocast (FSDP's mixed precision) the model hands every block one bf16 copy of
+    the RoPE tables, which FSDP would otherwise make per block (each kept for backward); the blocks compute
+    what they computed from their own cast. Under autocast the tables stay fp32."""
+    model = build(SMALL)
+    for p in model.parameters():  # as FSDP's gathered bf16 weights: the fp32 RoPE buffers stay
+        p.data = p.data.to(torch.bfloat16)
+    assert model.rope_cos.dtype == torch.float32
+    tables = []
+    for layer in model.layers:
+        layer.register_forward_pre_hook(lambda _m, args: tables.append(args[1:3]))
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 16))
+    logits = model(tokens)
+    assert {(cos.dtype, sin.dtype) for cos, sin in tables} == {(torch.bfloat16, torch.bfloat16)}
+    assert len({cos.data_ptr() for cos, _ in tables}) == 1
+    h, cos, sin = model.tok_embeddings(tokens), model.rope_cos[:16].to(torch.bfloat16), model.rope_sin[:16].to(
+        torch.bfloat16)
+    for layer in model.layers:  # each block casting the fp32 tables for itself
+        h = layer(h, cos.clone(), sin.clone(), None)
+    assert torch.equal(logits, model.output(model.norm(h)))
+    tables.clear()
+    model = build(SMALL)
+    model.layers[0].register_forward_pre_hook(lambda _m, args: tables.append(args[1:3]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(tokens)
+    assert tables[0][0].dtype == torch.float32
+
+
 # ---- attention --------------------------------------------------------------------------------------
 
 
