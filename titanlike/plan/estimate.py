@@ -249,13 +249,16 @@ def estimate(s: Shape) -> Estimate:
             # Every weight stays gathered from forward to backward, in the all-gather stream's pool.
             gathered = a.n_layers * block_gathered + 2 * embed + output_gathered
         else:
-            # The output layer is kept gathered (backward starts there); the blocks and the embedding are
-            # gathered one or two at a time into the all-gather stream's own pool. With the fused chunked
-            # loss the output layer is freed after forward (parallel/fsdp.py), and its memory stays in that
-            # pool: 8b over two GPUs reserved 99.3 GiB with it kept and freed alike.
+            # The output layer is kept gathered (backward starts there) unless the fused chunked loss frees
+            # it after forward; the blocks are gathered one or two at a time into the all-gather stream's
+            # own pool. On GPUs the embedding and the output layer are gathered on the compute stream
+            # (parallel/fsdp.py), so their gathers pass before the peak; offloaded, or tied (the root
+            # group), they go through that pool too.
             kept_output = s.reshard == "default" and not s.chunk_tokens
             gathered = output_gathered if kept_output else 0.0
-            ag_pool = 2 * block_gathered + 2 * embed + (0.0 if kept_output else output_gathered)
+            ag_pool = 2 * block_gathered
+            if s.cpu_offload or a.tie_embeddings:
+                ag_pool += 2 * embed + (0.0 if kept_output else output_gathered)
     # The start of backward: every block's activations and the loss's; gradients exist only from an earlier
     # micro-batch.
     held_grads = grads if dims.accum_steps > 1 else 0.0
