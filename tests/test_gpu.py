@@ -505,3 +505,29 @@ def test_mixture_token_loss_is_the_compiled_loss_on_the_gpu(chunk_tokens, compil
     assert torch.equal(loss.detach(), want.detach())
     assert all(torch.equal(grads[n], want_grads[n]) for n in grads)
     torch.testing.assert_close(per_token.mean(), want.detach().float(), rtol=1e-5, atol=1e-5)
+
+
+def test_step_fence_holds_the_cpu_until_the_backward_is_done():
+    """parallel.StepFence: the step's start waits for the GPU to finish what was queued before
+    `backward_queued`, and no longer (the update queued after it may still run)."""
+    import time
+
+    from titanlike import parallel
+
+    device = torch.device("cuda")
+    fence = parallel.StepFence(device)
+    torch.cuda.synchronize()
+    backward = torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(500_000_000)  # a stand-in backward: a few hundred ms of GPU time
+    backward.record()
+    fence.backward_queued()
+    torch.cuda._sleep(2_000_000_000)  # a stand-in update, four times as long, queued behind it
+    update = torch.cuda.Event()
+    update.record()
+    start = time.perf_counter()
+    fence.wait()
+    waited = time.perf_counter() - start
+    assert backward.query(), "the wait returned before the backward was done"
+    assert not update.query(), "the wait held the CPU through the update too"
+    assert waited > 0.05
+    torch.cuda.synchronize()

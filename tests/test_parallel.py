@@ -354,6 +354,39 @@ def test_allocator_default_leaves_the_users_choice_alone():
         assert env == mine
 
 
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+def test_gradient_copy_in_lays_out_what_fsdps_chunk_cat_does(world_size):
+    """FSDP's reduce-scatter buffer as our foreach copy fills it is torch's chunk_cat's, bit for bit:
+    each rank's dim-0 chunk of every gradient in turn, padding rows zero, bf16 cast to fp32."""
+    from titanlike.parallel.fsdp import copy_gradients_in
+
+    torch.manual_seed(0)
+    # Uneven first dims (padding on the last ranks), 1-D norms, a 3-D weight, a one-row weight.
+    grads = [torch.randn(shape, dtype=torch.bfloat16) for shape in ((5, 3), (7,), (4, 4), (1, 6), (9, 2, 3), (16,))]
+    numel = sum(-(-g.size(0) // world_size) * world_size * (g.numel() // g.size(0)) for g in grads)
+    theirs = torch.full((numel,), math.nan)
+    ours = torch.full((numel,), math.nan)  # so a padding element left unwritten would show
+    torch._chunk_cat(grads, 0, world_size, out=theirs.view(world_size, -1))
+    copy_gradients_in(grads, ours, world_size)
+    assert torch.equal(ours, theirs)
+
+
+def test_fsdp_copies_gradients_in_with_ours():
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    from titanlike.parallel.fsdp import copy_gradients_in, replace_reduce_scatter_copy_in
+
+    replace_reduce_scatter_copy_in()
+    assert _fsdp_collectives.foreach_reduce_scatter_copy_in is copy_gradients_in
+
+
+def test_step_fence_is_inert_off_the_gpu():
+    fence = parallel.StepFence(torch.device("cpu"))
+    fence.backward_queued()
+    fence.wait()  # nothing queued ahead on a CPU: returns at once
+    assert fence.device is None
+
 def test_default_reshard_keeps_small_models_gathered():
     from titanlike.model.shape import PRESETS, count_params
 

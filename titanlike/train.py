@@ -179,6 +179,7 @@ class Trainer:
         # What a non-finite loss does (training.nonfinite): judged over the steps since the last check.
         self.guard = NonFiniteGuard(t.nonfinite, self.checkpoint, self.state, is_main=self.is_main)
         self.window: list[torch.Tensor] = []  # (loss, grad norm, skipped) of those steps, on the device
+        self.fence = parallel.StepFence(self.device)  # the CPU no more than one update ahead of the GPU
         # A mixture also logs each source's training loss: the same loss, with each token's loss read
         # beside it (detached) and summed by source (run/source_losses.py). One source: loss_fn alone.
         self.source_losses = SourceLosses(
@@ -200,6 +201,7 @@ class Trainer:
 
     def train_step(self) -> torch.Tensor:
         """Forward and backward over the micro-batches of one global batch, then one update."""
+        self.fence.wait()
         self.optimizer.zero_grad(set_to_none=True)
         step_loss = torch.zeros((), device=self.device)
         data_wait = 0.0
@@ -221,6 +223,7 @@ class Trainer:
             # FSDP averages over ranks in its reduce-scatter.
             (loss / accum_steps).backward()
             step_loss += loss.detach() / accum_steps
+        self.fence.backward_queued()
         # The LR this update uses, for the log: a number now (8-bit AdamW's is a tensor the schedule refills).
         self.lr = float(self.optimizer.param_groups[0]["lr"])
         # The update overwrites the weights: a background save's copy of them must be complete first.

@@ -7,7 +7,8 @@ recomputation is part of each compiled block; FSDP last so it shards the final m
 rank no FSDP is applied: the plain model trains under bf16 autocast (single-GPU mode), unless it
 offloads to the CPU, which FSDP does (over a one-rank mesh).
 
-    device.py                 which device, the CUDA allocator's settings, a memory cap, deterministic kernels
+    device.py                 which device, the CUDA allocator's settings, a memory cap, deterministic kernels,
+                              how far the CPU runs ahead of the GPU
     mesh.py                   the process group, the DeviceMesh, means over ranks
     activation_checkpoint.py  what each block keeps for backward (activation_checkpoint.mode)
     compile.py                per-block torch.compile
@@ -25,6 +26,7 @@ from titanlike.parallel.activation_checkpoint import apply_activation_checkpoint
 from titanlike.parallel.compile import apply_compile
 from titanlike.parallel.context import ContextParallel, apply_context_parallel
 from titanlike.parallel.device import (
+    StepFence,
     allocator_settings,
     configure_device,
     default_allocator_settings,
@@ -34,7 +36,7 @@ from titanlike.parallel.device import (
 from titanlike.parallel.fsdp import apply_fsdp, resolve_reshard, shard_model
 from titanlike.parallel.mesh import context_mesh, destroy_process_group, init_distributed, mean_over_ranks
 
-__all__ = ["ContextParallel", "allocator_settings", "apply_activation_checkpointing", "apply_compile",
+__all__ = ["ContextParallel", "StepFence", "allocator_settings", "apply_activation_checkpointing", "apply_compile",
            "apply_context_parallel", "apply_fsdp", "configure_device", "context_mesh",
            "default_allocator_settings", "destroy_process_group", "device_memory_bytes", "init_distributed",
            "mean_over_ranks", "offload", "pick_device", "resolve_reshard", "shard_model"]
