@@ -354,7 +354,6 @@ def test_allocator_default_leaves_the_users_choice_alone():
         assert env == mine
 
 
-
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
 def test_gradient_copy_in_lays_out_what_fsdps_chunk_cat_does(world_size):
     """FSDP's reduce-scatter buffer as our foreach copy fills it is torch's chunk_cat's, bit for bit:
@@ -386,6 +385,7 @@ def test_step_fence_is_inert_off_the_gpu():
     fence.backward_queued()
     fence.wait()  # nothing queued ahead on a CPU: returns at once
     assert fence.device is None
+
 
 def test_default_reshard_keeps_small_models_gathered():
     from titanlike.model.shape import PRESETS, count_params
