@@ -358,7 +358,7 @@ def test_allocator_default_leaves_the_users_choice_alone():
 def test_gradient_copy_in_lays_out_what_fsdps_chunk_cat_does(world_size):
     """FSDP's reduce-scatter buffer as our foreach copy fills it is torch's chunk_cat's, bit for bit:
     each rank's dim-0 chunk of every gradient in turn, padding rows zero, bf16 cast to fp32."""
-    from titanlike.parallel.fsdp import copy_gradients_in
+    from titanlike.parallel.fsdp import copy_gradients_in_pieces
 
     torch.manual_seed(0)
     # Uneven first dims (padding on the last ranks), 1-D norms, a 3-D weight, a one-row weight.
@@ -367,17 +367,23 @@ def test_gradient_copy_in_lays_out_what_fsdps_chunk_cat_does(world_size):
     theirs = torch.full((numel,), math.nan)
     ours = torch.full((numel,), math.nan)  # so a padding element left unwritten would show
     torch._chunk_cat(grads, 0, world_size, out=theirs.view(world_size, -1))
-    copy_gradients_in(grads, ours, world_size)
+    copy_gradients_in_pieces(grads, ours, world_size)
     assert torch.equal(ours, theirs)
 
 
-def test_fsdp_copies_gradients_in_with_ours():
+def test_fsdp_copies_gradients_in_with_ours_over_two_ranks_and_with_its_own_otherwise(monkeypatch):
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
-    from titanlike.parallel.fsdp import copy_gradients_in, replace_reduce_scatter_copy_in
+    from titanlike.parallel import fsdp
 
-    replace_reduce_scatter_copy_in()
-    assert _fsdp_collectives.foreach_reduce_scatter_copy_in is copy_gradients_in
+    fsdp.replace_reduce_scatter_copy_in()
+    assert _fsdp_collectives.foreach_reduce_scatter_copy_in is fsdp.copy_gradients_in
+    used = []
+    monkeypatch.setattr(fsdp, "_FSDP_COPY_IN", lambda *args: used.append("theirs"))
+    monkeypatch.setattr(fsdp, "copy_gradients_in_pieces", lambda *args: used.append("ours"))
+    for world_size in (2, 4, 8):
+        fsdp.copy_gradients_in([], torch.empty(0), world_size)
+    assert used == ["ours", "theirs", "theirs"]
 
 
 def test_step_fence_is_inert_off_the_gpu():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -151,15 +152,31 @@ def gather_on_compute_stream(module) -> None:
         setter(True)
 
 
+# FSDP's own copy-in, kept by replace_reduce_scatter_copy_in for the world sizes ours does not serve.
+_FSDP_COPY_IN: Callable[[list[torch.Tensor], torch.Tensor, int], None] | None = None
+
+
 def copy_gradients_in(unsharded_grads: list[torch.Tensor], reduce_scatter_input: torch.Tensor,
                       world_size: int) -> None:
-    """FSDP's reduce-scatter copy-in, with the layout FSDP's does: rank r's part of the flat buffer
-    holds the r-th dim-0 chunk of every gradient in turn, each dim 0 padded to a multiple of the
-    world size and the padding zero; each element cast to the buffer's dtype (fp32). One foreach copy
-    of contiguous pieces instead of torch's `chunk_cat` kernel, which ran 5.4× slower on an H100 for
-    an `8b` block's gradients (2.84 ms against 0.53; the vocabulary matrix 4.89 against 1.27), on the
-    compute stream, once a module a step: 26 ms of an `8b` step on two H200s, and the trainer 0.6 %
-    faster without it (docs/benchmarks/2026-11-26-8b-step-fence-and-copy-in.md)."""
+    """FSDP's reduce-scatter copy-in: over two ranks, copy_gradients_in_pieces; otherwise FSDP's own.
+
+    Torch's `chunk_cat` kernel, which FSDP's own runs on the compute stream once a module a step, is
+    slow only when it splits each gradient in two. For an `8b` block's gradients on an H100 it took
+    2.60 ms over two ranks against the pieces' 0.53, and 26 ms of an `8b` step over two H200s: the
+    trainer is 0.6 % faster without it. Over 8 ranks it took 0.70 ms against 0.87, over 64 ranks 0.64
+    against 6.06 (the pieces, one per rank and gradient, are then many and small)
+    (docs/benchmarks/2026-11-26-8b-step-fence-and-copy-in.md)."""
+    if world_size != 2 and _FSDP_COPY_IN is not None:
+        _FSDP_COPY_IN(unsharded_grads, reduce_scatter_input, world_size)
+    else:
+        copy_gradients_in_pieces(unsharded_grads, reduce_scatter_input, world_size)
+
+
+def copy_gradients_in_pieces(unsharded_grads: list[torch.Tensor], reduce_scatter_input: torch.Tensor,
+                             world_size: int) -> None:
+    """The layout FSDP's copy-in gives its flat buffer: rank r's part holds the r-th dim-0 chunk of every
+    gradient in turn, each dim 0 padded to a multiple of the world size and the padding zero; each
+    element cast to the buffer's dtype (fp32). One foreach copy of the contiguous pieces."""
     rows = reduce_scatter_input.view(world_size, -1)
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
@@ -187,10 +204,12 @@ def replace_reduce_scatter_copy_in() -> None:
 
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
 
+    global _FSDP_COPY_IN
     theirs = getattr(collectives, "foreach_reduce_scatter_copy_in", None)
     if theirs is None or theirs is copy_gradients_in:
         return
     if list(inspect.signature(theirs).parameters) == ["unsharded_grads", "reduce_scatter_input", "world_size"]:
+        _FSDP_COPY_IN = theirs
         collectives.foreach_reduce_scatter_copy_in = copy_gradients_in
 
 
