@@ -54,8 +54,10 @@ export TITANLIKE_PREEMPTED_MARKER="$(mktemp -u "${TMPDIR:-/tmp}/titanlike-preemp
 # torchrun runs in a process group of its own (set -m), so that a signal sent to this launcher's
 # group (a terminal's Ctrl-C, a scheduler signalling the job) reaches it once: passed on from here.
 # Ctrl-C (SIGINT): the workers finish the step, save and exit 130; a second one stops them at once.
+# torchrun follows this launcher and the workers follow torchrun (titanlike/run/lifeline.py): a SIGKILL
+# of this launcher's group ends the run with a save, as a preemption does, never leaving it headless.
 set -m
-"$PYTHON" -m titanlike.run.launch "${rdzv[@]}" --nproc_per_node="$NGPU" --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
+TITANLIKE_LAUNCHER_PID=$$ "$PYTHON" -m titanlike.run.launch "${rdzv[@]}" --nproc_per_node="$NGPU" --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
   "$here/run_train.sh" --job.config_file "$CONFIG_FILE" "$@" &
 pid=$!
 set +m
@@ -75,7 +77,10 @@ exit "$rc"
 import os
 import sys
 
-from titanlike.train import main
+from titanlike.run import lifeline
+
+lifeline.follow_torchrun()  # before torch loads: a worker ends with the torchrun that started it
+from titanlike.train import main  # noqa: E402
 
 
 def names_config_file(arg: str) -> bool:

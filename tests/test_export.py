@@ -28,6 +28,7 @@ from conftest import (
     run_python,
     run_train,
     step_losses,
+    train_here,
 )
 from titanlike.checkpoint.manifest import seal
 from titanlike.config import load_config
@@ -148,10 +149,10 @@ def test_export_ships_the_runs_tokenizer_and_refuses_a_too_large_one(tmp_path):
     step_dir = tmp_path / "run" / "checkpoint" / "step-1"
     step_dir.mkdir(parents=True)
     synthetic_checkpoint(step_dir)
-    from titanlike.data.tokenizer import record_tokenizer
+    from titanlike.data.tokenizer import record_tokenizer, run_tokenizer_files
 
     # What the trainer leaves for the built-in corpus.
-    record_tokenizer(None, str(tmp_path / "run"), builtin_corpus=True)
+    record_tokenizer(run_tokenizer_files(None, builtin_corpus=True), str(tmp_path / "run"))
     proc = export(step_dir, tmp_path / "hf", "--dtype", "fp32")
     assert proc.returncode == 0 and "assumed" not in proc.stderr, proc.stderr
     big = tmp_path / "big.json"
@@ -163,6 +164,60 @@ def test_export_ships_the_runs_tokenizer_and_refuses_a_too_large_one(tmp_path):
     proc = export(step_dir, tmp_path / "hf2", "--dtype", "fp32", "--tokenizer", str(big))
     assert proc.returncode == 2 and "the tokenizer has 401 ids but the model only 320" in proc.stderr
     assert not (tmp_path / "hf2").exists()
+
+
+def test_an_earlier_runs_checkpoint_exports_with_its_own_tokenizer(tmp_path, corpus):
+    """A fresh run in a run folder that an earlier run used moves that run's tokenizer away with its records,
+    and every step folder carries its run's tokenizer: the earlier run's checkpoints export with theirs."""
+    from titanlike.data.prepare.driver import prepare
+    from titanlike.data.tokenizer import ByteTokenizer
+    from titanlike.hf.export import main
+
+    tokenizers = pytest.importorskip("tokenizers")
+    dump = tmp_path / "run"
+    quick = ("--training.steps", "2", "--training.local_batch_size", "2", "--data.seq_len", "32",
+             "--validation.enable", "false")
+    # The earlier run: the built-in corpus's byte tokenizer, a checkpoint at step 2.
+    train_here(dump, *quick, "--checkpoint.enable", "--checkpoint.interval", "2")  # (corpus: built once)
+    step = dump / "checkpoint" / "step-2"
+    assert (step / "tokenizer.json").read_text() == ByteTokenizer().to_json()
+    # The next run, afresh in the same folder (no checkpoints of its own), on data with another tokenizer.
+    words = {f"w{i}": i for i in range(300)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({**words, "</s>": 300}, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "words.json"))
+    (tmp_path / "docs.txt").write_text("\n\n".join(" ".join(f"w{(i * j) % 300}" for j in range(200))
+                                                    for i in range(20)))
+    prepare(str(tmp_path / "data"), [str(tmp_path / "docs.txt")], tokenizer=str(tmp_path / "words.json"),
+            workers=1, val_fraction=0.0)
+    train_here(dump, *quick, "--data.path", str(tmp_path / "data" / "train"))
+    assert (dump / "tokenizer.json").read_text() == (tmp_path / "words.json").read_text()
+    earlier, = (dump / "earlier-runs").iterdir()
+    assert (earlier / "tokenizer.json").read_text() == ByteTokenizer().to_json()
+    rc, err = call(main, str(step), str(tmp_path / "hf"))
+    assert rc == 0, err
+    assert (tmp_path / "hf" / "tokenizer.json").read_text() == ByteTokenizer().to_json()
+
+
+def test_a_step_saved_without_a_tokenizer_finds_its_runs_by_run_id(tmp_path):
+    """A step folder saved before saves carried the tokenizer: the tokenizer of the records of the run that
+    saved it (its run id), not the one that a later run left in the dump folder."""
+    from titanlike.data.tokenizer import ByteTokenizer
+    from titanlike.hf.export import find_run_tokenizer
+
+    dump = tmp_path / "run"
+    step = dump / "checkpoint" / "step-1"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text(json.dumps({"run": {"run_id": "aaa", "dump_folder": str(dump)}}))
+    (dump / "run-id").write_text("bbb\n")
+    (dump / "tokenizer.json").write_text('{"the later run": 1}')
+    for name, run in (("1", "ccc"), ("2", "aaa")):
+        (dump / "earlier-runs" / name).mkdir(parents=True)
+        (dump / "earlier-runs" / name / "run-id").write_text(run + "\n")
+        (dump / "earlier-runs" / name / "tokenizer.json").write_text(ByteTokenizer().to_json())
+    assert find_run_tokenizer(str(step)) == str(dump / "earlier-runs" / "2")
+    (dump / "earlier-runs" / "2" / "run-id").write_text("ddd\n")
+    assert find_run_tokenizer(str(step)) is None  # nobody's: the export says so and assumes bytes
 
 
 def test_the_export_records_the_mask_and_says_what_it_means_at_inference(tmp_path):
@@ -207,6 +262,7 @@ def test_export_refuses_a_folder_that_is_not_empty(tmp_path):
 
 
 def test_overwrite_replaces_an_earlier_export_and_keeps_other_files(tmp_path):
+    from titanlike.hf.export import EXPORT_RECORD, record_export
     from titanlike.hf.interchange import write_hf_folder, write_tokenizer_files
 
     original = synthetic_checkpoint(tmp_path / "step-1")
@@ -215,25 +271,82 @@ def test_overwrite_replaces_an_earlier_export_and_keeps_other_files(tmp_path):
     earlier = Transformer(dataclasses.replace(original.args, n_layers=3))
     written = write_hf_folder(earlier.state_dict(), earlier.args, str(hf), torch.float32, max_shard_bytes=1)
     written += write_tokenizer_files(str(hf), "{}", ("<s>", 0), ("</s>", 1), 64)
+    record_export(str(hf), written)
     assert "model.safetensors.index.json" in os.listdir(hf) and len(written) > 10
     (hf / "README.md").write_text("the user's model card")
     (hf / ".gitattributes").write_text("*.safetensors filter=lfs")
     (hf / "notes").mkdir()
     (hf / "notes" / "eval.txt").write_text("the user's results")
-    shared = tmp_path / "shared_tokenizer_config.json"
-    shared.write_text("the user's shared file")
-    (hf / "tokenizer_config.json").unlink()
-    (hf / "tokenizer_config.json").symlink_to(shared)  # a name the export writes, linked elsewhere
     proc = export(tmp_path / "step-1", hf, "--dtype", "fp32", "--overwrite")
     assert proc.returncode == 0, proc.stderr
     assert sorted(os.listdir(hf)) == [".gitattributes", "README.md", "config.json", "generation_config.json",
-                                      "model.safetensors", "notes", "tokenizer.json", "tokenizer_config.json"]
+                                      "model.safetensors", "notes", EXPORT_RECORD, "tokenizer.json",
+                                      "tokenizer_config.json"]
     assert (hf / "README.md").read_text() == "the user's model card"
     assert (hf / "notes" / "eval.txt").read_text() == "the user's results"
-    assert shared.read_text() == "the user's shared file" and not (hf / "tokenizer_config.json").is_symlink()
     tokens = torch.randint(0, 258, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():  # no weight of the earlier export is read back with the new ones
         assert torch.equal(load_ours(hf, original)(tokens), original(tokens))
+    # The export just written is itself an earlier export to the next --overwrite.
+    assert export(tmp_path / "step-1", hf, "--dtype", "bf16", "--overwrite").returncode == 0
+
+
+def test_overwrite_refuses_files_no_export_of_ours_vouches_for(tmp_path):
+    """--overwrite removes only files an earlier export recorded, unchanged: a user's config.json with no
+    record, a link of an export's name (to a file elsewhere), a file changed since the export, and a
+    folder named model.safetensors are each refused in one line that names them, and nothing changes."""
+    from titanlike.hf.export import main
+
+    synthetic_checkpoint(tmp_path / "step-1")
+    earlier = tmp_path / "earlier"
+    assert call(main, str(tmp_path / "step-1"), str(earlier), "--dtype", "fp32")[0] == 0
+    elsewhere = tmp_path / "users_tokenizer_config.json"
+    elsewhere.write_text("the user's shared file")
+
+    def users_config(folder: Path) -> None:
+        (folder / "config.json").write_text('{"the user": "own config"}')
+        (folder / "notes.txt").write_text("kept")
+
+    def link(folder: Path) -> None:
+        (folder / "tokenizer_config.json").unlink()
+        (folder / "tokenizer_config.json").symlink_to(elsewhere)
+
+    def edit(folder: Path) -> None:
+        (folder / "config.json").write_text('{"edited": "by the user"}')
+
+    def weights_folder(folder: Path) -> None:
+        (folder / "model.safetensors").unlink()
+        (folder / "model.safetensors").mkdir()
+        (folder / "model.safetensors" / "keep.bin").write_bytes(b"user data")
+
+    cases = {"users_config": (users_config, "config.json (no export's record names it)"),
+             "link": (link, "tokenizer_config.json (a link)"),
+             "edited": (edit, "config.json (changed since the export)"),
+             "folder": (weights_folder, "model.safetensors (not a file)")}
+    for name, (change, named) in cases.items():
+        folder = tmp_path / name
+        if name == "users_config":
+            folder.mkdir()  # a folder of the user's: no export was ever there
+        else:
+            shutil.copytree(earlier, folder)
+        change(folder)
+        before = snapshot(folder)
+        rc, err = call(main, str(tmp_path / "step-1"), str(folder), "--dtype", "fp32", "--overwrite")
+        assert rc == 2, (name, err)
+        assert error_lines(err) == err.strip().splitlines(), err  # one line, no traceback
+        line, = error_lines(err)
+        assert named in line and "nothing was changed" in line, (name, line)
+        assert snapshot(folder) == before, name
+    assert elsewhere.read_text() == "the user's shared file"
+
+
+def snapshot(folder: Path) -> dict:
+    """Every entry under `folder`: a link's target, a file's bytes, a folder's name."""
+    out = {}
+    for path in sorted(folder.rglob("*")):
+        key = str(path.relative_to(folder))
+        out[key] = (os.readlink(path) if path.is_symlink() else path.read_bytes() if path.is_file() else "folder")
+    return out
 
 
 # ---- checkpoints of real runs: the two-rank reference runs (conftest, slow tier) and the trained run ----

@@ -25,7 +25,7 @@ from titanlike.config.dims import world_from_env
 from titanlike.config.run import resolve_run
 from titanlike.data.build import build_run_data
 from titanlike.data.loader import validation_batches
-from titanlike.data.tokenizer import record_tokenizer
+from titanlike.data.tokenizer import record_tokenizer, run_tokenizer_files
 from titanlike.errors import UserError
 from titanlike.float8 import Float8Converter
 from titanlike.hf.initial import load_initial_weights
@@ -35,7 +35,7 @@ from titanlike.model.shape import count_params, describe, flops_per_token
 from titanlike.optim import build_optimizer, build_scheduler, clip_and_step
 from titanlike.plan.fit import fitted
 from titanlike.preflight import resolved
-from titanlike.run import faults, stopping, wandb_sink
+from titanlike.run import faults, lifeline, stopping, wandb_sink
 from titanlike.run.folder import RunFolder
 from titanlike.run.metrics import MetricsLogger
 from titanlike.run.nonfinite import NonFiniteGuard
@@ -93,7 +93,6 @@ class Trainer:
         shape = self.run.model
         self.margs = shape.args
         if self.is_main:
-            record_tokenizer(shape.dataset, cfg.job.dump_folder, builtin_corpus=self.run.builtin_corpus)  # for export
             for note in shape.notes:
                 logger.info(note)
         tokenizer = (shape.dataset.vocab_size, shape.dataset.path) if shape.dataset else None
@@ -154,10 +153,12 @@ class Trainer:
         self.state = TrainState()
 
         # ---- 5. Checkpoints: resume from the newest intact one, if any; else the initial weights, if any --
+        # The run's tokenizer goes into its folder and into every step folder, for the export.
+        tokenizer_files = run_tokenizer_files(shape.dataset, builtin_corpus=self.run.builtin_corpus)
         self.checkpoint = CheckpointManager(
             self.run, model=model, optimizer=self.optimizer, scheduler=self.scheduler, loader=self.loader,
             float8=self.float8, counters=self.state, is_main=self.is_main, cuda=self.device.type == "cuda",
-            folder_run=self.run_folder.run_id)
+            folder_run=self.run_folder.run_id, step_files=tokenizer_files)
         # A step saved by another run than this folder's is resumed from only when load_step names it.
         resumed = self.checkpoint.load_or_start()
         if resumed is None and cfg.checkpoint.initial_load_path:
@@ -167,6 +168,8 @@ class Trainer:
         # ---- 6. Records, metrics and profiling: one run's history per folder --------------------------
         purge_step = self.run_folder.start_records(resumed, self.checkpoint.run.run_id,
                                                    branched=self.checkpoint.branched)
+        if self.is_main:  # after an earlier run's records (its tokenizer among them) moved away
+            record_tokenizer(tokenizer_files, cfg.job.dump_folder)
         self.run_folder.write("config.toml", to_toml(self.run.resolved_config()))
         self.metrics = MetricsLogger(
             cfg.job.dump_folder, is_writer=self.is_main, tensorboard=cfg.metrics.enable_tensorboard,
@@ -367,6 +370,7 @@ def setup_logging(rank: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    lifeline.follow_torchrun()  # a worker of torchrun ends with it (run/lifeline.py); a top-level run follows nothing
     parallel.default_allocator_settings()
     world, rank, _ = world_from_env()
     setup_logging(rank)

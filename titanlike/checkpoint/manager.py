@@ -103,12 +103,14 @@ def _from_earlier_layout(record: dict, step: int) -> dict:
 
 class CheckpointManager:
     def __init__(self, run: ResolvedRun, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
-                 loader, float8, counters, is_main: bool, cuda: bool, folder_run: str | None = None):
+                 loader, float8, counters, is_main: bool, cuda: bool, folder_run: str | None = None,
+                 step_files: dict[str, str] | None = None):
         """`run`: the resolved run (its [checkpoint] section and folder, and what a resume compares). The
         parts of the run it saves and restores, in the order a load restores them (weights before what
         is derived from them: float8's scales): `model`, `optimizer`, `scheduler` (the LR schedule),
         `loader` (the data position), `counters` (the step, tokens, ...) and `float8`. `folder_run`: the
-        run id the dump folder records (rank 0 reads it; None: none), compared with the checkpoint's."""
+        run id the dump folder records (rank 0 reads it; None: none), compared with the checkpoint's.
+        `step_files`: files every step folder carries as they are (name → text: the run's tokenizer)."""
         cfg = run.cfg
         self.cfg, self.is_main, self.cuda = cfg.checkpoint, is_main, cuda
         self.states: dict[str, Any] = {
@@ -118,15 +120,14 @@ class CheckpointManager:
         self.run = RunRecord(run.model.args, run.global_batch, run.dims.dp, cfg.job.seed, cfg.optimizer.state_dtype,
                              resumable_settings(cfg, run.schedule, run.stages),
                              dump_folder=os.path.abspath(cfg.job.dump_folder))
-        self.stages = run.stages
+        self.stages, self.step_files = run.stages, dict(step_files or {})
         self.folder_run = folder_run
         self.branched = False  # resumed from another run's step that checkpoint.load_step named: a new run
         self.folder = run.checkpoint_folder
         fs.check_path_text(self.folder, "checkpoint.folder")
         self.steps = StepFolders(self.folder, is_main)
         self.sharded = dist.is_initialized()
-        self.rank = dist.get_rank() if self.sharded else 0
-        self.world = dist.get_world_size() if self.sharded else 1
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.sharded else (0, 1)
         self.resumed_from: int | None = None
         self.preemption_save: int | None = None  # resumed from a stop's save without checkpoint.enable
         self.lock = fs.FolderLock(self.folder, "checkpoint.folder")
@@ -160,10 +161,6 @@ class CheckpointManager:
                                   f"({fs.describe_os_error(e, self.folder)}); set --checkpoint.folder to a "
                                   f"writable path") from None
         self.lock.acquire()
-
-    def _barrier(self) -> None:
-        if self.sharded:
-            dist.barrier(group=self.cpu_group)
 
     def step_dir(self, step: int) -> str:
         return self.steps.step_dir(step)
@@ -289,13 +286,13 @@ class CheckpointManager:
         """Rename step-N so that it is never loaded again, keeping its bytes."""
         target = self.steps.aside_name(step, why)
         self.steps.set_aside(step, target)
-        self._barrier()
+        self.writer.barrier()
         return target
 
     def _set_aside_later(self, step: int) -> None:
         """A resume from an older step starts a new branch: the later checkpoints must never be resumed
         from again (nor count for keep_latest_k), but their bytes stay."""
-        self._barrier()  # every rank lists the folder before rank 0 renames anything in it
+        self.writer.barrier()  # every rank lists the folder before rank 0 renames anything in it
         later = [s for s in self.steps.complete() if s > step]
         names = [os.path.basename(self._set_aside(s, "abandoned")) for s in later]
         if names and self.is_main:
@@ -418,7 +415,8 @@ class CheckpointManager:
         read = int(states["dataloader"].get("batches_read", 0))  # the stage the weights last trained in: its RoPE base
         files = {MODEL_ARGS: asdict(self.stages.args_after(self.run.model_args, read)),
                  TRAINER_STATE: {"format": 2, "step": step, "preemption": preemption, "run": self.run.saved(),
-                                 "states": {name: sd for name, sd in states.items() if name not in tensors}}}
+                                 "states": {name: sd for name, sd in states.items() if name not in tensors}},
+                 **self.step_files}
         background = self.cfg.async_mode != "disabled" and not final
         stall = self.writer.write(step, tensors, files, background)
         if preemption and not background and not self.cfg.enable and self.preemption_save not in (None, step):
@@ -428,7 +426,7 @@ class CheckpointManager:
             logger.info(f"checkpoint step {step}: {how} {self.step_dir(step)} (training stalled {stall:.2f}s)")
 
     def _remove(self, step: int) -> None:
-        self._barrier()
+        self.writer.barrier()
         if self.is_main:
             shutil.rmtree(self.step_dir(step), ignore_errors=True)
             logger.info(f"removed the preemption save {self.step_dir(step)}: this run got past it")

@@ -48,7 +48,8 @@ class StepWriter:
         self.staging: Future | None = None  # its host copy, which the next update must wait for
         self.stager: HostCopyStager | None = None  # pinned host buffers kept from one save to the next
 
-    def _barrier(self) -> None:
+    def barrier(self) -> None:
+        """All ranks here (on the main thread's group; the manager's barriers too)."""
         if self.sharded:
             dist.barrier(group=self.group)
 
@@ -58,7 +59,8 @@ class StepWriter:
         return self.pending is not None and not self.pending[1].done()
 
     def write(self, step: int, tensors: dict, files: dict[str, Any], background: bool) -> float:
-        """Save step-N: `tensors` with DCP, `files` (name → JSON, rank 0's) beside them, this rank's RNG.
+        """Save step-N: `tensors` with DCP, `files` (name → JSON, or text as it is; rank 0's) beside them,
+        this rank's RNG.
         In the background, only the copy to host memory stalls training. Returns the stall in seconds."""
         start = time.perf_counter()
         self.wait_and_publish()  # one save in flight at a time
@@ -70,8 +72,11 @@ class StepWriter:
                 shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt at this step that died
                 os.makedirs(tmp)
                 for name, value in files.items():
-                    fs.write_json(os.path.join(tmp, name), value)
-            self._barrier()
+                    if isinstance(value, str):
+                        fs.write_text(os.path.join(tmp, name), value)
+                    else:
+                        fs.write_json(os.path.join(tmp, name), value)
+            self.barrier()
             fs.write_json(os.path.join(tmp, RNG_FILE.format(self.rank)), rng_state())
         except (OSError, UserError) as e:
             self._fail(step, e)
@@ -128,7 +133,7 @@ class StepWriter:
     def _publish(self, step: int) -> None:
         """All ranks have written: checksum every file (each rank its own), write the signed manifest,
         make the checkpoint visible by one rename, then prune old ones."""
-        self._barrier()
+        self.barrier()
         tmp = self.steps.step_dir(step) + ".tmp"
         try:
             names = sorted(os.listdir(tmp))

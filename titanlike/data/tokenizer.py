@@ -187,13 +187,14 @@ def tokenizer_from_folder(folder: str):
 # ---- the run's copy ---------------------------------------------------------------------------
 
 
-def record_tokenizer(info: DatasetInfo | None, run_folder: str, *, builtin_corpus: bool) -> None:
-    """Leave the run's tokenizer in its folder (tokenizer.json + tokenizer_info.json), where
-    titanlike-export and titanlike-generate find it: the byte tokenizer for the built-in corpus and
-    byte-tokenized data, the dataset's own tokenizer.json for prepared data, none (and any earlier
-    one removed) when the data has no dataset.json. Written whole, never through a link."""
-    target = Path(run_folder) / "tokenizer.json"
-    meta = Path(run_folder) / "tokenizer_info.json"
+RUN_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_info.json")
+
+
+def run_tokenizer_files(info: DatasetInfo | None, *, builtin_corpus: bool) -> dict[str, str]:
+    """The run's tokenizer as files (name → text: tokenizer.json + tokenizer_info.json), which the run
+    leaves in its folder and in every step folder it saves, where titanlike-export and
+    titanlike-generate find it: the byte tokenizer for the built-in corpus and byte-tokenized data, the
+    dataset's own tokenizer.json for prepared data, none when the data has no dataset.json."""
     record: dict[str, str | None]
     if builtin_corpus or (info is not None and info.tokenizer_kind == "byte"):
         text, record = ByteTokenizer().to_json(), {"kind": "byte", "bos_token": BYTE_BOS, "eos_token": BYTE_EOS}
@@ -202,8 +203,16 @@ def record_tokenizer(info: DatasetInfo | None, run_folder: str, *, builtin_corpu
         record = {"kind": info.tokenizer_kind, "bos_token": info.bos_token, "eos_token": info.eos_token,
                   "dataset": info.path}
     else:
-        for p in (target, meta):
-            p.unlink(missing_ok=True)
-        return
-    fs.write_text(target, text)
-    fs.write_json(meta, record, indent=1)
+        return {}
+    return {"tokenizer.json": text, "tokenizer_info.json": json.dumps(record, indent=1)}
+
+
+def record_tokenizer(files: dict[str, str], run_folder: str) -> None:
+    """Leave the run's tokenizer files in its folder (any earlier one removed when there are none).
+    Written whole, never through a link."""
+    for name in RUN_TOKENIZER_FILES:
+        target = Path(run_folder) / name
+        if name in files:
+            fs.write_text(target, files[name])
+        else:
+            target.unlink(missing_ok=True)

@@ -10,8 +10,10 @@ bos/eos ids), generation_config.json and the tokenizer (tokenizer.json, tokenize
 `AutoModelForCausalLM` and `AutoTokenizer` load it, and titanlike reads it back with
 `--checkpoint.initial_load_path`.
 
-The output folder must be new or empty: --overwrite replaces an earlier export there (the files an
-export writes, weight shards and index included) and keeps every other file.
+The output folder must be new or empty: --overwrite replaces an earlier export there and keeps every
+other file. An export is recognised by the record it writes last (titanlike-export.json: each file's
+size and checksum); a file of an export's name that the record does not vouch for (no record, changed
+since, a link, a folder) is the user's, and the export refuses, naming them, before it removes anything.
 
 Weights that hold a NaN or an infinity (a run that diverged, saved with training.nonfinite = warn) make
 no usable model: the export stops with one line naming the first such tensor, before it writes
@@ -37,13 +39,32 @@ DTYPES = ("bf16", "fp32")
 
 
 def find_run_tokenizer(step_dir: str) -> str | None:
-    """The folder holding the tokenizer.json of the run that wrote this step folder: the step folder
-    itself, its checkpoint folder, or the run folder above (where titanlike-train leaves it)."""
+    """The folder holding the tokenizer.json of the run that saved this step folder: the step folder
+    itself (every save carries its run's tokenizer); for a step saved before saves did, the folder of
+    that run's records, found by its run id: the dump folder, or the earlier-runs/ folder that a later
+    fresh run moved them to. A step with no run id takes the first tokenizer.json near it."""
     here = Path(step_dir).resolve()
-    for folder in (here, here.parent, here.parent.parent):
-        if (folder / "tokenizer.json").is_file():
-            return str(folder)
+    if (here / "tokenizer.json").is_file():
+        return str(here)
+    try:
+        saved = fs.read_json(here / "trainer_state.json", "the trainer state").get("run", {})
+    except (UserError, AttributeError):
+        saved = {}
+    run_id = saved.get("run_id") if isinstance(saved, dict) else None
+    dumps = [Path(saved["dump_folder"])] if isinstance(saved, dict) and saved.get("dump_folder") else []
+    for dump in dict.fromkeys([*dumps, here.parent, here.parent.parent]):
+        for folder in (dump, *sorted((dump / "earlier-runs").glob("*"))):
+            if (folder / "tokenizer.json").is_file() and (not run_id or _records_of(folder) in (run_id, None)):
+                return str(folder)
     return None
+
+
+def _records_of(folder: Path) -> str | None:
+    """The run id a folder of run records names (its `run-id` file), or None."""
+    try:
+        return fs.read_text(folder / "run-id", "the run id").strip() or None
+    except UserError:
+        return None
 
 
 def run_tokenizer(step_dir: str, choice: str, vocab_size: int):
@@ -68,21 +89,70 @@ def run_tokenizer(step_dir: str, choice: str, vocab_size: int):
     return tok
 
 
+EXPORT_RECORD = "titanlike-export.json"  # written last: the files of this export, as the manifest describes them
+
+
 def earlier_export(out_dir: str, overwrite: bool) -> list[str]:
     """The files of an earlier export in `out_dir` that --overwrite removes. A folder that holds
     anything is refused without --overwrite: writing into it would replace a config.json of the
-    user's, or leave an older export's weight shards beside the new weights."""
+    user's, or leave an older export's weight shards beside the new weights. With it, every entry of
+    an export's name must be a file the earlier export's record vouches for, unchanged."""
+    from titanlike.checkpoint.manifest import describe_files
     from titanlike.hf.interchange import written_by_export
 
     if not os.path.lexists(out_dir):
         return []
     if not os.path.isdir(out_dir):
         raise UserError(f"{out_dir} is a file, not a folder; choose another output folder")
-    names = sorted(os.listdir(out_dir))
+    try:
+        names = sorted(os.listdir(out_dir))
+    except OSError as e:
+        raise UserError(f"cannot read the output folder: {fs.describe_os_error(e, out_dir)}") from None
     if names and not overwrite:
         raise UserError(f"{out_dir} is not empty ({len(names)} entries); export into a new or empty folder, or "
                         f"pass --overwrite to replace an earlier export there (other files are kept)")
-    return [n for n in names if written_by_export(n) and not _real_folder(os.path.join(out_dir, n))]
+    ours = [n for n in names if written_by_export(n) or n == EXPORT_RECORD]
+    vouched = _recorded_files(out_dir) if EXPORT_RECORD in ours else {}
+    foreign = []
+    for name in ours:
+        path = os.path.join(out_dir, name)
+        if name == EXPORT_RECORD and vouched is not None:
+            continue
+        if os.path.islink(path) or not os.path.isfile(path):
+            foreign.append(f"{name} ({'a link' if os.path.islink(path) else 'not a file'})")
+        elif not vouched or name not in vouched:
+            foreign.append(f"{name} (no export's record names it)")
+        elif describe_files(out_dir, [name])[name] != vouched[name]:
+            foreign.append(f"{name} (changed since the export)")
+    if foreign:
+        raise UserError(f"--overwrite removes only an earlier export's own files, and these in {out_dir} are not: "
+                        f"{', '.join(foreign)}; move them away or export into another folder (nothing was changed)")
+    return ours
+
+
+def record_export(out_dir: str, files: list[str]) -> None:
+    """Written last: the files of this export, which a later --overwrite may remove (a folder without
+    the record is an export cut short, or none)."""
+    from titanlike.checkpoint.manifest import describe_files
+    from titanlike.hf.interchange import set_file_modes
+
+    fs.write_json(os.path.join(out_dir, EXPORT_RECORD),
+                  {"written_by": "titanlike-export", "files": describe_files(out_dir, files)}, indent=1)
+    set_file_modes(out_dir, [EXPORT_RECORD])
+
+
+def _recorded_files(out_dir: str) -> dict | None:
+    """The files an earlier export's record vouches for (name → size and checksums), or None when the
+    record is not one (not a regular file, not the record's shape)."""
+    path = os.path.join(out_dir, EXPORT_RECORD)
+    if os.path.islink(path) or not os.path.isfile(path):
+        return None
+    try:
+        record = fs.read_json(path, "the earlier export's record")
+    except UserError:
+        return None
+    files = record.get("files") if isinstance(record, dict) and record.get("written_by") == "titanlike-export" else None
+    return files if isinstance(files, dict) else None
 
 
 NONFINITE_CHUNK = 2**24  # elements checked at a time: a 16 MiB mask, whatever the tensor's size
@@ -105,10 +175,6 @@ def first_nonfinite(state: dict) -> str | None:
         counts = ", ".join(f"{n:,} {what}" for n, what in ((nan, "NaN"), (inf, "infinite")) if n)
         return f"{name} holds non-finite values: {counts} of its {flat.numel():,}"
     return None
-
-
-def _real_folder(path: str) -> bool:
-    return os.path.isdir(path) and not os.path.islink(path)
 
 
 def export(step_dir: str, out_dir: str, dtype: str = "bf16", tokenizer: str = "",
@@ -141,14 +207,15 @@ def export(step_dir: str, out_dir: str, dtype: str = "bf16", tokenizer: str = ""
                         f"(or pass --allow-nonfinite to export the weights as they are)")
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     try:
-        for name in stale:  # only now that the new weights are read; a link goes itself, never its target
+        for name in stale:  # only now that the new weights are read: the earlier export's files, checked above
             os.unlink(os.path.join(out_dir, name))
         files = write_hf_folder(state, margs, out_dir, torch_dtype, bos_id=tok.bos_id, eos_id=tok.eos_id)
         files += write_tokenizer_files(out_dir, tok.to_json(), (tok.bos_token, tok.bos_id),
                                        (tok.eos_token, tok.eos_id), margs.max_seq_len)
+        set_file_modes(out_dir, files)
+        record_export(out_dir, files)
     except OSError as e:
         raise UserError(f"cannot write the export: {fs.describe_os_error(e, out_dir)}") from None
-    set_file_modes(out_dir, files)
     return files, "Qwen3ForCausalLM" if margs.qk_norm else "LlamaForCausalLM"
 
 

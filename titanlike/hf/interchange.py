@@ -134,6 +134,7 @@ def write_hf_folder(state: dict[str, torch.Tensor], a: ModelArgs, folder: str, d
         total = sum(t.numel() * t.element_size() for t in hf.values())
         with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+        files.append("model.safetensors.index.json")
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf_config(a, str(dtype).removeprefix("torch."), bos_id, eos_id), f, indent=1)
     return files + ["config.json"]

@@ -31,7 +31,10 @@ from titanlike.errors import UserError
 logger = logging.getLogger("titanlike")
 
 RUN_ID = "run-id"
-RECORDS = ("metrics.jsonl", "metrics.dropped.jsonl", "tb", "wandb", "config.toml", RUN_ID)
+# A run's records, which a fresh run moves to earlier-runs/ together: its tokenizer goes with them, so that
+# the earlier run's checkpoints are never exported with the next run's.
+RECORDS = ("metrics.jsonl", "metrics.dropped.jsonl", "tb", "wandb", "config.toml", RUN_ID, "tokenizer.json",
+           "tokenizer_info.json")
 
 
 class RunFolderError(UserError):

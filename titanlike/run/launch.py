@@ -12,6 +12,9 @@ Ctrl-C (SIGINT) is handled here rather than by torchrun: the first goes to the w
 torchrun's own shutdown (they finish the step, save and exit 130, while torchrun waits for them);
 torchrun would meet a second one by shutting down again with SIGTERM and waiting as long, so
 here a second one goes straight to the workers, which then stop at once (stopping.py).
+
+torchrun follows the launcher, and the workers follow torchrun (lifeline.py): a SIGKILL of the
+launcher ends the run with a save, as a preemption does, instead of leaving it training headless.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ import signal
 import socket
 import sys
 from pathlib import Path
+
+from titanlike.run import lifeline
+from titanlike.run.stopping import PREEMPTED_MARKER_ENV
 
 
 def worker_process_groups() -> list[int]:
@@ -38,6 +44,13 @@ def worker_process_groups() -> list[int]:
         if int(fields[1]) == os.getpid() and int(fields[2]) != os.getpgrp():  # state, ppid, pgrp, ...
             groups.append(int(fields[2]))
     return groups
+
+
+def launcher_alive() -> bool:
+    """Whether run_train.sh, which started this torchrun, is still its parent (True when no launcher
+    named itself: torchrun started some other way)."""
+    launcher = os.environ.get(lifeline.LAUNCHER_PID_ENV, "")
+    return not launcher.isdigit() or os.getppid() == int(launcher)
 
 
 def handle_interrupts() -> None:
@@ -60,6 +73,8 @@ def handle_interrupts() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # First, before torch loads (seconds): from here on, the launcher's end is this process's SIGTERM.
+    lifeline.follow_parent(lifeline.LAUNCHER_PID_ENV)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -76,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     # torchrun would install its handler over ours for every signal in this list.
     args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",") if s.strip() != "SIGINT")
     handle_interrupts()
+    # The workers inherit this: each checks that torchrun is still its parent when it asks to follow it.
+    os.environ[lifeline.AGENT_PID_ENV] = str(os.getpid())
     try:
         run(args)
     except ChildFailedError as e:
@@ -87,7 +104,12 @@ def main(argv: list[str] | None = None) -> int:
               f"above says why", file=sys.stderr, flush=True)
         return failure.exitcode if 0 < failure.exitcode < 128 else 1
     except SignalException as e:
+        marker = os.environ.get(PREEMPTED_MARKER_ENV)
+        if marker and not launcher_alive():  # nobody is left to read the preemption marker
+            Path(marker).unlink(missing_ok=True)
         return 128 + int(e.sigval)
+    finally:
+        os.environ.pop(lifeline.AGENT_PID_ENV, None)
     return 0
 
 
