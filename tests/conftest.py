@@ -61,17 +61,64 @@ def corpus() -> tuple[str, str]:
     return build_default_corpus(CACHE)
 
 
+@pytest.fixture(autouse=True)
+def overrides_as_they_were():
+    """A run in this process chooses its overrides (parallel.overrides) for the whole process: the next
+    test starts unconfigured again (every override whose probe passes is on)."""
+    yield
+    from titanlike import overrides
+
+    overrides.reset()
+
+
 def pytest_collection_modifyitems(config, items):
     """`-m gpu` tests need a CUDA GPU: without one they are skipped, so that a `-m` of one's own that
-    keeps them (it replaces the default `-m 'not gpu and not slow'`) still passes on CPU."""
+    keeps them (it replaces the default `-m 'not gpu and not slow'`) still passes on CPU. With
+    TITANLIKE_GPU_SHARD (scripts/gpu_tier.sh), this process runs one shard of the GPU tier."""
     import torch
 
+    shard = os.environ.get(GPU_SHARD_ENV)
+    if shard:
+        items[:] = gpu_shard(items, shard)
     if torch.cuda.is_available():
         return
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(no_gpu)
+
+
+GPU_SHARD_ENV = "TITANLIKE_GPU_SHARD"
+# Seconds a GPU test took (2x H100, its shard's first run, cold caches: docs/gpu-tests.md), by name; the
+# shards balance on these. A test missing here counts as DEFAULT_COST.
+GPU_TEST_COST: dict[str, float] = {}
+DEFAULT_COST = 30.0
+
+
+def gpu_shard(items: list, shard: str) -> list:
+    """The tests of one shard of the GPU tier: "k/n" = the k-th of n shards of the one-GPU tests,
+    "two:k/n" = of the tests that need two GPUs; balanced by GPU_TEST_COST, with the tests that share a
+    module fixture kept together (it would run once per shard)."""
+    two = shard.startswith("two:")
+    k, n = (int(x) for x in shard.removeprefix("two:").split("/"))
+    groups: dict[str, list] = {}
+    for item in items:
+        if bool(item.get_closest_marker("two_gpus")) != two:
+            continue
+        shared = [f for f in getattr(item, "fixturenames", ()) if f in ("pinned_run",)]
+        groups.setdefault(shared[0] if shared else item.nodeid, []).append(item)
+
+    def cost(group: list) -> float:
+        return sum(GPU_TEST_COST.get(i.name, DEFAULT_COST) for i in group)
+
+    loads = [0.0] * n
+    mine = []
+    for key in sorted(groups, key=lambda g: (-cost(groups[g]), g)):  # largest first, each to the lightest shard
+        lightest = loads.index(min(loads))
+        loads[lightest] += cost(groups[key])
+        if lightest == k:
+            mine += groups[key]
+    return [i for i in items if i in mine]
 
 
 def _env() -> dict:

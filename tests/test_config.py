@@ -210,6 +210,8 @@ INVALID = [
     (["--data.num_workers", "100000"], "data.num_workers = 100000 is more than 4 per CPU core"),
     (["--data.num_workers", "99999999999999999999"], "data.num_workers = 99999999999999999999 is out of range"),
     (["--checkpoint.load_step", "5"], "checkpoint.load_step = 5 resumes from a checkpoint: it needs"),
+    (["--activation_checkpoint.mode", "budget", "--compile.enable", "--parallel.overrides", "off"],
+     "activation_checkpoint.mode = budget needs the override activation_memory_budget"),
     (["--data.path", "/nonexistent/shards"], "data.path = '/nonexistent/shards': no such file or folder"),
     (["--data.val_path", "/nonexistent/val.bin"], "data.val_path = '/nonexistent/val.bin': no such file"),
     (["--data.mix", "web=/tmp:1", "--data.path", "/tmp"], "data.mix names the training data and each source's val/"),

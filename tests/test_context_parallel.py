@@ -134,9 +134,12 @@ def test_preflight_refuses(monkeypatch, capsys, world, argv, expected):
 
 def _spawn(worker, world: int, *args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        # fork: the workers inherit the imported torch and titanlike (spawn would import them again, seconds)
+        # forkserver: a server process that imports torch and titanlike once and forks each worker from
+        # there (spawn would import them again for every worker, seconds). Not fork from this process:
+        # from torch 2.14 a child forked after autograd ran in its parent cannot use autograd.
+        mp.set_forkserver_preload(["torch", "titanlike.parallel.context"])
         mp.start_processes(_run, args=(world, os.path.join(tmp, "store"), worker, args), nprocs=world, join=True,
-                           start_method="fork")
+                           start_method="forkserver")
 
 
 def _run(rank: int, world: int, store: str, worker, args) -> None:
@@ -170,14 +173,17 @@ def _attention_worker(rank: int, cp: int, mask_kind: str) -> None:
     (ref * weight).sum().backward()
 
     context = ContextParallel(dist.group.WORLD)
-    local = [shard_sequence(t, rank, cp, dim=2).clone().requires_grad_() for t in (q, k, v)]
-    _, _, shard = context.shard(tokens, tokens, None if mask_kind == "causal" else 0)
-    out = context.attend(*local, shard.mask, True)
-    torch.testing.assert_close(out, shard_sequence(ref, rank, cp, dim=2), atol=ATOL, rtol=RTOL)
-    (out * shard_sequence(weight, rank, cp, dim=2)).sum().backward()
-    for mine, want in zip(local, full, strict=True):
-        assert mine.grad is not None and want.grad is not None
-        torch.testing.assert_close(_gathered(mine.grad, 2), want.grad, atol=ATOL, rtol=RTOL)
+    # Causal: on the fused kernels (the override cp_attention_kernels) and on SDPA's public front door.
+    for kernels in (True, False) if mask_kind == "causal" else (context.kernels,):
+        context.kernels = kernels
+        local = [shard_sequence(t, rank, cp, dim=2).clone().requires_grad_() for t in (q, k, v)]
+        _, _, shard = context.shard(tokens, tokens, None if mask_kind == "causal" else 0)
+        out = context.attend(*local, shard.mask, True)
+        torch.testing.assert_close(out, shard_sequence(ref, rank, cp, dim=2), atol=ATOL, rtol=RTOL)
+        (out * shard_sequence(weight, rank, cp, dim=2)).sum().backward()
+        for mine, want in zip(local, full, strict=True):
+            assert mine.grad is not None and want.grad is not None
+            torch.testing.assert_close(_gathered(mine.grad, 2), want.grad, atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.slow
@@ -244,6 +250,53 @@ def test_model_four_ranks_matches_unsplit(attn_mask, ac):
 
 
 
+def _saved_bytes_worker(rank: int, world: int, result: str) -> None:
+    """What one rank keeps for backward, in bytes (parameters aside), for the whole model at one window
+    split over cp = 2, 4 and 8 ranks (groups of this world), causal, no activation checkpointing."""
+    from torch.autograd.graph import saved_tensors_hooks
+
+    from titanlike.model.loss import build_loss
+
+    seq = 128
+    tokens = torch.randint(0, 64, (2, seq + 1), generator=torch.Generator().manual_seed(1))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    saved = {}
+    for cp in (2, 4, 8):
+        groups = [dist.new_group(list(range(first, first + cp))) for first in range(0, world, cp)]
+        model = Transformer(SMALL)
+        model.init_weights(0, seq)
+        context = apply_context_parallel(model, groups[rank // cp])
+        params = {p.data_ptr() for p in model.parameters()}
+        saved[cp] = 0
+
+        def pack(t: torch.Tensor, cp: int = cp, params: set = params) -> torch.Tensor:
+            if t.data_ptr() not in params:
+                saved[cp] += t.numel() * t.element_size()
+            return t
+
+        with saved_tensors_hooks(pack, lambda t: t):
+            loss = build_loss(0, compile=False)(model, *context.shard(inputs, targets, None))
+        loss.backward()  # backward gathers the keys and values again, over the group
+    if rank == 0:
+        with open(result, "w") as f:
+            f.write(repr(saved))
+
+
+@pytest.mark.slow
+def test_what_a_rank_keeps_for_backward_shrinks_with_cp(tmp_path):
+    """At a fixed window, each rank keeps for backward only its part of the window: its own keys and
+    values, never the gathered ones, so the bytes fall as 1/cp from cp 2 to 8 (they grew by the gathered
+    window's keys and values in every layer, whatever cp, when attention kept them)."""
+    import ast
+
+    result = tmp_path / "saved.txt"
+    _spawn(_saved_bytes_worker, 8, str(result))
+    saved = ast.literal_eval(result.read_text())
+    assert saved[2] > saved[4] > saved[8] > 0, saved
+    for cp in (4, 8):
+        assert saved[cp] * cp == pytest.approx(saved[2] * 2, rel=0.01), saved
+
+
 # ---- whole runs: torchrun on run_train.sh, 2 gloo ranks with --parallel.cp 2 (slow tier) ---------------
 
 STEPS = 6
@@ -286,6 +339,20 @@ def test_cp2_training_matches_one_process(runs):
     norms = {r["step"]: r["grad_norm"] for r in metrics(one)}
     for r in metrics(two):
         assert r["grad_norm"] == pytest.approx(norms[r["step"]], rel=5e-5), r["step"]
+
+
+@pytest.mark.slow
+def test_cp2_on_stock_torch_matches_one_process(runs, tmp_path):
+    """--parallel.overrides off: causal attention through SDPA's public front door and DTensor's gather."""
+    from conftest import run_train, step_losses
+
+    mask, one, _ = runs
+    if mask[1] != "causal":
+        pytest.skip("block_causal runs the same public path with overrides on or off")
+    proc = run_train(tmp_path, *RUN, *mask, "--parallel.cp", "2", "--parallel.overrides", "off",
+                     "--checkpoint.enable", "false", nproc=2)
+    assert "off, stock behaviour: " in proc.stderr and "cp_attention_kernels (parallel.overrides)" in proc.stderr
+    _assert_close_losses(step_losses(tmp_path), step_losses(one), range(1, STEPS + 1))
 
 
 @pytest.mark.slow

@@ -64,15 +64,26 @@ def test_rowwise_confines_the_outlier_to_its_row():
 
 
 def test_stale_scale_saturates():
+    from torchao.float8.float8_linear import LinearMMConfig
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
     model = converted("tensorwise", outlier_weight())
+    plain = model[0].weight.detach()
+
+    def precomputed(scale: float) -> None:
+        """The weight as float8 all-gather wraps it, with the scale its last precompute left there (as
+        torchao's precompute_float8_dynamic_scale_for_fsdp leaves it)."""
+        model[0].weight = nn.Parameter(WeightWithDynamicFloat8CastTensor(plain, LinearMMConfig(), torch.float8_e4m3fn))
+        model[0].weight._precomputed_scale = torch.tensor(scale)
+
     # A precomputed scale ten times too large (as a stale float8 all-gather scale would be): the
     # outlier lands at 4480, far above the e4m3 maximum of 448; the small weights no longer flush.
-    model[0].weight._precomputed_scale = torch.tensor(4.48)
+    precomputed(4.48)
     assert float8.weight_health(model)["0"] == {"amax": 1000.0, "saturated": 1 / 2048, "underflow": 0.0}
     # Up to 464, half an e4m3 step above 448, a value rounds to 448 anyway: that is no saturation.
-    model[0].weight._precomputed_scale = torch.tensor(0.463)
+    precomputed(0.463)
     assert float8.weight_health(model)["0"]["saturated"] == 0.0
-    model[0].weight._precomputed_scale = torch.tensor(0.465)
+    precomputed(0.465)
     assert float8.weight_health(model)["0"]["saturated"] == 1 / 2048
 
 

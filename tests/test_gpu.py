@@ -220,6 +220,7 @@ def test_export_of_a_gpu_step_gives_transformers_our_logits(pinned_run, tmp_path
         torch.testing.assert_close(theirs(tokens).logits, ours(tokens), rtol=0, atol=1e-3)
 
 
+@pytest.mark.two_gpus
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: FSDP's float8 all-gather over NCCL")
 def test_two_gpus_all_gather_float8_and_match_one_gpu(tmp_path, corpus):
     """Two GPUs: what FSDP puts on the wire is float8 (the probe of the CPU test, over NCCL), and the
@@ -238,6 +239,7 @@ def test_two_gpus_all_gather_float8_and_match_one_gpu(tmp_path, corpus):
         assert abs(one[s] - two[s]) < 0.03 * one[s], (s, one[s], two[s])
 
 
+@pytest.mark.two_gpus
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: FSDP's collectives over NCCL")
 def test_two_gpus_gradients_and_the_largest_gathers_live_in_the_compute_streams_memory(tmp_path):
     """The caching allocator keeps each CUDA stream's memory apart, and FSDP allocates from side streams'
@@ -358,6 +360,7 @@ def test_cpu_offload_checkpoint_resumes_the_other_way(tmp_path, corpus, first, t
                         range(5, 9))
 
 
+@pytest.mark.two_gpus
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: offloaded FSDP over NCCL")
 def test_two_gpus_cpu_offload_matches_without(tmp_path, corpus):
     """Two GPUs: FSDP with the shards on the host and the update on the CPU (fused AdamW there, on the GPU
@@ -392,6 +395,7 @@ def test_one_gpu_cpu_offload_with_8bit_moments_and_compiled_float8(tmp_path, cor
     assert all(math.isfinite(v) for v in losses.values()) and losses[8] < losses[1] - 0.5, losses
 
 
+@pytest.mark.two_gpus
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: context parallelism over NCCL")
 @pytest.mark.parametrize("mask", ["causal", "block_causal"])
 def test_two_gpus_context_parallel_matches_one_gpu(tmp_path, mask):
@@ -412,6 +416,7 @@ def test_two_gpus_context_parallel_matches_one_gpu(tmp_path, mask):
     assert two[10] < two[1]
 
 
+@pytest.mark.two_gpus
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: context parallelism over NCCL")
 def test_two_gpus_context_parallel_attention_matches_unsplit(tmp_path):
     """Context-parallel attention on two GPUs in bf16, eager and compiled: outputs and q, k, v gradients
@@ -427,6 +432,7 @@ def test_two_gpus_context_parallel_attention_matches_unsplit(tmp_path):
     assert not any("math" in k for k in kernels), kernels
 
 
+@pytest.mark.two_gpus
 def test_long_context_stage_switches_compiled_on_two_gpus(tmp_path):
     """A long-context stage on two GPUs, compiled, with float8 and document masks: seq_len 256 → 512 with
     a larger RoPE base and half the samples at step 11; the blocks recompile once, the loss stays finite,
@@ -451,6 +457,7 @@ def test_long_context_stage_switches_compiled_on_two_gpus(tmp_path):
     assert max(abs(got[s] - want[s]) for s in want) < 1e-3, (got, want)
 
 
+@pytest.mark.two_gpus
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: a sharded checkpoint over NCCL")
 def test_two_gpus_background_save_resumes_exactly_and_on_one_gpu(tmp_path, corpus):
     """Two GPUs saving every 2 steps in the background (pinned host buffers): every save lands; a

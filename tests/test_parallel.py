@@ -354,38 +354,6 @@ def test_allocator_default_leaves_the_users_choice_alone():
         assert env == mine
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
-def test_gradient_copy_in_lays_out_what_fsdps_chunk_cat_does(world_size):
-    """FSDP's reduce-scatter buffer as our foreach copy fills it is torch's chunk_cat's, bit for bit:
-    each rank's dim-0 chunk of every gradient in turn, padding rows zero, bf16 cast to fp32."""
-    from titanlike.parallel.fsdp import copy_gradients_in_pieces
-
-    torch.manual_seed(0)
-    # Uneven first dims (padding on the last ranks), 1-D norms, a 3-D weight, a one-row weight.
-    grads = [torch.randn(shape, dtype=torch.bfloat16) for shape in ((5, 3), (7,), (4, 4), (1, 6), (9, 2, 3), (16,))]
-    numel = sum(-(-g.size(0) // world_size) * world_size * (g.numel() // g.size(0)) for g in grads)
-    theirs = torch.full((numel,), math.nan)
-    ours = torch.full((numel,), math.nan)  # so a padding element left unwritten would show
-    torch._chunk_cat(grads, 0, world_size, out=theirs.view(world_size, -1))
-    copy_gradients_in_pieces(grads, ours, world_size)
-    assert torch.equal(ours, theirs)
-
-
-def test_fsdp_copies_gradients_in_with_ours_over_two_ranks_and_with_its_own_otherwise(monkeypatch):
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
-
-    from titanlike.parallel import fsdp
-
-    fsdp.replace_reduce_scatter_copy_in()
-    assert _fsdp_collectives.foreach_reduce_scatter_copy_in is fsdp.copy_gradients_in
-    used = []
-    monkeypatch.setattr(fsdp, "_FSDP_COPY_IN", lambda *args: used.append("theirs"))
-    monkeypatch.setattr(fsdp, "copy_gradients_in_pieces", lambda *args: used.append("ours"))
-    for world_size in (2, 4, 8):
-        fsdp.copy_gradients_in([], torch.empty(0), world_size)
-    assert used == ["ours", "theirs", "theirs"]
-
-
 def test_step_fence_is_inert_off_the_gpu():
     fence = parallel.StepFence(torch.device("cpu"))
     fence.backward_queued()

@@ -67,18 +67,18 @@ def allocate_state(optimizer: torch.optim.AdamW) -> None:
 def _adamw_8bit() -> type[torchao.optim.AdamW8bit]:
     from torchao.optim import AdamW8bit
 
+    from titanlike.overrides.compile import no_autograd_cache
+
     # torch warns that its compile cache cannot hash torchao's state class stably; the step below
     # does not use that cache.
     warnings.filterwarnings("ignore", message="OptimState8bit does not implement _stable_hash_for_caching")
 
     class AdamW8bitUncached(AdamW8bit):
-        """torchao compiles its update per parameter; a compiled update taken from the on-disk AOT
-        autograd cache crashed (SIGSEGV, torch 2.13 CPU: two FSDP ranks with float8 all-gather,
-        after other runs had filled the cache), and compiling it afresh does not. So the step
-        compiles without that cache; inductor's own cache still spares most of the time."""
+        """torchao compiles its update per parameter; taken from compile's on-disk autograd cache it
+        crashed, so the step compiles without that cache (overrides/compile.py: no_autograd_cache)."""
 
         def step(self, closure=None):
-            with torch._functorch.config.patch(enable_autograd_cache=False):
+            with no_autograd_cache():
                 return super().step(closure)
 
     return AdamW8bitUncached

@@ -39,8 +39,10 @@ def resolved(cfg: JobConfig) -> JobConfig:
 def check(cfg: JobConfig, world_size: int) -> ResolvedRun:
     """The checks that need the world size but no GPU; returns the resolved run (degrees, batch plan,
     shape, sources, folders) they were made on."""
+    from titanlike import overrides
     from titanlike.data.shards import open_shards
 
+    overrides.chosen_names(cfg.parallel.overrides)  # names it knows (the probes need torch: the trainer's)
     run = resolve_run(cfg, world_size)  # reads dataset.json / an hf config.json: a bad shape stops here
     info = run.model.dataset  # data.path's dataset.json, or the one tokenizer of a mixture's sources
     limit, source = ((info.vocab_size, f"its tokenizer ({info.path})") if info else

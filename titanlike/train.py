@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from titanlike import parallel
+from titanlike import overrides, parallel
 from titanlike.checkpoint.manager import CheckpointManager
 from titanlike.config import JobConfig, help_text, load_config, to_toml
 from titanlike.config.dims import world_from_env
@@ -112,6 +112,10 @@ class Trainer:
             logger.info(missing)
 
         # ---- 3. Model: meta → float8 → AC → compile → FSDP → materialise → init ----------------------
+        # Which overrides of torch/torchao internals run (parallel.overrides, each probed): one line.
+        overrides_line = overrides.configure(cfg.parallel.overrides)
+        if self.is_main:
+            logger.info(overrides_line)
         with torch.device("meta"):
             model = Transformer(self.margs, document_end=shape.document_end)  # block_causal splits documents there
         self.flops_per_token = flops_per_token(self.margs, cfg.data.seq_len)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from titanlike import parallel
 from titanlike.config.schema import Fp8
-from titanlike.float8 import Float8Converter, all_gather
+from titanlike.float8 import Float8Converter
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import ModelArgs
 from titanlike.run.state import TrainState
@@ -72,9 +72,6 @@ class Recorder:
                 record = {"dtypes": [str(t.dtype) for t in out], "numel": sum(t.numel() for t in out),
                           "bytes": sum(t.numel() * t.element_size() for t in out),
                           "shard_numel": weight.numel(), "precomputed": used_precomputed, "scale": float(meta[0])}
-                if used_precomputed:  # titanlike's fused cast (all_gather.fuse_all_gather_cast) vs torchao's
-                    (torchao_out,), _ = pre.__wrapped__(weight, mesh)
-                    record["same_as_torchao"] = torch.equal(out[0].view(torch.uint8), torchao_out.view(torch.uint8))
                 self.pre_all_gather.append(record)
             return out, meta
 
@@ -167,9 +164,6 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if DEVICE_TYPE == "cuda" else "gloo")
     mesh = init_device_mesh(DEVICE_TYPE, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
-    # The fused cast of the all-gather runs on CUDA only; on CPU too, to compare it with torchao's.
-    all_gather.FUSED_CAST_DEVICES.add("cpu")
-    all_gather.fuse_all_gather_cast()
     rec = Recorder()
     with rec.patch():
         out = {"world": dist.get_world_size(), "fp8": case(True, mesh, rec), "plain": case(False, mesh, rec)}

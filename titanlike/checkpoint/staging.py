@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from titanlike.overrides.dtensor import with_local
+
 
 def host_copy(value: Any, buffers: dict[str, torch.Tensor] | None = None, key: str = "") -> Any:
     """`value` with every tensor in it copied to host memory (dicts and lists walked); other values
@@ -42,9 +44,8 @@ def host_copy(value: Any, buffers: dict[str, torch.Tensor] | None = None, key: s
     if isinstance(value, list):
         return [host_copy(v, buffers, f"{key}/{i}") for i, v in enumerate(value)]
     if isinstance(value, DTensor):
-        # Its placement (spec) stays; only the local shard moves. DTensor.from_local would move the
-        # shard back to the mesh's device.
-        return DTensor(host_copy(value._local_tensor, buffers, key), value._spec, requires_grad=False)
+        # Its placement stays; only the local shard moves (titanlike/overrides/dtensor.py says why).
+        return with_local(value, host_copy(value.to_local(), buffers, key))
     if isinstance(value, torch.Tensor) and type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
         names, context = value.__tensor_flatten__()
         inner = {name: host_copy(getattr(value, name), buffers, f"{key}.{name}") for name in names}

@@ -23,16 +23,21 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from titanlike.overrides.float8 import unwrap_weight
+
 
 def plain_tensors(sd: dict) -> dict:
     """Float8 all-gather wraps weights in a tensor subclass; checkpoints hold plain tensors."""
     out = {}
     for k, v in sd.items():
-        if isinstance(v, DTensor) and type(v._local_tensor) is not torch.Tensor and hasattr(v._local_tensor, "_tensor"):
-            v = DTensor.from_local(v._local_tensor._tensor, v.device_mesh, v.placements,
-                                   shape=v.shape, stride=v.stride(), run_check=False)
-        elif type(v) is not torch.Tensor and isinstance(v, torch.Tensor) and hasattr(v, "_tensor"):
-            v = v._tensor
+        if isinstance(v, DTensor):
+            local = v.to_local()
+            plain, _ = unwrap_weight(local)
+            if plain is not local:
+                v = DTensor.from_local(plain, v.device_mesh, v.placements, shape=v.shape, stride=v.stride(),
+                                       run_check=False)
+        elif isinstance(v, torch.Tensor):
+            v, _ = unwrap_weight(v)
         out[k] = v
     return out
 

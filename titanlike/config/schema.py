@@ -440,6 +440,7 @@ def validate_across_sections(cfg: JobConfig) -> None:
         "activation_checkpoint.mode = budget is carried out by torch.compile's partitioner: set --compile.enable",
     )
     speed.offload_rules(cfg)
+    speed.overrides_rules(cfg)
     need(cfg.checkpoint.load_step == -1 or cfg.checkpoint.enable,
          f"checkpoint.load_step = {cfg.checkpoint.load_step} resumes from a checkpoint: it needs --checkpoint.enable")
     need(

@@ -48,6 +48,12 @@ class Parallel:
     activations, for a model that does not fit otherwise, at a cost in speed. Needs host memory of
     16 bytes a parameter (fp32 weights, gradients, two moments) over dp_shard per rank, checked at
     start; works on one GPU too (FSDP over one rank). Not with float8 all-gather, HSDP or a CPU run."""
+    overrides: str = "on"
+    """titanlike's overrides of torch and torchao internals, each for a measured gain (docs/overrides.md):
+    on = every one whose start-up probe passes on this torch and torchao; off = stock torch and torchao
+    only (FSDP's own buffers, torch's own attention ops, no class patches: to rule them out, or on a
+    library they were not checked against); or a comma-separated list of the ones to keep on. The start
+    line says which run and which fell back, and why."""
 
     def validate(self) -> None:
         """Checks without a world size; those with one are parallel.resolve_dims and train.preflight."""
@@ -226,3 +232,11 @@ def offload_rules(cfg: Any) -> None:
     need(cfg.parallel.dp_replicate in (1, -1),
          f"parallel.cpu_offload works with plain FSDP, not HSDP (parallel.dp_replicate = {cfg.parallel.dp_replicate}): "
          f"set --parallel.dp_replicate 1")
+
+
+def overrides_rules(cfg: Any) -> None:
+    """parallel.overrides against what needs one of them (the names themselves: titanlike/overrides)."""
+    kept = {n.strip() for n in cfg.parallel.overrides.split(",")}
+    need(cfg.activation_checkpoint.mode != "budget" or "on" in kept or "activation_memory_budget" in kept,
+         f"activation_checkpoint.mode = budget needs the override activation_memory_budget (torch's private "
+         f"setting), which parallel.overrides = {cfg.parallel.overrides!r} leaves off: use mode full or selective")

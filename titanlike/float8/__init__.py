@@ -20,16 +20,21 @@ them, never before. Nothing outside this package needs to know which of these do
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 from torch import nn
 
+from titanlike import overrides
 from titanlike.float8 import all_gather, health, layers, measure
 from titanlike.float8.health import health_summary, weight_health
 from titanlike.float8.layers import Float8Report
 from titanlike.float8.options import Float8Options, inductor_options
+
+logger = logging.getLogger("titanlike")
 
 __all__ = ["Float8Converter", "Float8Options", "Float8Report", "health_summary", "inductor_options", "weight_health"]
 
@@ -64,6 +69,12 @@ class Float8Converter:
         # The delayed-scaling module when fp8.scaling = delayed, else None; imported only then, as
         # it imports torchao at once.
         self._delayed = None
+        self.notes: list[str] = []  # what convert() says beside its report
+        if self.options.delayed and not overrides.active("delayed_scaling"):
+            why = overrides.probe("delayed_scaling") or "parallel.overrides leaves it off"
+            self.notes.append(f"fp8.scaling = delayed runs as dynamic: delayed scaling builds on torchao internals, "
+                              f"off here ({why})")
+            self.options = dataclasses.replace(self.options, scaling="dynamic")
         if self.options.delayed:
             from titanlike.float8 import delayed
 
@@ -92,14 +103,14 @@ class Float8Converter:
         if flops_per_token:
             self.report.matmul_share = layers.float8_matmul_share(model, flops_per_token)
         layers.log_report(self.options, self.report)
+        for note in self.notes:
+            logger.info(note)
         return self.report
 
     def compile_options(self) -> dict[str, object]:
         """What float8 needs from torch.compile, when compile.enable is on (and only then: a run
-        without compile may be one where inductor cannot run): installs the fused all-gather cast
-        and returns the inductor options for compiling the converted blocks."""
-        if self.options.fsdp_float8_all_gather:
-            all_gather.fuse_all_gather_cast()
+        without compile may be one where inductor cannot run): the inductor options for compiling the
+        converted blocks."""
         return inductor_options(self.options.recipe) if self.enabled else {}
 
     def attach(self, optimizer: torch.optim.Optimizer, *, counters: StepCounter, metrics: MetricsSink,

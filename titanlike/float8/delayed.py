@@ -26,9 +26,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
-from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
-from torchao.float8.float8_utils import amax_to_scale
+from torchao.float8.float8_linear import Float8Linear
+
+from titanlike.overrides import foreach
+from titanlike.overrides.float8 import amax_to_scale, cast_to_float8, float8_matmul
 
 
 def _record_max(amax: torch.Tensor, x: torch.Tensor) -> None:
@@ -58,8 +59,7 @@ class _GradientCast(torch.autograd.Function):
             _record_max(layer.grad_amax, grad)
         if ctx.calibrated:
             dtype = layer.config.cast_config_grad_output.target_dtype
-            grad = hp_tensor_and_scale_to_float8(grad, layer.grad_scale, dtype, layer.linear_mm_config,
-                                                 GemmInputRole.GRAD_OUTPUT)
+            grad = cast_to_float8(grad, layer.grad_scale, dtype, layer.linear_mm_config, "GRAD_OUTPUT")
         return grad, None
 
 
@@ -106,12 +106,11 @@ class DelayedFloat8Linear(Float8Linear):
         if not self.calibrated:
             return _GradientCast.apply(super().forward(x), self)
         c = self.config
-        x = hp_tensor_and_scale_to_float8(x, self.input_scale, c.cast_config_input.target_dtype,
-                                          self.linear_mm_config, GemmInputRole.INPUT)
+        x = cast_to_float8(x, self.input_scale, c.cast_config_input.target_dtype, self.linear_mm_config, "INPUT")
         if own_weight:
-            weight = hp_tensor_and_scale_to_float8(weight, self.weight_scale, c.cast_config_weight.target_dtype,
-                                                   self.linear_mm_config, GemmInputRole.WEIGHT)
-        y = matmul_with_hp_or_float8_args.apply(x, weight.t(), self.linear_mm_config, self.config)
+            weight = cast_to_float8(weight, self.weight_scale, c.cast_config_weight.target_dtype,
+                                    self.linear_mm_config, "WEIGHT")
+        y = float8_matmul(x, weight.t(), self.linear_mm_config, self.config)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return _GradientCast.apply(y, self)
@@ -171,11 +170,11 @@ def _set_history(found: list[DelayedFloat8Linear], history: torch.Tensor, calibr
     config = found[0].config
     dtypes = {"input": config.cast_config_input.target_dtype, "grad": config.cast_config_grad_output.target_dtype,
               "weight": config.cast_config_weight.target_dtype}
-    torch._foreach_copy_([m.amax_history for m in found], list(history.unbind(0)))
+    foreach.copy_([m.amax_history for m in found], list(history.unbind(0)))
     for i, row in enumerate(ROWS):
         scale = amax_to_scale(history[:, i].amax(-1), dtypes[row], config.round_scales_to_power_of_2)
-        torch._foreach_copy_([getattr(m, f"{row}_scale") for m in found], list(scale.unbind(0)))
-    torch._foreach_zero_([getattr(m, f"{row}_amax") for m in found for row in ROWS])
+        foreach.copy_([getattr(m, f"{row}_scale") for m in found], list(scale.unbind(0)))
+    foreach.zero_([getattr(m, f"{row}_amax") for m in found for row in ROWS])
     for m in found:
         m.calibrated = calibrated
 

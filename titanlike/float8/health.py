@@ -24,9 +24,10 @@ def weight_health(model: nn.Module) -> dict[str, dict[str, float]]:
     With FSDP each rank measures its shard and two all-reduces finish the job: every rank calls this.
     """
     from torch.distributed.tensor import DTensor
-    from torchao.float8.config import ScalingGranularity
+    from torchao.float8 import ScalingGranularity
     from torchao.float8.float8_linear import Float8Linear
-    from torchao.float8.float8_utils import amax_to_scale
+
+    from titanlike.overrides.float8 import amax_to_scale, unwrap_weight
 
     layers = []
     sharded = False
@@ -34,9 +35,8 @@ def weight_health(model: nn.Module) -> dict[str, dict[str, float]]:
         if isinstance(m, Float8Linear):
             w = m.weight
             if isinstance(w, DTensor):
-                sharded, w = True, w._local_tensor
-            precomputed = getattr(w, "_precomputed_scale", None)
-            w = getattr(w, "_tensor", w)  # float8 all-gather wraps the shard in a tensor subclass
+                sharded, w = True, w.to_local()
+            w, precomputed = unwrap_weight(w)  # float8 all-gather wraps the shard in a tensor subclass
             layers.append((name, m.config, w.detach().float(), precomputed))
     if not layers:
         return {}

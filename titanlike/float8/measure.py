@@ -145,7 +145,7 @@ def time_block(block_sample, batch: int, seq: int, options: Float8Options, choic
     fresh block and its forward's arguments, bf16 activations) with `choice`'s Linears in float8: the
     median ms, and the bytes its forward keeps allocated for backward (the block's output included,
     the same for every choice)."""
-    torch._dynamo.reset()  # a fresh compile per candidate, never the recompile limit's eager fallback
+    torch.compiler.reset()  # a fresh compile per candidate, never the recompile limit's eager fallback
     torch.manual_seed(0)
     block, args = block_sample(batch, seq, device)
     block = _float8(block, options, BLOCK_CHOICES[choice])
@@ -180,7 +180,7 @@ def time_linear_ms(tokens: int, in_features: int, out_features: int, recipe: str
                    iters: int = 20, warmup: int = 5) -> float:
     """Median ms of forward + backward of one compiled Linear on `tokens` bf16 rows (benchmarks only:
     measure times whole blocks, not Linears alone)."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     torch.manual_seed(0)
     model: nn.Module = nn.Sequential(nn.Linear(in_features, out_features, bias=False)).to(device)
     model = _float8(model, Float8Options(recipe=recipe), ("0",) if recipe != "none" else ())
@@ -221,7 +221,7 @@ def time_candidates(shape, batch: int, seq: int, options: Float8Options, device:
         block_ms[choice], block_bytes[choice] = cache[key], cache[key + " kept bytes"]
     if not timed:  # every choice came from the cache: nothing was compiled, nothing to write
         return block_ms, block_bytes
-    torch._dynamo.reset()  # the run compiles its own blocks afresh
+    torch.compiler.reset()  # the run compiles its own blocks afresh
     plans.parent.mkdir(parents=True, exist_ok=True)
     tmp = plans.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(cache, indent=1))

@@ -80,21 +80,10 @@ class Float8Options:
 
 
 def inductor_options(recipe: str) -> dict[str, Any]:
-    """Inductor settings for compiling layers converted to `recipe` (torch.compile's `options`)."""
+    """Inductor settings for compiling layers converted to `recipe` (torch.compile's `options`): the
+    rowwise recipes' (titanlike/overrides/compile.py says which and why); none for the others."""
     if not recipe.startswith("rowwise"):
         return {}
-    import torch._inductor.config as inductor_config
+    from titanlike.overrides.compile import rowwise_inductor_options
 
-    options = {
-        # Without emulated precision casts, inductor may fuse away the rounding of the rowwise
-        # recipes' intermediate casts, a known source of NaNs (pytorch#150859).
-        "emulate_precision_casts": True,
-        # Rowwise casts each weight-gradient operand with one scale per column and writes it
-        # transposed, in kernels of their own (the scales need the whole column first). With those
-        # kernels tiled in two dimensions rather than one, the rowwise step runs faster
-        # (docs/benchmarks/2026-11-22-rowwise-tiling-four-h200.md); tensorwise gains nothing.
-        "triton.prefer_nd_tiling": True,
-    }
-    # Both exist in torch 2.11-2.14; a later torch without one loses the speed-up, not the run.
-    known = inductor_config.get_config_copy()
-    return {k: v for k, v in options.items() if k in known}
+    return rowwise_inductor_options()

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
 from titanlike.config.speed import matmul_outputs_kept, named_blocks
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import BLOCK_MATMULS
+from titanlike.overrides.attention import attention_ops, matmul_ops
+from titanlike.overrides.compile import set_activation_memory_budget
 
 
 def _save_policy_context(keep: frozenset[int] | None):
@@ -26,22 +26,11 @@ def _save_policy_context(keep: frozenset[int] | None):
     """
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    aten = torch.ops.aten
-    save = {aten.max.default, aten.amax.default,
-            aten._scaled_dot_product_flash_attention.default,
-            aten._scaled_dot_product_efficient_attention.default}
-    if hasattr(aten, "_scaled_dot_product_cudnn_attention"):
-        save.add(aten._scaled_dot_product_cudnn_attention.default)
-    if hasattr(torch.ops.higher_order, "flex_attention"):  # model.attn_mask = block_causal
-        save.add(torch.ops.higher_order.flex_attention)
-    # Context parallelism (parallel/context.py): the gathered keys and values, so that backward does not
-    # gather them again (its causal kernel is the cuDNN op above, parallel/chunk_attention.py).
-    for namespace in ("_c10d_functional", "_c10d_functional_autograd"):
-        ops = getattr(torch.ops, namespace, None)
-        if ops is not None and hasattr(ops, "all_gather_into_tensor"):
-            save.add(ops.all_gather_into_tensor.default)
-
-    matmuls = {aten.mm.default, aten._scaled_mm.default}
+    # Attention's and float8's amax outputs (the op names are SDPA's private kernels: overrides/attention.py).
+    # Context parallelism's gathered keys and values are not among them: backward gathers them again,
+    # so that what a rank keeps for backward shrinks with cp (docs/parallelism.md).
+    save = attention_ops()
+    matmuls = matmul_ops()
 
     def context():
         seen = {False: 0, True: 0}  # matmuls so far in this call's forward, and in its recomputation
@@ -85,9 +74,7 @@ def apply_activation_checkpointing(model: Transformer, mode: str, option: str, b
         # No checkpoint wrapper: compile's min-cut partitioner decides what each graph saves, held
         # to `budget` of the bytes it would save unbudgeted. A process-wide setting, so it applies
         # to every graph compiled here (the blocks and the loss), read when each is compiled.
-        import torch._functorch.config as functorch_config
-
-        functorch_config.activation_memory_budget = budget
+        set_activation_memory_budget(budget)
         return
     kept = matmul_outputs_kept(option) if mode == "selective" else None
     if kept is not None:

@@ -16,14 +16,18 @@ each part's softmax the merged one (ring attention's rule); the parts' gradients
 Grouped-query kv heads go to the kernel as they are (it shares them).
 
 The collectives go through an exchange (context.py's KeyValueExchange), each started and finished
-apart, so that work that does not need them can sit between: forward starts the all-gather of the
+apart, so that work that does not need them can sit between. Forward starts the all-gather of the
 group's keys and values, computes the square blocks on the rank's own keys, then waits and computes
-the prefixes; backward computes the prefixes' gradients first (the only ones that reach other ranks'
-keys), starts the reduce-scatter that sums and returns them, computes the square blocks' gradients,
-then waits. Eager, the work queues in that order. Compiled (H200, torch 2.11), inductor's schedule
-placed both collectives after the square blocks, so a compiled run does not overlap them yet; it ran
-at the speed of the gather outside this Function
-(docs/benchmarks/2026-11-26-cp-prefetch-offload-long-windows.md).
+the prefixes. Only the rank's own keys and values are kept for backward, never the gathered ones:
+backward starts the all-gather again, computes the square blocks' gradients on its own keys meanwhile,
+then the prefixes' (the only ones that reach other ranks' keys) and reduce-scatters those, summed, to
+the ranks that hold the keys. What a rank keeps for backward is then its own part of the window, which
+shrinks with cp, for one more all-gather a layer. Eager, the work queues in that order; compiled,
+inductor schedules it (on an H200 under torch 2.11 it placed both collectives of forward after the
+square blocks: docs/benchmarks/2026-11-26-cp-prefetch-offload-long-windows.md).
+
+These kernels are an override of torch's internals (titanlike/overrides: cp_attention_kernels); off,
+context.py's stock path runs SDPA's public front door instead.
 
 Kernels: CudnnKernel on a GPU in bf16/fp16; CpuKernel, torch's fused CPU attention, on a CPU (what
 the gloo tests run); TorchKernel, attention written out in torch, on a GPU in fp32. Why not FlashAttention's
@@ -38,18 +42,17 @@ from typing import Any
 
 import torch
 
-aten = torch.ops.aten
+from titanlike.overrides import attention as private
 
 
 class CudnnKernel:
-    """One part's attention and its backward on cuDNN (torch's `_scaled_dot_product_cudnn_attention`
-    ops, as SDPA's own autograd calls them). `forward` gives (out, lse as (b, h, L, 1) fp32, state for
-    backward: tensors, then other values)."""
+    """One part's attention and its backward on cuDNN (the ops SDPA's own autograd calls,
+    overrides/attention.py). `forward` gives (out, lse as (b, h, L, 1) fp32, state for backward:
+    tensors, then other values)."""
 
     @staticmethod
     def forward(q, k, v, causal: bool):
-        o, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, causal, False)
+        o, lse, cum_q, cum_k, max_q, max_k, seed, offset = private.cudnn_attention(q, k, v, causal)
         return o, lse.float().reshape(*o.shape[:3], 1), (cum_q, cum_k, seed, offset), (max_q, max_k, lse.dim())
 
     @staticmethod
@@ -57,8 +60,8 @@ class CudnnKernel:
         cum_q, cum_k, seed, offset = tensors
         max_q, max_k, lse_dims = values
         lse = lse if lse_dims == 4 else lse.squeeze(-1)
-        return aten._scaled_dot_product_cudnn_attention_backward(
-            grad, q, k, v, out, lse.contiguous(), seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal)
+        return private.cudnn_attention_backward(grad, q, k, v, out, lse.contiguous(), seed, offset, cum_q, cum_k,
+                                                max_q, max_k, causal)
 
 
 def _per_kv_head(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -67,25 +70,24 @@ def _per_kv_head(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 class CpuKernel:
-    """One part on torch's fused CPU attention (`_scaled_dot_product_flash_attention_for_cpu` and its
-    backward, what SDPA runs on a CPU): exact to fp32 rounding, and a few extern calls for torch.compile
-    to trace instead of TorchKernel's materialised scores (the compiled cp test, cold, once on a 2-core CI
-    machine: 51 s against 59). It takes as many kv heads as query heads: they are repeated, and their
-    gradients summed back."""
+    """One part on torch's fused CPU attention (what SDPA runs on a CPU, overrides/attention.py): exact to
+    fp32 rounding, and a few extern calls for torch.compile to trace instead of TorchKernel's materialised
+    scores (the compiled cp test, cold, once on a 2-core CI machine: 51 s against 59). It takes as many kv
+    heads as query heads: they are repeated, and their gradients summed back."""
 
     @staticmethod
     def forward(q, k, v, causal: bool):
         groups = q.shape[1] // k.shape[1]
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), 0.0, causal)
+        out, lse = private.cpu_attention(q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1),
+                                         causal)
         return out, lse.float().unsqueeze(-1), (), ()
 
     @staticmethod
     def backward(grad, q, k, v, out, lse, causal: bool, tensors, values):
         groups = q.shape[1] // k.shape[1]
-        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), out,
-            lse.squeeze(-1).contiguous(), 0.0, causal)
+        dq, dk, dv = private.cpu_attention_backward(grad, q, k.repeat_interleave(groups, dim=1),
+                                                    v.repeat_interleave(groups, dim=1), out,
+                                                    lse.squeeze(-1).contiguous(), causal)
         return dq, _per_kv_head(dk, k.shape[1]), _per_kv_head(dv, k.shape[1])
 
 
@@ -159,46 +161,49 @@ class CausalChunks(torch.autograd.Function):
         outs = [out.to(q.dtype).contiguous() for out, _ in merged]
         lses = [lse for _, lse in merged]
         ctx.chunks, ctx.meta, ctx.kernel, ctx.exchange = chunks, meta, kernel, exchange
-        ctx.local_kv = (k.shape, k.dtype)  # the local keys are in whole_k: not saved twice
-        ctx.save_for_backward(q, whole_k, whole_v, *outs, *lses, *saved)
+        # The window's keys and values are not kept: backward gathers them again, so that what a rank keeps
+        # for backward is its own part (memory that shrinks with cp), at the cost of one more all-gather.
+        ctx.save_for_backward(q, k, v, *outs, *lses, *saved)
         return torch.cat(outs, dim=2)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, whole_k, whole_v, *rest = ctx.saved_tensors
+        q, k, v, *rest = ctx.saved_tensors
         n = len(ctx.chunks)
         outs, lses, saved = rest[:n], rest[n:2 * n], rest[2 * n:]
         length = q.shape[2] // n
-        local_shape, kv_dtype = ctx.local_kv
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk, dv = (torch.zeros(local_shape, dtype=torch.float32, device=q.device) for _ in range(2))
-        whole_dkv = torch.zeros((2, *whole_k.shape), dtype=torch.float32, device=q.device)
+        dk, dv = (torch.zeros(k.shape, dtype=torch.float32, device=q.device) for _ in range(2))
         offsets, used = [], 0
         for *_, count, _ in ctx.meta:
             offsets.append(used)
             used += count
 
-        def part_backward(j: int, keys: torch.Tensor, values_: torch.Tensor, dkeys, dvalues, base: int) -> None:
+        def part_backward(j: int, keys: torch.Tensor, values_: torch.Tensor, base: int, dkeys, dvalues) -> None:
+            """Part j's gradients; `keys` and `values_` hold window positions from `base` on, and so do
+            `dkeys` and `dvalues`."""
             i, start, end, causal, count, values = ctx.meta[j]
-            rows = slice(i * length, (i + 1) * length)
-            gq, gk, gv = ctx.kernel.backward(grad[:, :, rows].contiguous(), q[:, :, rows], keys[:, :, start:end],
-                                             values_[:, :, start:end], outs[i], lses[i], causal,
+            rows, cols = slice(i * length, (i + 1) * length), slice(start - base, end - base)
+            gq, gk, gv = ctx.kernel.backward(grad[:, :, rows].contiguous(), q[:, :, rows], keys[:, :, cols],
+                                             values_[:, :, cols], outs[i], lses[i], causal,
                                              saved[offsets[j]:offsets[j] + count], values)
             dq[:, :, rows] += gq
-            dkeys[:, :, start - base:end - base] += gk
-            dvalues[:, :, start - base:end - base] += gv
+            dkeys[:, :, cols] += gk
+            dvalues[:, :, cols] += gv
 
-        blocks = [j for j, m in enumerate(ctx.meta) if m[3]]
-        prefixes = [j for j, m in enumerate(ctx.meta) if not m[3]]
-        # The prefixes first: their key gradients are the ones to sum over the group and send back.
-        for j in prefixes:
-            part_backward(j, whole_k, whole_v, whole_dkv[0], whole_dkv[1], 0)
-        pending = ctx.exchange.scatter_start(whole_dkv.to(kv_dtype))
-        # While the reduce-scatter runs: the square blocks, whose key gradients are this rank's own.
-        for j in blocks:
-            i = ctx.meta[j][0]
-            part_backward(j, whole_k, whole_v, dk, dv, ctx.meta[j][1] - i * length)
-        returned = ctx.exchange.scatter_finish(pending)
+        pending = ctx.exchange.gather_start(torch.stack([k, v]))
+        # While the gather runs: the square blocks, on this rank's own keys (their gradients are its own).
+        for j, (i, start, _, causal, *_) in enumerate(ctx.meta):
+            if causal:
+                part_backward(j, k, v, start - i * length, dk, dv)
+        whole_k, whole_v = ctx.exchange.gather_finish(pending)
+        # The prefixes: their key and value gradients go to the ranks that hold those keys, summed.
+        whole_dkv = torch.zeros((2, *whole_k.shape), dtype=torch.float32, device=q.device)
+        for j, meta in enumerate(ctx.meta):
+            if not meta[3]:
+                part_backward(j, whole_k, whole_v, 0, whole_dkv[0], whole_dkv[1])
+        del whole_k, whole_v
+        returned = ctx.exchange.scatter_finish(ctx.exchange.scatter_start(whole_dkv.to(k.dtype)))
         dk += returned[0]
         dv += returned[1]
-        return dq.to(q.dtype), dk.to(kv_dtype), dv.to(kv_dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(k.dtype), None, None, None

@@ -52,15 +52,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.nn.attention.bias import causal_lower_right
 
+from titanlike import overrides
 from titanlike.model.decoder import Transformer
 from titanlike.model.masks import document_ids, document_mask_at, masked_attention
+from titanlike.overrides import attention as private
 from titanlike.parallel.chunk_attention import CausalChunks, CpuKernel, CudnnKernel, TorchKernel
-
-# The autograd-aware all-gather: all_gather_single_autograd from torch 2.13 (there
-# all_gather_tensor_autograd warns that it is deprecated), all_gather_tensor_autograd before.
-_all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 CAUSAL = "causal"  # the causal mask of a context-parallel micro-batch: each rank's chunks know their keys
 
@@ -104,30 +105,29 @@ def rank_order(whole: torch.Tensor, cp: int) -> torch.Tensor:
 
 class KeyValueExchange:
     """The collectives of causal attention under cp (parallel/chunk_attention.py), each split into a start
-    and a finish so that attention runs between them: torch's functional collectives, which trace under
-    torch.compile and run over gloo."""
+    and a finish so that attention runs between them: torch's functional collectives
+    (overrides/attention.py), which trace under torch.compile and run over gloo."""
 
     def __init__(self, group):
         self.cp, self.group_name = dist.get_world_size(group), group.group_name
 
     def gather_start(self, kv: torch.Tensor) -> torch.Tensor:
         """Start gathering every rank's (2, batch, kv_heads, 2L, head_dim) stacked keys and values."""
-        return torch.ops._c10d_functional.all_gather_into_tensor(kv.contiguous(), self.cp, self.group_name)
+        return private.all_gather_start(kv.contiguous(), self.cp, self.group_name)
 
     def gather_finish(self, pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The window's keys and values, in window order."""
-        whole = window_order(torch.ops._c10d_functional.wait_tensor(pending), self.cp)
+        whole = window_order(private.wait(pending), self.cp)
         return whole[0], whole[1]
 
     def scatter_start(self, whole_dkv: torch.Tensor) -> torch.Tensor:
         """Start summing the (2, batch, kv_heads, window, head_dim) key and value gradients over the group,
         each rank receiving its own chunks' sums."""
-        return torch.ops._c10d_functional.reduce_scatter_tensor(rank_order(whole_dkv, self.cp).contiguous(), "sum",
-                                                                self.cp, self.group_name)
+        return private.reduce_scatter_start(rank_order(whole_dkv, self.cp).contiguous(), self.cp, self.group_name)
 
     def scatter_finish(self, pending: torch.Tensor) -> torch.Tensor:
         """This rank's (2, batch, kv_heads, 2L, head_dim) summed key and value gradients."""
-        return torch.ops._c10d_functional.wait_tensor(pending)
+        return private.wait(pending)
 
 
 @dataclass
@@ -148,6 +148,10 @@ class ContextParallel:
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.flex = flex  # document masks for flex attention; None = on CUDA
         self._positions: dict[tuple, torch.Tensor] = {}
+        self._meshes: dict[str, DeviceMesh] = {}
+        # Causal attention on fused kernels with the gather overlapped and not kept for backward (an
+        # override of torch's internals), or stock: SDPA's public front door over the gathered keys.
+        self.kernels = overrides.active("cp_attention_kernels")
         self.exchange = KeyValueExchange(group)
 
     def positions(self, seq: int, device: torch.device) -> torch.Tensor:
@@ -171,9 +175,16 @@ class ContextParallel:
 
     def gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The group's keys and values, (batch, heads, seq, head_dim) each, in window order, from each
-        rank's (batch, heads, seq / cp, head_dim); backward sums their gradients back (autograd)."""
-        kv = torch.stack([k, v])  # one collective for both
-        whole = window_order(_all_gather(kv.contiguous(), 0, self.group), self.cp)
+        rank's (batch, heads, seq / cp, head_dim); backward sums their gradients back to the ranks that
+        hold them. DTensor's public redistribute: the ranks' parts stacked (Shard) become every rank's
+        (Replicate), an all-gather; the gradient of a replicated value differs by rank (Partial), and
+        back to Shard it is a reduce-scatter."""
+        device = k.device.type
+        if device not in self._meshes:
+            self._meshes[device] = DeviceMesh.from_group(self.group, device)
+        mesh = self._meshes[device]
+        kv = DTensor.from_local(torch.stack([k, v]).contiguous(), mesh, [Shard(0)], run_check=False)
+        whole = window_order(kv.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()]), self.cp)
         return whole[0], whole[1]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gqa: bool) -> torch.Tensor:
@@ -183,7 +194,9 @@ class ContextParallel:
             raise RuntimeError("context-parallel attention needs the micro-batch's mask: call the model with "
                                "the SequenceShard that ContextParallel.shard made")
         if isinstance(mask, str):  # CAUSAL
-            return CausalChunks.apply(q, k, v, chunks_of(self.rank, self.cp), kernel_for(q), self.exchange)
+            if self.kernels:
+                return CausalChunks.apply(q, k, v, chunks_of(self.rank, self.cp), kernel_for(q), self.exchange)
+            return self.causal_stock(q, *self.gather(k, v), gqa)
         k, v = self.gather(k, v)
         if not isinstance(mask, torch.Tensor):  # a flex BlockMask: kv heads repeated, all contiguous
             if gqa:
@@ -191,6 +204,20 @@ class ContextParallel:
                 k, v, gqa = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1), False
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         return masked_attention(q, k, v, mask, gqa, tuned=False)
+
+
+    def causal_stock(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
+        """Causal attention of this rank's chunks of queries over the gathered window through SDPA's public
+        front door: each chunk against the keys up to its end, under a causal mask aligned to the bottom
+        right (torch's causal_lower_right). Autograd keeps the gathered keys for backward."""
+        length = q.shape[2] // 2
+        outs = []
+        for i, chunk in enumerate(chunks_of(self.rank, self.cp)):
+            end = (chunk + 1) * length
+            outs.append(F.scaled_dot_product_attention(q[:, :, i * length:(i + 1) * length], k[:, :, :end],
+                                                       v[:, :, :end], attn_mask=causal_lower_right(length, end),
+                                                       enable_gqa=gqa))
+        return torch.cat(outs, dim=2)
 
 
 def kernel_for(q: torch.Tensor):

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from titanlike import overrides
 from titanlike.config.speed import resolve_reshard
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import count_params
+from titanlike.overrides.fsdp import free_reduce_scatter_input, gather_on_compute_stream
 from titanlike.parallel.device import device_memory_bytes
 
 __all__ = ["apply_fsdp", "resolve_reshard", "shard_model"]
@@ -35,10 +36,12 @@ class GradientsInComputePool:
     still queued there), and the block records the reduce-scatter stream (not reused before the
     reduce-scatter's own work on it is done).
 
-    The reduce-scatter's input (one module's unsharded fp32 gradients) goes back as soon as the
-    collective is queued, where FSDP would keep it until the next module's reduce-scatter: through
-    that module's whole backward. The output layer's is 2 GiB on 8b, kept through the last block's
-    backward, at the peak."""
+    With the override reduce_scatter_frees_input (titanlike/overrides/fsdp.py), the reduce-scatter's
+    input (one module's unsharded fp32 gradients) goes back as soon as the collective is queued, where
+    FSDP would keep it until the next module's reduce-scatter."""
+
+    def __init__(self):
+        self.free_input = overrides.active("reduce_scatter_frees_input")
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         current, compute = torch.cuda.current_stream(device), torch.cuda.default_stream(device)
@@ -52,13 +55,8 @@ class GradientsInComputePool:
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
         work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-        if not async_op:
-            # FSDP holds the input only so that nothing reuses its memory while the collective may still
-            # read it. A synchronous call has made this (the reduce-scatter) stream wait for the
-            # collective, and the block records this stream: freed now, it is reused only once the
-            # collective is done. Nothing reads the input after this call.
-            input_tensor.record_stream(torch.cuda.current_stream(input_tensor.device))
-            input_tensor.untyped_storage().resize_(0)
+        if not async_op and self.free_input:
+            free_reduce_scatter_input(input_tensor)
         return work
 
 
@@ -105,10 +103,10 @@ def apply_fsdp(model: Transformer, mesh, param_dtype: torch.dtype | None, reshar
             unshard_in_backward(model.output, False)
     shard(model, reshard_after_forward=reshard == "always")
     prefetch_forward(model)
-    if mesh.device_type == "cuda" and offload_policy is None and not model.args.tie_embeddings:
+    if (mesh.device_type == "cuda" and offload_policy is None and not model.args.tie_embeddings
+            and overrides.active("gathers_on_compute_stream")):
         for module in (model.tok_embeddings, model.output):
             gather_on_compute_stream(module)
-    replace_reduce_scatter_copy_in()
     if gradients_in_compute_pool:
         comm = GradientsInComputePool()
         for module in modules:
@@ -132,85 +130,6 @@ def prefetch_forward(model: Transformer) -> None:
     chain = [m for m in forward_order if hasattr(m, "set_modules_to_forward_prefetch")]
     for module, following in zip(chain, chain[1:]):
         module.set_modules_to_forward_prefetch([following])
-
-
-def gather_on_compute_stream(module) -> None:
-    """FSDP gathers `module`'s weights into memory from the compute stream's pool, and frees that as soon
-    as they are copied out of it.
-
-    By default FSDP gathers every module into memory from a side stream's pool and, in forward, keeps
-    each gathered buffer until the next module's gather is done. The embedding and the output layer
-    are a vocabulary × dim matrix each, 1 GiB in bf16 on `8b`, where a block gathers 0.2 GiB in
-    float8: between steps the side pool is cut into blocks' buffers, and it grew to fit one more of
-    those matrices beside them. On 8b over two GPUs it reserved 2.0 GiB, half of it free at the peak
-    (docs/benchmarks/2026-11-26-8b-under-the-peer.md). On the compute stream these two take memory only
-    while their gather is copied out, from the pool that activations use anyway; the cast of their
-    shard to bf16 before the gather then runs on the compute stream too, twice a step. The switch is
-    private to FSDP (torch 2.11 to 2.13 have it); a torch without it keeps FSDP's default."""
-    setter = getattr(module, "_set_unshard_async_op", None)
-    if setter is not None:
-        setter(True)
-
-
-# FSDP's own copy-in, kept by replace_reduce_scatter_copy_in for the world sizes ours does not serve.
-_FSDP_COPY_IN: Callable[[list[torch.Tensor], torch.Tensor, int], None] | None = None
-
-
-def copy_gradients_in(unsharded_grads: list[torch.Tensor], reduce_scatter_input: torch.Tensor,
-                      world_size: int) -> None:
-    """FSDP's reduce-scatter copy-in: over two ranks, copy_gradients_in_pieces; otherwise FSDP's own.
-
-    Torch's `chunk_cat` kernel, which FSDP's own runs on the compute stream once a module a step, is
-    slow only when it splits each gradient in two. For an `8b` block's gradients on an H100 it took
-    2.60 ms over two ranks against the pieces' 0.53, and 26 ms of an `8b` step over two H200s: the
-    trainer is 0.6 % faster without it. Over 8 ranks it took 0.70 ms against 0.87, over 64 ranks 0.64
-    against 6.06 (the pieces, one per rank and gradient, are then many and small)
-    (docs/benchmarks/2026-11-26-8b-step-fence-and-copy-in.md)."""
-    if world_size != 2 and _FSDP_COPY_IN is not None:
-        _FSDP_COPY_IN(unsharded_grads, reduce_scatter_input, world_size)
-    else:
-        copy_gradients_in_pieces(unsharded_grads, reduce_scatter_input, world_size)
-
-
-def copy_gradients_in_pieces(unsharded_grads: list[torch.Tensor], reduce_scatter_input: torch.Tensor,
-                             world_size: int) -> None:
-    """The layout FSDP's copy-in gives its flat buffer: rank r's part holds the r-th dim-0 chunk of every
-    gradient in turn, each dim 0 padded to a multiple of the world size and the padding zero; each
-    element cast to the buffer's dtype (fp32). One foreach copy of the contiguous pieces."""
-    rows = reduce_scatter_input.view(world_size, -1)
-    dst: list[torch.Tensor] = []
-    src: list[torch.Tensor] = []
-    offset = 0
-    for grad in unsharded_grads:
-        flat = grad.reshape(grad.size(0), -1)  # a view of a contiguous gradient (FSDP's are)
-        per_rank = -(-flat.size(0) // world_size)
-        width = per_rank * flat.size(1)
-        for rank in range(world_size):
-            part = rows[rank, offset:offset + width]
-            piece = flat[rank * per_rank:(rank + 1) * per_rank].reshape(-1)
-            if piece.numel():
-                dst.append(part[:piece.numel()])
-                src.append(piece)
-            if piece.numel() < width:
-                part[piece.numel():].zero_()
-        offset += width
-    torch._foreach_copy_(dst, src)
-
-
-def replace_reduce_scatter_copy_in() -> None:
-    """Make FSDP copy gradients in with copy_gradients_in. The function it replaces is private to FSDP
-    (torch 2.11 to 2.13 have it, with this signature); a torch without it keeps FSDP's own."""
-    import inspect
-
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
-
-    global _FSDP_COPY_IN
-    theirs = getattr(collectives, "foreach_reduce_scatter_copy_in", None)
-    if theirs is None or theirs is copy_gradients_in:
-        return
-    if list(inspect.signature(theirs).parameters) == ["unsharded_grads", "reduce_scatter_input", "world_size"]:
-        _FSDP_COPY_IN = theirs
-        collectives.foreach_reduce_scatter_copy_in = copy_gradients_in
 
 
 def unshard_in_backward(module, needed: bool) -> None:

@@ -34,6 +34,8 @@ import warnings
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
+from titanlike.overrides import cuda
+
 logger = logging.getLogger("titanlike")
 # Each window's trace holds that window's events only, which is what we want; torch warns about it.
 warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
@@ -55,7 +57,7 @@ class Profiler:
             logger.warning("profiling.memory_snapshot records the CUDA allocator: nothing to record on "
                            f"{device.type}, skipped")
         if self.memory:
-            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+            cuda.record_memory_history(MEMORY_HISTORY_ENTRIES)
         self.torch_profiler = None
         if cfg.enable:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -106,7 +108,7 @@ class Profiler:
 
     def _dump_memory(self, subfolder: str) -> str:
         path = self._path(subfolder, "memory_snapshot.pickle")
-        torch.cuda.memory._dump_snapshot(path)
+        cuda.dump_memory_snapshot(path)
         logger.info(f"profiling: CUDA memory snapshot written to {path}")
         return path
 
@@ -125,5 +127,5 @@ class Profiler:
             self.torch_profiler.stop()
             self.torch_profiler = None
         if self.memory:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            cuda.stop_memory_history()
             self.memory = False

@@ -1,0 +1,104 @@
+"""Every reach into torch's and torchao's internals lives in titanlike/overrides, behind probes and one
+switch (parallel.overrides): each probe passes on the torch and torchao tested here, each private op is
+called by keyword (a moved signature fails here, not in a run), a failed probe turns its override off
+with one line, and off means stock behaviour."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import train_here
+from titanlike import overrides
+from titanlike.errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+# The private names of torch and torchao that titanlike reaches for: none outside the overrides home.
+PRIVATE = re.compile(r"torch(\.[a-z_]+)*\._[a-zA-Z]|torch\.ops\._|aten\._|\._local_tensor|\._spec\b|"
+                     r"_precomputed_scale|_set_unshard_async_op|fsdp_pre_all_gather|_fsdp_collectives|"
+                     r"matmul_with_hp_or_float8_args|hp_tensor_and_scale_to_float8|float8_utils|"
+                     r"float8_training_tensor|_c10d_functional|_functional_collectives")
+
+
+def test_no_private_name_outside_the_overrides_home():
+    found = []
+    for path in sorted((ROOT / "titanlike").rglob("*.py")):
+        if "overrides" in path.parts:
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), start=1):
+            code = line.split("#", 1)[0]
+            # (a logger's name is a string, not a reach: torch.utils._pytree's is quieted by name)
+            if PRIVATE.search(code) and "getLogger(" not in code:
+                found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not found, "private names outside titanlike/overrides:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("name", overrides.NAMES)
+def test_every_probe_passes_on_the_tested_torch_and_torchao(name):
+    """A probe that fails here fails on a version CI runs (the pinned torch and the newest): the override's
+    names or signatures moved, and it would run stock."""
+    assert overrides.probe(name) is None
+
+
+def test_private_attention_ops_are_called_by_keyword_on_their_current_signatures():
+    """cuDNN's and the CPU's fused attention and their backwards, by keyword on meta tensors: a renamed or
+    reordered argument raises here."""
+    from titanlike.overrides import attention
+
+    q = torch.empty(2, 4, 16, 8, device="meta", dtype=torch.bfloat16)
+    o, lse, cum_q, cum_k, max_q, max_k, seed, offset = attention.cudnn_attention(q, q, q, causal=False)
+    assert o.shape == q.shape and lse.shape[:3] == q.shape[:3]
+    dq, dk, dv = attention.cudnn_attention_backward(o, q, q, q, o, lse, seed, offset, cum_q, cum_k, max_q, max_k, False)
+    assert dq.shape == dk.shape == dv.shape == q.shape
+    x = torch.randn(1, 2, 8, 4)
+    out, lse = attention.cpu_attention(x, x, x, causal=True)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True))
+    grads = attention.cpu_attention_backward(torch.ones_like(out), x, x, x, out, lse, causal=True)
+    assert [g.shape for g in grads] == [x.shape] * 3
+
+
+def test_the_switch_chooses_and_the_start_line_says_why():
+    line = overrides.configure("on")
+    assert line.startswith("overrides of torch/torchao internals: on: ") and "; off" not in line
+    assert all(overrides.active(name) for name in overrides.NAMES)
+    line = overrides.configure("off")
+    assert not any(overrides.active(name) for name in overrides.NAMES)
+    assert "on: none; off, stock behaviour: " in line and "delayed_scaling (parallel.overrides)" in line
+    overrides.configure("delayed_scaling,cp_attention_kernels")
+    assert [n for n in overrides.NAMES if overrides.active(n)] == ["cp_attention_kernels", "delayed_scaling"]
+    with pytest.raises(UserError, match="unknown: fused_cast") as e:
+        overrides.chosen_names("delayed_scaling,fused_cast")
+    assert "\n" not in str(e.value)
+
+
+def test_a_version_outside_the_checked_ones_turns_an_override_off():
+    assert overrides.version_outside("2.13.0+cpu", (2, 11), (2, 14)) is None
+    assert overrides.version_outside("2.14.1+cu130", (2, 11), (2, 14)) is None
+    assert "outside the checked 2.11-2.14" in overrides.version_outside("2.15.0", (2, 11), (2, 14))
+    assert "not a version" in overrides.version_outside("nightly", (2, 11), (2, 14))
+
+
+def test_a_failed_probe_runs_stock_and_says_so_in_the_start_line(tmp_path, corpus, monkeypatch):
+    """Delayed scaling whose torchao functions moved: the run trains with dynamic scaling, and the start
+    line and the float8 line say so; nothing raises."""
+    from titanlike.overrides import float8
+
+    monkeypatch.setattr(float8, "probe_delayed_scaling", lambda: "torchao's amax_to_scale takes (x)")
+    monkeypatch.setattr(overrides, "_verdicts", {})
+    proc = train_here(tmp_path, "--training.steps", "2", "--training.local_batch_size", "2", "--data.seq_len", "32",
+                      "--fp8.recipe", "tensorwise", "--fp8.emulate", "--fp8.scaling", "delayed",
+                      "--fp8.auto_filter", "false", "--validation.enable", "false", corpus=corpus)
+    assert "off, stock behaviour: delayed_scaling (torchao's amax_to_scale takes (x))" in proc.stderr
+    assert "fp8.scaling = delayed runs as dynamic" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_budget_mode_with_its_override_off_is_one_line():
+    from titanlike import preflight
+
+    rc = preflight.main(["--activation_checkpoint.mode", "budget", "--compile.enable",
+                         "--parallel.overrides", "off"])
+    assert rc == 2

@@ -1,0 +1,173 @@
+"""Every reach of titanlike into torch's and torchao's internals, in one home.
+
+titanlike builds on the libraries' public APIs. Where a measured gain needs a private name, the
+code that uses it lives in this package and nowhere else, in two kinds:
+
+- Overrides (OVERRIDES below): titanlike replaces what torch or torchao would do, for a gain that
+  was measured. Each says what it replaces, the versions it was checked against and what it buys,
+  with its record; a probe checks at start that what it relies on is there (names, signatures, and
+  a torch within the checked versions, since a layout can change under an unchanged name). The
+  option `parallel.overrides` chooses: on (each override whose probe passes), off (stock torch and
+  torchao only), or a comma-separated list of the ones to keep. The start line says which are on,
+  and which fell back to stock behaviour and why: a failed probe is never a traceback, never a
+  silent wrong result.
+- Private names that a feature needs where the library offers no public one (the CUDA allocator's
+  history for profiling.memory_snapshot, the op names a selective-AC policy keys on, the parts of
+  torchao's float8 weight wrapper, DTensor's constructor for host copies): here too, each with a
+  probe and a test that fails when it moves. They are not switched: stock torch has nothing else.
+
+docs/overrides.md is the table (what, why, versions, measured gain). This module imports no torch:
+the preflight checks `parallel.overrides` with it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from titanlike.errors import UserError
+
+
+@dataclass(frozen=True)
+class Override:
+    name: str
+    """What `parallel.overrides` calls it."""
+    module: str
+    """The module of this package that holds it, with its probe `probe_<name>()`."""
+    replaces: str
+    """The stock behaviour it replaces, and the private names it relies on."""
+    checked: str
+    """The versions it was checked against."""
+    buys: str
+    """What it was measured to buy, with the record."""
+
+
+OVERRIDES = (
+    Override(
+        "reduce_scatter_frees_input", "fsdp",
+        "FSDP keeps each reduce-scatter's fp32 input until the next one; titanlike's custom reduce-scatter (public "
+        "set_custom_reduce_scatter) frees it once the collective is queued, relying on FSDP not reading it after "
+        "(its buffer's storage is resized to 0)",
+        "torch 2.11 (GPU runs), 2.13 and 2.14 (FSDP's source read: the input is only held, never read, after the "
+        "call)",
+        "part of 8b on two H200s 98.7 -> 97.7 GiB with two changes that need no override "
+        "(docs/benchmarks/2026-11-26-8b-under-the-peer.md); stock against on: docs/overrides.md"),
+    Override(
+        "gathers_on_compute_stream", "fsdp",
+        "FSDP gathers every module into memory of its all-gather stream's pool; the embedding and the output layer "
+        "gather on the compute stream instead (FSDPModule._set_unshard_async_op)",
+        "torch 2.11 (GPU runs), 2.13, 2.14",
+        "8b on two H200s: FSDP's side pool 2.0 -> 0.53 GiB, the peak 99.3 -> 98.7 GiB at the same speed "
+        "(docs/benchmarks/2026-11-26-8b-under-the-peer.md)"),
+    Override(
+        "cp_attention_kernels", "attention",
+        "context parallelism's causal attention through SDPA's public front door (a lower-right causal mask per "
+        "chunk over the gathered keys, which autograd keeps for backward); instead cuDNN's fused attention (GPU) or "
+        "torch's fused CPU attention per chunk part, merged by log-sum-exp, the gather overlapped with the rank's "
+        "own block and the keys and values of other ranks gathered again in backward, not kept "
+        "(aten._scaled_dot_product_cudnn_attention, _scaled_dot_product_flash_attention_for_cpu and their "
+        "backwards, torch.ops._c10d_functional, all by keyword)",
+        "torch 2.11 (GPU runs), 2.13, 2.14 (CPU runs)",
+        "1b, cp 2 at 16,384 tokens: 0.81x one GPU's speed on cuDNN's parts, 0.67x on SDPA's flash kernel "
+        "with a lower-right mask (docs/benchmarks/2026-11-26-cp-kernels-fit-to-target.md)"),
+    Override(
+        "delayed_scaling", "float8",
+        "fp8.scaling = delayed: torchao's tensorwise Float8Linear casting with scales from an amax history, built on "
+        "torchao functions it calls non-public (matmul_with_hp_or_float8_args, hp_tensor_and_scale_to_float8, "
+        "GemmInputRole, amax_to_scale); stock: dynamic scaling",
+        "torchao 0.17, 0.18",
+        "1b on one H100: 1.21-1.24x bf16 against dynamic scaling's 1.17x "
+        "(docs/benchmarks/2026-11-22-delayed-scaling.md)"),
+    Override(
+        "autograd_cache_off_for_8bit_adamw", "compile",
+        "torchao's compiled 8-bit AdamW update runs with torch._functorch.config.enable_autograd_cache off: "
+        "taken from that on-disk cache it crashed (SIGSEGV)",
+        "torch 2.13 (CPU, two FSDP ranks with float8 all-gather)",
+        "no crash: a correctness workaround, not a speed-up"),
+    Override(
+        "rowwise_inductor_options", "compile",
+        "compiling rowwise float8 layers with inductor's emulate_precision_casts (no NaNs from fused-away "
+        "roundings, pytorch#150859) and triton.prefer_nd_tiling (torch._inductor.config's names)",
+        "torch 2.11 (GPU runs), 2.13, 2.14",
+        "rowwise faster with 2-D tiles (docs/benchmarks/2026-11-22-rowwise-tiling-four-h200.md)"),
+    Override(
+        "activation_memory_budget", "compile",
+        "activation_checkpoint.mode = budget sets torch._functorch.config.activation_memory_budget, the share of "
+        "activations compile's partitioner keeps; stock torch has no other way to ask for it",
+        "torch 2.11, 2.13, 2.14",
+        "a memory lever of its own (docs/memory.md)"),
+)
+NAMES = tuple(o.name for o in OVERRIDES)
+BY_NAME = {o.name: o for o in OVERRIDES}
+
+_chosen: set[str] | None = None  # None: not configured yet, every override whose probe passes is on
+_verdicts: dict[str, str | None] = {}  # name -> None (the probe passed) or why it failed
+
+
+def chosen_names(spec: str) -> set[str]:
+    """The overrides `parallel.overrides = spec` asks for: on, off or names. Raises UserError naming
+    the valid ones."""
+    spec = spec.strip()
+    if spec == "on":
+        return set(NAMES)
+    if spec == "off":
+        return set()
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown or not names:
+        raise UserError(f"parallel.overrides = {spec!r}: give on, off or a comma-separated list of {', '.join(NAMES)}"
+                        + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+    return set(names)
+
+
+def probe(name: str) -> str | None:
+    """Why override `name` cannot run on this torch and torchao, or None: its probe, run once."""
+    if name not in _verdicts:
+        module = importlib.import_module(f"titanlike.overrides.{BY_NAME[name].module}")
+        try:
+            _verdicts[name] = getattr(module, f"probe_{name}")()
+        except Exception as e:  # a probe that breaks on a library it does not know: that is its answer
+            _verdicts[name] = f"its probe failed ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+    return _verdicts[name]
+
+
+def configure(spec: str) -> str:
+    """Choose the overrides of this process (`parallel.overrides`); returns the one start line that
+    says which are on and which are off, and why."""
+    global _chosen
+    _chosen = chosen_names(spec)
+    on, off = [], []
+    for name in NAMES:
+        if name not in _chosen:
+            off.append(f"{name} (parallel.overrides)")
+        elif (why := probe(name)) is not None:
+            off.append(f"{name} ({why})")
+        else:
+            on.append(name)
+    line = f"overrides of torch/torchao internals: on: {', '.join(on) or 'none'}"
+    return line + (f"; off, stock behaviour: {', '.join(off)}" if off else "")
+
+
+def reset() -> None:
+    """Back to not configured (every override whose probe passes is on): for a process that runs
+    another run after this one (tests)."""
+    global _chosen
+    _chosen = None
+
+
+def active(name: str) -> bool:
+    """Whether override `name` runs in this process: chosen (every one until configure() chose) and its
+    probe passed."""
+    assert name in BY_NAME, name
+    return (_chosen is None or name in _chosen) and probe(name) is None
+
+
+def version_outside(installed: str, first: tuple[int, int], last: tuple[int, int], what: str = "torch") -> str | None:
+    """Why `installed` (a version string) is outside the checked versions first..last (major, minor), or None."""
+    try:
+        major, minor = (int(part) for part in installed.split("+")[0].split(".")[:2])
+    except ValueError:
+        return f"{what} {installed} is not a version it knows"
+    if first <= (major, minor) <= last:
+        return None
+    return f"{what} {installed} is outside the checked {first[0]}.{first[1]}-{last[0]}.{last[1]}"
