@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU tier (`pytest -m gpu`) on a machine with two GPUs, in one go: the one-GPU tests in two shards,
-# one on each GPU, while the two-GPU tests run on both, in two shards of their own (every model here is
-# small: the four share the GPUs). Shards are balanced on measured test times (tests/conftest.py GPU_TEST_COST); tests that share
+# The GPU tier (`pytest -m gpu`) on a machine with two GPUs, in one go: four pytest processes at once,
+# two of them on one GPU each, two on both, which take the two-GPU tests (every model here is small: the
+# four share the GPUs). Shards are balanced on measured test times (tests/conftest.py GPU_TEST_COST); tests that share
 # a fixture stay in one shard. Caches start cold unless TORCHINDUCTOR_CACHE_DIR names a warm one.
 #
 #   scripts/gpu_tier.sh [OUT]      junit XML and log of each shard into OUT (default
@@ -20,11 +20,12 @@ shard() {  # name, then the environment of its pytest
     --junitxml="$out/$name.xml" > "$out/$name.log" 2>&1
 }
 
-names=(gpu0 gpu1 two0 two1)
-shard gpu0 CUDA_VISIBLE_DEVICES=0 TITANLIKE_GPU_SHARD=0/2 & pids=($!)
-shard gpu1 CUDA_VISIBLE_DEVICES=1 TITANLIKE_GPU_SHARD=1/2 & pids+=($!)
-shard two0 TITANLIKE_GPU_SHARD=two:0/2 & pids+=($!)
-shard two1 TITANLIKE_GPU_SHARD=two:1/2 & pids+=($!)
+# Shards 0 and 1 see one GPU each; 2 and 3 see both, and take the two-GPU tests (conftest.gpu_shard).
+names=(gpu0 gpu1 both2 both3)
+shard gpu0 CUDA_VISIBLE_DEVICES=0 TITANLIKE_GPU_SHARD=0/4/2 & pids=($!)
+shard gpu1 CUDA_VISIBLE_DEVICES=1 TITANLIKE_GPU_SHARD=1/4/2 & pids+=($!)
+shard both2 TITANLIKE_GPU_SHARD=2/4/2 & pids+=($!)
+shard both3 TITANLIKE_GPU_SHARD=3/4/2 & pids+=($!)
 
 status=0
 for i in "${!names[@]}"; do

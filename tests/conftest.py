@@ -89,32 +89,62 @@ def pytest_collection_modifyitems(config, items):
 
 
 GPU_SHARD_ENV = "TITANLIKE_GPU_SHARD"
-# Seconds a GPU test took (2x H100, its shard's first run, cold caches: docs/gpu-tests.md), by name; the
-# shards balance on these. A test missing here counts as DEFAULT_COST.
-GPU_TEST_COST: dict[str, float] = {}
-DEFAULT_COST = 30.0
+# Seconds each GPU test took on two H200s in its shard of a whole tier run (cold caches, four shards at
+# once: docs/gpu-tests.md); the shards balance on these. A test missing here counts as DEFAULT_COST.
+GPU_TEST_COST = {
+    "test_long_context_stage_switches_compiled_on_two_gpus": 128.8,
+    "test_two_gpus_context_parallel_matches_one_gpu[causal]": 83.3,
+    "test_two_gpus_all_gather_float8_and_match_one_gpu": 69.9,
+    "test_two_gpus_context_parallel_attention_matches_unsplit": 67.6,
+    "test_float8_loss_tracks_bf16_on_124m": 66.8,
+    "test_selective_op_names_compiled_trains_as_op[none]": 63.6,
+    "test_two_gpus_context_parallel_matches_one_gpu[block_causal]": 62.7,
+    "test_two_gpus_background_save_resumes_exactly_and_on_one_gpu": 59.6,
+    "test_float8_recipe_trains_compiled[measure]": 54.4,
+    "test_float8_recipe_trains_compiled[rowwise_with_gw_hp]": 47.3,
+    "test_two_gpus_cpu_offload_matches_without": 46.6,
+    "test_pinned_background_save_resumes_exactly": 39.0,
+    "test_one_gpu_cpu_offload_trains_as_without": 37.4,
+    "test_cpu_offload_checkpoint_resumes_the_other_way[offload-plain]": 35.0,
+    "test_memory_cap_fits_and_refuses_in_one_line": 28.9,
+    "test_ctrl_c_saves_and_resumes_on_the_gpu": 25.7,
+    "test_two_gpus_gradients_and_the_largest_gathers_live_in_the_compute_streams_memory": 20.4,
+    "test_plain_background_saves_on_the_gpu": 20.3,
+    "test_block_causal_flex_attention_matches_the_dense_mask[flex-compiled-alone]": 13.3,
+    "test_greedy_with_the_cuda_graph_equals_greedy_without": 8.7,
+    "test_export_of_a_gpu_step_gives_transformers_our_logits": 8.6,
+    "test_mixture_token_loss_is_the_compiled_loss_on_the_gpu[0-True]": 3.5,
+    "test_step_fence_holds_the_cpu_until_the_backward_is_done": 1.3,
+    "test_memory_snapshot_and_oom_snapshot_on_cuda": 0.6,
+    "test_real_cuda_oom_is_reported_with_its_peak": 0.1,
+}
+DEFAULT_COST = 45.0
 
 
 def gpu_shard(items: list, shard: str) -> list:
-    """The tests of one shard of the GPU tier: "k/n" = the k-th of n shards of the one-GPU tests,
-    "two:k/n" = of the tests that need two GPUs; balanced by GPU_TEST_COST, with the tests that share a
-    module fixture kept together (it would run once per shard)."""
-    two = shard.startswith("two:")
-    k, n = (int(x) for x in shard.removeprefix("two:").split("/"))
+    """The tests of shard k of the GPU tier's n (`shard` = "k/n/t"): shards t and up see two GPUs and
+    take the tests that need two; every shard takes one-GPU tests. Balanced by GPU_TEST_COST, the
+    largest first to the lightest shard; the tests that share a module fixture stay together (it would
+    run once per shard). Every shard computes the same assignment."""
+    k, n, first_two = (int(x) for x in shard.split("/"))
     groups: dict[str, list] = {}
     for item in items:
-        if bool(item.get_closest_marker("two_gpus")) != two:
-            continue
         shared = [f for f in getattr(item, "fixturenames", ()) if f in ("pinned_run",)]
         groups.setdefault(shared[0] if shared else item.nodeid, []).append(item)
 
     def cost(group: list) -> float:
         return sum(GPU_TEST_COST.get(i.name, DEFAULT_COST) for i in group)
 
+    def needs_two(group: list) -> bool:
+        return any(i.get_closest_marker("two_gpus") for i in group)
+
     loads = [0.0] * n
-    mine = []
-    for key in sorted(groups, key=lambda g: (-cost(groups[g]), g)):  # largest first, each to the lightest shard
-        lightest = loads.index(min(loads))
+    mine: list = []
+    # The two-GPU tests first, among the shards that have two GPUs; then the rest, among all.
+    order = sorted(groups, key=lambda g: (not needs_two(groups[g]), -cost(groups[g]), g))
+    for key in order:
+        allowed = range(first_two, n) if needs_two(groups[key]) else range(n)
+        lightest = min(allowed, key=lambda s: (loads[s], s))
         loads[lightest] += cost(groups[key])
         if lightest == k:
             mine += groups[key]

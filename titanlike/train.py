@@ -125,7 +125,8 @@ class Trainer:
                                             flops_per_token=self.flops_per_token,
                                             block_sample=model.sample_block)
         # Context parallelism: each attention layer gathers the keys and values of the group's ranks.
-        self.context = parallel.apply_context_parallel(model, cp_mesh.get_group()) if cp_mesh is not None else None
+        self.context = (parallel.apply_context_parallel(model, cp_mesh.get_group(), self.device.type)
+                        if cp_mesh is not None else None)
         ac = cfg.activation_checkpoint
         parallel.apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option, ac.memory_budget,
                                                  ac.selective_ac_blocks)

@@ -74,7 +74,7 @@ def main() -> None:
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    context = ContextParallel(dist.group.WORLD)
+    context = ContextParallel(dist.group.WORLD, device_type=device.type)
     results = {f"{mask}-{'compiled' if compiled else 'eager'}": case(context, device, mask, compiled)
                for mask in ("causal", "block_causal") for compiled in (False, True)}
     # Each rank's differences: the worst of the two.

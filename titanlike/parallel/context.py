@@ -10,19 +10,18 @@ Attention (all-gather, as Llama 3's paper describes): every other part of a bloc
 runs on the local tokens untouched. In each attention layer the rank all-gathers the keys and
 values of its group, one collective for both, reorders them to window order, and computes its own
 queries against the keys each may see; backward reduce-scatters (sums) the keys' and values'
-gradients back to the ranks that made them. Torch's functional collectives: they trace under
-torch.compile and run over gloo, so the CPU tests run the same code.
-- causal: per local chunk c covering window positions [s, s+L), attention of its queries against
-  keys [0, s+L): an unmasked prefix and a square causal block on the rank's own keys, merged by
-  log-sum-exp (parallel/chunk_attention.py). The gather starts before the square blocks and the
-  reduce-scatter before their backward (compiled, inductor still places both after them: measured in
-  that module's docstring). The kernel (`kernel_for`): cuDNN's fused attention on a GPU in bf16/fp16
-  (the one SDPA runs for a whole window on Hopper), torch's fused CPU attention on a CPU, attention
-  written out in torch on a GPU in fp32. Not FlashAttention's own bottom-right mask through SDPA's
-  flash op, which is one call a chunk but a slower kernel: a cp 2 rank of `1b` at 16,384 tokens ran at
-  0.67× one GPU's speed on it, 0.81× on cuDNN's (H200, docs/benchmarks). Not torch's CausalBias, which
-  selects that flash kernel: torch 2.11's dynamo fails on it as a compiled block's input. Not flex
-  attention either: on an H200 its causal kernel took 2.4 times cuDNN's time at 16,384 tokens.
+gradients back to the ranks that made them.
+- causal, with the override cp_attention_kernels (titanlike/overrides): per local chunk c covering
+  window positions [s, s+L), attention of its queries against keys [0, s+L): an unmasked prefix and a
+  square causal block on the rank's own keys, merged by log-sum-exp (parallel/chunk_attention.py), on
+  cuDNN's fused attention on a GPU in bf16/fp16 (the one SDPA runs for a whole window on Hopper),
+  torch's fused CPU attention on a CPU, attention written out in torch on a GPU in fp32 (`kernel_for`).
+  The gather starts before the square blocks; only the rank's own keys and values are kept for
+  backward, which gathers the rest again: what a rank keeps shrinks with cp. Not FlashAttention's own
+  bottom-right mask through SDPA's flash op, which is one call a chunk but a slower kernel: a cp 2 rank
+  of `1b` at 16,384 tokens ran at 0.67× one GPU's speed on it, 0.81× on cuDNN's (H200, docs/benchmarks).
+  Not flex attention either: on an H200 its causal kernel took 2.4 times cuDNN's time at 16,384 tokens.
+- causal on stock torch (the override off): the window as one document under block_causal's mask.
 - block_causal: the decoder's document mask over window positions (model/masks.py
   `document_mask_at`): query i is the local token's window position, keys are the gathered ones;
   document ids come from the whole window, which every rank of the group reads anyway. A flex
@@ -31,8 +30,9 @@ torch.compile and run over gloo, so the CPU tests run the same code.
   tests measured right against unsplit attention (H200, torch 2.11). Its wrong key and value gradients
   before were the BlockMask's transposed index lists (model/masks.py `_block_lists`, docs/benchmarks);
   the tuned options and grouped kv heads left to flex were not measured again after that fix. Its
-  keys and values come from `gather` (autograd's all-gather, whose backward is the reduce-scatter),
-  with nothing beside them.
+  keys and values come from `gather`, DTensor's public redistribute (the backward is the
+  reduce-scatter); autograd keeps them for backward, unless activation checkpointing recomputes the
+  block (the selective policy never keeps them: its backward gathers again).
 
 Why not torch's own `context_parallel`: it lives in a private, experimental module whose API changed
 across the torch versions this runs on (2.11 to 2.14), it has no CPU SDPA path (so no gloo tests),
@@ -52,13 +52,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.nn.attention.bias import causal_lower_right
 
 from titanlike import overrides
 from titanlike.model.decoder import Transformer
+from titanlike.model.masks import BLOCK_SIZE as FLEX_BLOCK
 from titanlike.model.masks import document_ids, document_mask_at, masked_attention
 from titanlike.overrides import attention as private
 from titanlike.parallel.chunk_attention import CausalChunks, CpuKernel, CudnnKernel, TorchKernel
@@ -143,12 +142,13 @@ class ContextParallel:
     """One rank's part in its context group: the sharding of each micro-batch and the attention that
     gathers the group's keys and values."""
 
-    def __init__(self, group, flex: bool | None = None):
+    def __init__(self, group, flex: bool | None = None, device_type: str = "cpu"):
         self.group = group
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.flex = flex  # document masks for flex attention; None = on CUDA
         self._positions: dict[tuple, torch.Tensor] = {}
-        self._meshes: dict[str, DeviceMesh] = {}
+        # The group as a DeviceMesh, for DTensor's gather: made here, never inside a compiled block.
+        self.mesh = DeviceMesh.from_group(group, device_type)
         # Causal attention on fused kernels with the gather overlapped and not kept for backward (an
         # override of torch's internals), or stock: SDPA's public front door over the gathered keys.
         self.kernels = overrides.active("cp_attention_kernels")
@@ -165,11 +165,15 @@ class ContextParallel:
         """This rank's (inputs, targets, SequenceShard) of a micro-batch's whole windows."""
         seq = inputs.shape[1]
         positions = self.positions(seq, inputs.device)
-        if document_end is None:
+        if document_end is None and self.kernels:
             mask: object = CAUSAL
         else:
+            # Document masks; or causal attention on stock torch: the mask of a window that is one document.
+            docs = (document_ids(inputs, document_end) if document_end is not None else
+                    torch.zeros(inputs.shape, dtype=torch.int32, device=inputs.device))
             flex = self.flex if self.flex is not None else inputs.is_cuda
-            mask = document_mask_at(document_ids(inputs, document_end), positions, flex)
+            flex = flex and seq % (2 * self.cp * FLEX_BLOCK) == 0  # else flex cannot split it: a dense mask
+            mask = document_mask_at(docs, positions, flex)
         local = (shard_sequence(inputs, self.rank, self.cp), shard_sequence(targets, self.rank, self.cp))
         return *local, SequenceShard(positions, mask)
 
@@ -179,12 +183,8 @@ class ContextParallel:
         hold them. DTensor's public redistribute: the ranks' parts stacked (Shard) become every rank's
         (Replicate), an all-gather; the gradient of a replicated value differs by rank (Partial), and
         back to Shard it is a reduce-scatter."""
-        device = k.device.type
-        if device not in self._meshes:
-            self._meshes[device] = DeviceMesh.from_group(self.group, device)
-        mesh = self._meshes[device]
-        kv = DTensor.from_local(torch.stack([k, v]).contiguous(), mesh, [Shard(0)], run_check=False)
-        whole = window_order(kv.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()]), self.cp)
+        kv = DTensor.from_local(torch.stack([k, v]).contiguous(), self.mesh, [Shard(0)], run_check=False)
+        whole = window_order(kv.redistribute(self.mesh, [Replicate()]).to_local(grad_placements=[Partial()]), self.cp)
         return whole[0], whole[1]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gqa: bool) -> torch.Tensor:
@@ -193,10 +193,8 @@ class ContextParallel:
         if mask is None:
             raise RuntimeError("context-parallel attention needs the micro-batch's mask: call the model with "
                                "the SequenceShard that ContextParallel.shard made")
-        if isinstance(mask, str):  # CAUSAL
-            if self.kernels:
-                return CausalChunks.apply(q, k, v, chunks_of(self.rank, self.cp), kernel_for(q), self.exchange)
-            return self.causal_stock(q, *self.gather(k, v), gqa)
+        if isinstance(mask, str):  # CAUSAL, on the fused kernels
+            return CausalChunks.apply(q, k, v, chunks_of(self.rank, self.cp), kernel_for(q), self.exchange)
         k, v = self.gather(k, v)
         if not isinstance(mask, torch.Tensor):  # a flex BlockMask: kv heads repeated, all contiguous
             if gqa:
@@ -206,20 +204,6 @@ class ContextParallel:
         return masked_attention(q, k, v, mask, gqa, tuned=False)
 
 
-    def causal_stock(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
-        """Causal attention of this rank's chunks of queries over the gathered window through SDPA's public
-        front door: each chunk against the keys up to its end, under a causal mask aligned to the bottom
-        right (torch's causal_lower_right). Autograd keeps the gathered keys for backward."""
-        length = q.shape[2] // 2
-        outs = []
-        for i, chunk in enumerate(chunks_of(self.rank, self.cp)):
-            end = (chunk + 1) * length
-            outs.append(F.scaled_dot_product_attention(q[:, :, i * length:(i + 1) * length], k[:, :, :end],
-                                                       v[:, :, :end], attn_mask=causal_lower_right(length, end),
-                                                       enable_gqa=gqa))
-        return torch.cat(outs, dim=2)
-
-
 def kernel_for(q: torch.Tensor):
     """The kernel of causal attention's parts (parallel/chunk_attention.py) for queries like `q`."""
     if q.device.type == "cpu":
@@ -227,10 +211,10 @@ def kernel_for(q: torch.Tensor):
     return CudnnKernel if q.dtype in (torch.bfloat16, torch.float16) else TorchKernel
 
 
-def apply_context_parallel(model: Transformer, group) -> ContextParallel:
-    """Make every attention layer of `model` gather its keys and values over `group`; the model then
-    takes local tokens and a SequenceShard (ContextParallel.shard) per micro-batch."""
-    context = ContextParallel(group, flex=model.flex_attention)
+def apply_context_parallel(model: Transformer, group, device_type: str = "cpu") -> ContextParallel:
+    """Make every attention layer of `model` gather its keys and values over `group` (of `device_type`
+    devices); the model then takes local tokens and a SequenceShard (ContextParallel.shard) per micro-batch."""
+    context = ContextParallel(group, flex=model.flex_attention, device_type=device_type)
     for block in model.blocks():
         block.attention.attend = context.attend
     return context
