@@ -108,7 +108,7 @@ GPU_TEST_COST = {
     "test_cpu_offload_checkpoint_resumes_the_other_way[offload-plain]": 35.0,
     "test_memory_cap_fits_and_refuses_in_one_line": 28.9,
     "test_ctrl_c_saves_and_resumes_on_the_gpu": 25.7,
-    "test_two_gpus_gradients_and_the_largest_gathers_live_in_the_compute_streams_memory": 20.4,
+    "test_two_gpus_gradients_live_in_the_compute_streams_memory": 20.4,
     "test_plain_background_saves_on_the_gpu": 20.3,
     "test_block_causal_flex_attention_matches_the_dense_mask[flex-compiled-alone]": 13.3,
     "test_greedy_with_the_cuda_graph_equals_greedy_without": 8.7,

@@ -241,21 +241,16 @@ def test_two_gpus_all_gather_float8_and_match_one_gpu(tmp_path, corpus):
 
 @pytest.mark.two_gpus
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: FSDP's collectives over NCCL")
-def test_two_gpus_gradients_and_the_largest_gathers_live_in_the_compute_streams_memory(tmp_path):
+def test_two_gpus_gradients_live_in_the_compute_streams_memory(tmp_path):
     """The caching allocator keeps each CUDA stream's memory apart, and FSDP allocates from side streams'
-    pools, which the memory freed on the compute stream cannot refill.
-    - Gradients: torch's come from the reduce-scatter stream's pool (8b on two GPUs: 15 GiB more at the
-      peak). titanlike's come from the compute stream's pool, and equal torch's, with gradient
-      accumulation too.
-    - Gathered weights: torch's side pool stays big enough for the largest (the embedding or the output
-      layer: 2 GiB reserved on 8b over two GPUs, half of it idle at the peak). titanlike gathers those two
-      on the compute stream: the side pool holds less than one of them, where torch's holds at least one."""
+    pools, which the memory freed on the compute stream cannot refill. Torch's gradients come from the
+    reduce-scatter stream's pool (8b on two GPUs: 15 GiB more at the peak); titanlike's, through FSDP's
+    public custom reduce-scatter, from the compute stream's pool, and equal torch's, with gradient
+    accumulation too."""
     found = run_probe("grad_pool_probe.py", tmp_path / "probe.json", device="cuda")
     assert found["ours"] == [found["default_stream"]], found
     assert found["torch"] and found["default_stream"] not in found["torch"], found  # the check can tell them apart
     assert found["largest_difference"] <= 1e-6, found  # the same reductions, in other memory
-    assert found["torch_gather_pool_bytes"] >= found["embedding_gathered_bytes"], found  # the check can tell
-    assert found["ours_gather_pool_bytes"] < found["embedding_gathered_bytes"], found
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["flex-compiled-alone", "blocks-compiled"])
@@ -507,8 +502,14 @@ def test_mixture_token_loss_is_the_compiled_loss_on_the_gpu(chunk_tokens, compil
         loss.backward()
         return out, {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    want, want_grads = run(build_loss(chunk_tokens, True, compile_head))
-    (loss, per_token), grads = run(build_token_loss(chunk_tokens, True, compile_head))
+    # Two graphs compiled apart agree bit for bit only where inductor chooses their kernels without timing
+    # them: a timed choice (a reduction's block size) follows the GPU's load, and the tier runs its shards
+    # side by side on the same GPUs (torch 2.11 and later have this mode).
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(deterministic=True):
+        want, want_grads = run(build_loss(chunk_tokens, True, compile_head))
+        (loss, per_token), grads = run(build_token_loss(chunk_tokens, True, compile_head))
     assert torch.equal(loss.detach(), want.detach())
     assert all(torch.equal(grads[n], want_grads[n]) for n in grads)
     torch.testing.assert_close(per_token.mean(), want.detach().float(), rtol=1e-5, atol=1e-5)

@@ -1,13 +1,10 @@
-"""Worker for tests/test_gpu.py: where do FSDP's sharded gradients live on a GPU, and how much does its
-all-gather side stream keep?
+"""Worker for tests/test_gpu.py: where do FSDP's sharded gradients live on a GPU?
 
 Run as `torchrun --nproc_per_node=2 tests/probes/grad_pool_probe.py OUT.json cuda`. Builds the same
 small Llama twice over both GPUs, through titanlike's parallel.apply_fsdp and through a plain
 fully_shard, and runs one step of two accumulated micro-batches on each. Rank 0 writes, for each, the
 CUDA streams whose memory segments hold the gradients (the caching allocator keeps each stream's
-memory apart), the largest difference between the two models' gradients, and what FSDP's all-gather
-copy-in stream (where torch allocates every gathered buffer) reserves against the embedding's gathered
-size (the vocabulary is large so that the embedding and the output layer dwarf a block).
+memory apart) and the largest difference between the two models' gradients.
 """
 
 from __future__ import annotations
@@ -63,12 +60,6 @@ def streams_holding(grads: list[torch.Tensor]) -> list[int]:
     return sorted(found)
 
 
-def gather_pool_bytes(model: Transformer) -> int:
-    """What the caching allocator reserves for the stream on which FSDP allocates this model's gathers."""
-    stream = model._get_fsdp_state()._comm_ctx.all_gather_copy_in_stream.cuda_stream  # private: a probe
-    return sum(seg["total_size"] for seg in torch.cuda.memory._snapshot()["segments"] if seg["stream"] == stream)
-
-
 def main(out: str) -> None:
     dist.init_process_group("nccl")
     torch.cuda.set_device(dist.get_rank())
@@ -80,9 +71,6 @@ def main(out: str) -> None:
         "ours": streams_holding(ours_grads),
         "torch": streams_holding(theirs_grads),
         "largest_difference": max(float((a - b).abs().max()) for a, b in zip(ours_grads, theirs_grads)),
-        "embedding_gathered_bytes": 4 * ARGS.vocab_size * ARGS.dim,  # fp32: no mixed precision here
-        "ours_gather_pool_bytes": gather_pool_bytes(ours),
-        "torch_gather_pool_bytes": gather_pool_bytes(theirs),
     }
     if dist.get_rank() == 0:
         with open(out, "w") as f:

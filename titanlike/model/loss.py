@@ -216,7 +216,16 @@ def build_loss(chunk_tokens: int, compile: bool, compile_head: bool = False) -> 
 
     # Chunks all have chunk_tokens rows but the last: two compiled graphs at most, each.
     ce_sum = torch.compile(cross_entropy_sum) if compile else cross_entropy_sum
-    ce_grad = torch.compile(cross_entropy_sum_and_grad) if compile else cross_entropy_sum_and_grad
+    ce_grad: Callable = cross_entropy_sum_and_grad
+    if compile:
+        # Compiled, the graph that also gives each token's loss (a mixture's, build_token_loss): the same
+        # graph gives the same sum to the last bit, where a graph of its own fused the sum another way
+        # on a GPU. The per-token losses it writes besides are 4 bytes a token.
+        with_tokens = torch.compile(cross_entropy_sum_grad_and_tokens)
+
+        def ce_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            loss, grad, _ = with_tokens(logits, targets)
+            return loss, grad
 
     def chunked_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, context=None) -> torch.Tensor:
         def head(norm: nn.Module, output: nn.Module, h: torch.Tensor) -> torch.Tensor:

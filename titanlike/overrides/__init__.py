@@ -44,22 +44,6 @@ class Override:
 
 OVERRIDES = (
     Override(
-        "reduce_scatter_frees_input", "fsdp",
-        "FSDP keeps each reduce-scatter's fp32 input until the next one; titanlike's custom reduce-scatter (public "
-        "set_custom_reduce_scatter) frees it once the collective is queued, relying on FSDP not reading it after "
-        "(its buffer's storage is resized to 0)",
-        "torch 2.11 (GPU runs), 2.13 and 2.14 (FSDP's source read: the input is only held, never read, after the "
-        "call)",
-        "part of 8b on two H200s 98.7 -> 97.7 GiB with two changes that need no override "
-        "(docs/benchmarks/2026-11-26-8b-under-the-peer.md); stock against on: docs/overrides.md"),
-    Override(
-        "gathers_on_compute_stream", "fsdp",
-        "FSDP gathers every module into memory of its all-gather stream's pool; the embedding and the output layer "
-        "gather on the compute stream instead (FSDPModule._set_unshard_async_op)",
-        "torch 2.11 (GPU runs), 2.13, 2.14",
-        "8b on two H200s: FSDP's side pool 2.0 -> 0.53 GiB, the peak 99.3 -> 98.7 GiB at the same speed "
-        "(docs/benchmarks/2026-11-26-8b-under-the-peer.md)"),
-    Override(
         "cp_attention_kernels", "attention",
         "context parallelism's causal attention as the window under one document's mask (flex attention on a GPU, "
         "SDPA on a CPU, over keys gathered by DTensor, which autograd keeps for backward); instead cuDNN's fused "

@@ -12,11 +12,9 @@ import logging
 import torch
 import torch.distributed as dist
 
-from titanlike import overrides
 from titanlike.config.speed import resolve_reshard
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import count_params
-from titanlike.overrides.fsdp import free_reduce_scatter_input, gather_on_compute_stream
 from titanlike.parallel.device import device_memory_bytes
 
 __all__ = ["apply_fsdp", "resolve_reshard", "shard_model"]
@@ -34,14 +32,7 @@ class GradientsInComputePool:
     compute stream's pool they reuse that memory. Two rules keep it safe: the reduce-scatter stream
     waits for the compute stream's work queued so far (the block may have been freed by a kernel
     still queued there), and the block records the reduce-scatter stream (not reused before the
-    reduce-scatter's own work on it is done).
-
-    With the override reduce_scatter_frees_input (titanlike/overrides/fsdp.py), the reduce-scatter's
-    input (one module's unsharded fp32 gradients) goes back as soon as the collective is queued, where
-    FSDP would keep it until the next module's reduce-scatter."""
-
-    def __init__(self):
-        self.free_input = overrides.active("reduce_scatter_frees_input")
+    reduce-scatter's own work on it is done)."""
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         current, compute = torch.cuda.current_stream(device), torch.cuda.default_stream(device)
@@ -54,10 +45,7 @@ class GradientsInComputePool:
         return out
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
-        work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-        if not async_op and self.free_input:
-            free_reduce_scatter_input(input_tensor)
-        return work
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 def apply_fsdp(model: Transformer, mesh, param_dtype: torch.dtype | None, reshard: str,
@@ -103,10 +91,6 @@ def apply_fsdp(model: Transformer, mesh, param_dtype: torch.dtype | None, reshar
             unshard_in_backward(model.output, False)
     shard(model, reshard_after_forward=reshard == "always")
     prefetch_forward(model)
-    if (mesh.device_type == "cuda" and offload_policy is None and not model.args.tie_embeddings
-            and overrides.active("gathers_on_compute_stream")):
-        for module in (model.tok_embeddings, model.output):
-            gather_on_compute_stream(module)
     if gradients_in_compute_pool:
         comm = GradientsInComputePool()
         for module in modules:
