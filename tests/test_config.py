@@ -246,7 +246,7 @@ INVALID = [
     (["--data.path", "/tmp", "--data.anneal_mix", "b=/nonexistent/b:1", "--data.anneal_from_step", "5"],
      "data source b = '/nonexistent/b': no such folder"),
     (["--data.path", "/tmp", "--data.anneal_mix", "b=/tmp:1", "--data.anneal_from_step", "500"],
-     "data.anneal_from_step: a mixture from step 500 must start in [2, training.steps = 100]"),
+     "data.anneal_from_step: a mixture from step 500 must start in [2, training.steps = 150]"),
     (["--data.path", "/tmp", "--data.phase", "1:b=/tmp:1"], "data.phase: a mixture from step 1 must start in [2, "),
     (["--training.local_batch_size", "0"], "training.local_batch_size = 0 must be >= 1"),
     (["--training.global_batch_size", "-4"], "training.global_batch_size = -4 must be >= 0"),
@@ -344,7 +344,7 @@ INVALID = [
     (["--profiling.enable", "--profiling.folder", __file__],
      f"profiling.folder = {__file__!r} is a file: the traces go into a folder"),
     (["--checkpoint.folder", ""], 'checkpoint.folder must not be empty (default "checkpoint", inside job.dump_folder)'),
-    (["--checkpoint.folder", "."], "checkpoint.folder = '.' is job.dump_folder itself (./outputs): name a folder "
+    (["--checkpoint.folder", "."], "checkpoint.folder = '.' is job.dump_folder itself (./outputs/debug): name a folder "
                                    "inside it (default \"checkpoint\") or elsewhere"),
     (["--job.dump_folder", "/tmp/x", "--checkpoint.folder", "/tmp/x/"], "checkpoint.folder = '/tmp/x/' is "
                                                                         "job.dump_folder itself"),
@@ -577,6 +577,13 @@ def test_help_lists_every_key(capsys):
             assert f"--{name}.{f.name} " in out
 
 
+def test_titanlike_train_with_no_config_trains_the_launchers_default_job():
+    """`titanlike-train` with no config file and `./run_train.sh` with no arguments (debug_model.toml) are one
+    job: the schema's defaults are that file's values."""
+    bare, debug = load_config([]), load_config(["--job.config_file", DEBUG_TOML])
+    assert dataclasses.replace(debug, job=dataclasses.replace(debug.job, config_file="")) == bare
+
+
 def test_help_shows_the_values_a_run_uses(capsys):
     """`./run_train.sh --help` passes the launcher's config file (debug_model.toml): each option shows the
     value a run with those arguments would use, in TOML, beside the schema's default."""
@@ -584,13 +591,13 @@ def test_help_shows_the_values_a_run_uses(capsys):
 
     assert preflight.main(["--job.config_file", DEBUG_TOML, "--training.steps", "7", "--help"]) == 3
     out = capsys.readouterr().out
-    assert '--job.dump_folder = "./outputs/debug"  (a string; default "./outputs")' in out
+    assert '--job.dump_folder = "./outputs/debug"  (a string; default "./outputs/debug")' in out
     assert "--training.steps = 7  (an integer; default" in out  # the command line over the file
     assert "--data.seq_len = 256  (an integer; default" in out
     assert "--model.tie_embeddings = unset" in out
     assert preflight.main(["--training.stepz", "7", "--help"]) == 3  # a typo: the defaults, and why
     out = capsys.readouterr().out
-    assert "--training.steps = 100  (an integer; default 100)" in out and "unknown config key training.stepz" in out
+    assert "--training.steps = 150  (an integer; default 150)" in out and "unknown config key training.stepz" in out
 
 
 # ---- the launcher ---------------------------------------------------------------------------------

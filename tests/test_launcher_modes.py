@@ -33,7 +33,7 @@ def test_torchrun_with_no_arguments_trains_what_the_launcher_trains():
     launcher = printed_config(bash_mode("--job.print_config"))
     torchrun = printed_config(python_mode("--job.print_config"))
     assert torchrun == launcher
-    # The debug config, not the dataclass defaults (batch 8, lr 8e-4, ./outputs).
+    # The debug config (the dataclass defaults are the same job: test_config.py).
     assert launcher["job"]["config_file"].endswith("train_configs/debug_model.toml")
     assert launcher["training"]["local_batch_size"] == 16 and launcher["job"]["dump_folder"] == "./outputs/debug"
 

@@ -139,3 +139,25 @@ def test_non_finite_loss_stops_the_run(tmp_path):
     records = metrics(tmp_path)
     assert [r["step"] for r in records] == [1] and math.isfinite(records[0]["loss"])
     assert "done:" not in proc.stderr + proc.stdout
+
+
+def test_the_run_folder_holds_the_runs_log(run, tmp_path, corpus):
+    """train.log: what the run said on rank 0, from its first line (held until the folder's records were
+    settled) to its last; a resume appends to it; a fresh run moves it away with the earlier run's records."""
+    from conftest import train_here
+
+    dump, proc = run
+    log = (dump / "train.log").read_text()
+    assert "run folder" in log.splitlines()[0] and "overrides of torch/torchao internals" in log
+    assert log.rstrip().splitlines()[-1].split(" ", 2)[2].startswith("done: ")
+    quick = ("--training.steps", "2", "--training.local_batch_size", "2", "--data.seq_len", "32",
+             "--validation.enable", "false", "--checkpoint.enable")
+    train_here(tmp_path, *quick, corpus=corpus)
+    first = (tmp_path / "train.log").read_text()
+    train_here(tmp_path, *quick[:-1], "--training.steps", "3", "--checkpoint.enable", corpus=corpus)  # resumes
+    resumed = (tmp_path / "train.log").read_text()
+    assert resumed.startswith(first) and "resumed from" in resumed[len(first):]
+    train_here(tmp_path, *quick[:-1], "--training.steps", "2", corpus=corpus)  # afresh: no checkpoint read
+    (earlier,) = (tmp_path / "earlier-runs").iterdir()
+    assert (earlier / "train.log").read_text() == resumed
+    assert "resumed from" not in (tmp_path / "train.log").read_text()

@@ -37,8 +37,9 @@ def available_cores() -> int:
 @dataclass
 class Job:
     config_file: str = ""
-    """TOML file to read before the command-line overrides ("" = defaults only)."""
-    dump_folder: str = "./outputs"
+    """TOML file to read before the command-line overrides ("" = the defaults: the default job,
+    train_configs/debug_model.toml's, which ./run_train.sh trains with no arguments)."""
+    dump_folder: str = "./outputs/debug"
     """Run folder: resolved config, metrics.jsonl, TensorBoard events, checkpoints."""
     seed: int = 0
     """Seed for weight init, data order and dropout-free RNG state; same seed, same run."""
@@ -179,12 +180,12 @@ class Data:
 
 @dataclass
 class Training:
-    local_batch_size: int = 8
+    local_batch_size: int = 16
     """Samples per micro-batch on each rank."""
     global_batch_size: int = 0
     """Samples per optimizer step over all ranks; 0 = local × data-parallel degree. A multiple of
     that product; the ratio is the number of gradient-accumulation micro-batches."""
-    steps: int = 100
+    steps: int = 150
     """Optimizer steps to train in total (a resumed run continues up to this step)."""
     max_norm: float = 1.0
     """Clip the global gradient norm to this value (0 = no clipping)."""
@@ -236,7 +237,7 @@ class Training:
 
 @dataclass
 class Optimizer:
-    lr: float = 8e-4
+    lr: float = 3e-3
     """Peak learning rate of AdamW."""
     weight_decay: float = 0.1
     """Decoupled weight decay of AdamW, applied to weight matrices and embeddings, not to norm gains."""
@@ -267,7 +268,7 @@ class Optimizer:
 class LRScheduler:
     warmup_steps: int = 10
     """Steps of linear warmup from near zero to the peak LR."""
-    decay_ratio: float = 0.2
+    decay_ratio: float = 0.3
     """Fraction of all steps spent decaying at the end (warmup-stable-decay); 1.0 = decay right after warmup."""
     decay_type: Literal["linear", "cosine"] = "linear"
     """Shape of the decay phase."""
@@ -286,7 +287,7 @@ class Checkpoint:
     """Save distributed checkpoints and resume from the newest complete one."""
     folder: str = "checkpoint"
     """Checkpoint folder, relative to job.dump_folder unless absolute."""
-    interval: int = 500
+    interval: int = 50
     """Save every this many steps (and always at the last step)."""
     keep_latest_k: int = 0
     """Keep only the newest k complete checkpoints (0 = keep all)."""

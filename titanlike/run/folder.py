@@ -13,6 +13,8 @@ and its records (metrics.jsonl, TensorBoard, config.toml) read as one run's hist
 - The folder records which run its records are (`run-id`): drawn when a run starts afresh, kept by
   its resumes. Every checkpoint records it too, so a resume can tell a step of this run from one
   copied in from another run (checkpoint/manager.py decides what then happens).
+- `train.log` holds what the run's log says on rank 0 (a resume appends to it): the lines from the
+  start of the run are held until the records are settled, then written.
 
 Nothing here imports torch: the preflight uses `check_not_in_use`.
 """
@@ -24,6 +26,7 @@ import json
 import logging
 import os
 import time
+from logging.handlers import MemoryHandler
 
 from titanlike import fs
 from titanlike.errors import UserError
@@ -34,7 +37,32 @@ RUN_ID = "run-id"
 # A run's records, which a fresh run moves to earlier-runs/ together: its tokenizer goes with them, so that
 # the earlier run's checkpoints are never exported with the next run's.
 RECORDS = ("metrics.jsonl", "metrics.dropped.jsonl", "tb", "wandb", "config.toml", RUN_ID, "tokenizer.json",
-           "tokenizer_info.json")
+           "tokenizer_info.json", "train.log")
+LOG_FORMAT, LOG_DATES = "%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"
+
+
+class LogFile(logging.Handler):
+    """The run's log lines, appended to train.log (never through a link). A write that fails (a full
+    disk) ends the file, not the run: metrics.jsonl says the same in its own line."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATES))
+        self.file: fs.AppendFile | None = fs.AppendFile(path)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.file is None:
+            return
+        try:
+            self.file.write_line(self.format(record))
+        except UserError:
+            self.close()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        super().close()
 
 
 class RunFolderError(UserError):
@@ -61,6 +89,9 @@ class RunFolder:
                                      f"set --job.dump_folder to a writable path") from None
             self.lock.acquire()
             atexit.register(self.close)  # also when the run stops before the trainer exists
+            # The log from here on, held until start_records settles whose records the folder holds.
+            self.log: logging.Handler = MemoryHandler(capacity=1_000_000, flushLevel=logging.CRITICAL + 1)
+            logger.addHandler(self.log)
             if self.lock.previous:
                 logger.info(f"took over {path} from a run that ended without releasing it ({self.lock.previous})")
         self.run_id = self._recorded_run() if is_main else None
@@ -91,7 +122,19 @@ class RunFolder:
         purge_step = self._start_records(resumed_step, branched)
         fs.write_text(os.path.join(self.path, RUN_ID), run_id + "\n")
         self.run_id = run_id
+        self._open_log()
         return purge_step
+
+    def _open_log(self) -> None:
+        """The held log lines into train.log, and every line after them."""
+        held = self.log
+        self.log = LogFile(os.path.join(self.path, "train.log"))
+        logger.addHandler(self.log)
+        logger.removeHandler(held)
+        if isinstance(held, MemoryHandler):
+            held.setTarget(self.log)
+            held.flush()
+        held.close()
 
     def _start_records(self, resumed_step: int | None, branched: bool) -> int | None:
         if resumed_step is None or branched:
@@ -145,4 +188,7 @@ class RunFolder:
                     f"metrics.dropped.jsonl; TensorBoard drops those steps too")
 
     def close(self) -> None:
+        if hasattr(self, "log"):
+            logger.removeHandler(self.log)
+            self.log.close()
         self.lock.release()
