@@ -44,6 +44,14 @@ class Override:
 
 OVERRIDES = (
     Override(
+        "gradients_in_compute_pool", "fsdp",
+        "FSDP allocates the sharded gradients from its reduce-scatter stream's memory pool, which the memory "
+        "backward frees on the compute stream cannot refill; through FSDP's experimental set_custom_reduce_scatter "
+        "(a collective whose allocate FSDP calls for its buffers) they come from the compute stream's pool",
+        "torch 2.11 (GPU runs), 2.13, 2.14 (FSDP's source read)",
+        "8b on two H200s: 118.0 -> 103.5 GiB at the same speed; 1b: -2.9 GiB "
+        "(docs/benchmarks/2026-11-26-8b-memory-breakdown.md)"),
+    Override(
         "cp_attention_kernels", "attention",
         "context parallelism's causal attention as the window under one document's mask (flex attention on a GPU, "
         "SDPA on a CPU, over keys gathered by DTensor, which autograd keeps for backward); instead cuDNN's fused "

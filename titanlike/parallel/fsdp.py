@@ -10,42 +10,17 @@ import contextlib
 import logging
 
 import torch
-import torch.distributed as dist
 
+from titanlike import overrides
 from titanlike.config.speed import resolve_reshard
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import count_params
+from titanlike.overrides.fsdp import gradients_in_compute_pool
 from titanlike.parallel.device import device_memory_bytes
 
 __all__ = ["apply_fsdp", "resolve_reshard", "shard_model"]
 
 logger = logging.getLogger("titanlike")
-
-
-class GradientsInComputePool:
-    """FSDP2's reduce-scatter, with its output (which becomes the sharded gradients) allocated from the
-    compute stream's memory instead of the reduce-scatter stream's.
-
-    The caching allocator keeps the memory of each stream apart. FSDP reduce-scatters on a stream of
-    its own, so the gradients (an fp32 shard of every weight: 15 GiB a GPU for 8b on two GPUs) come
-    from a pool that the activations backward frees can never refill: the peak held both. From the
-    compute stream's pool they reuse that memory. Two rules keep it safe: the reduce-scatter stream
-    waits for the compute stream's work queued so far (the block may have been freed by a kernel
-    still queued there), and the block records the reduce-scatter stream (not reused before the
-    reduce-scatter's own work on it is done)."""
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        current, compute = torch.cuda.current_stream(device), torch.cuda.default_stream(device)
-        if current == compute:  # FSDP's input buffer, filled on the compute stream
-            return torch.empty(*size, dtype=dtype, device=device)
-        with torch.cuda.stream(compute):
-            out = torch.empty(*size, dtype=dtype, device=device)
-        current.wait_stream(compute)
-        out.record_stream(current)
-        return out
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 def apply_fsdp(model: Transformer, mesh, param_dtype: torch.dtype | None, reshard: str,
@@ -58,10 +33,11 @@ def apply_fsdp(model: Transformer, mesh, param_dtype: torch.dtype | None, reshar
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     offload = {} if offload_policy is None else {"offload_policy": offload_policy}
     blocks_reshard = reshard != "never"
-    # Plain FSDP on GPUs: gradients from the compute stream's pool. HSDP keeps torch's own buffers (its
-    # all-reduce runs on yet another stream), and so does a torch without custom reduce-scatters.
-    # Offloaded, the gradients leave the GPU as soon as they are reduced: no pool to share.
-    gradients_in_compute_pool = mesh.device_type == "cuda" and mesh.ndim == 1 and offload_policy is None
+    # Plain FSDP on GPUs: gradients from the compute stream's pool (an override, titanlike/overrides/fsdp.py).
+    # HSDP keeps torch's own buffers (its all-reduce runs on yet another stream). Offloaded, the gradients
+    # leave the GPU as soon as they are reduced: no pool to share.
+    compute_pool = (mesh.device_type == "cuda" and mesh.ndim == 1 and offload_policy is None
+                    and overrides.active("gradients_in_compute_pool"))
     modules = []
 
     def shard(module, reshard_after_forward: bool) -> None:
@@ -91,11 +67,8 @@ def apply_fsdp(model: Transformer, mesh, param_dtype: torch.dtype | None, reshar
             unshard_in_backward(model.output, False)
     shard(model, reshard_after_forward=reshard == "always")
     prefetch_forward(model)
-    if gradients_in_compute_pool:
-        comm = GradientsInComputePool()
-        for module in modules:
-            if hasattr(module, "set_custom_reduce_scatter"):
-                module.set_custom_reduce_scatter(comm)
+    if compute_pool:
+        gradients_in_compute_pool(modules)
 
 
 def prefetch_forward(model: Transformer) -> None:
