@@ -245,8 +245,8 @@ def test_two_gpus_gradients_live_in_the_compute_streams_memory(tmp_path):
     """The caching allocator keeps each CUDA stream's memory apart, and FSDP allocates from side streams'
     pools, which the memory freed on the compute stream cannot refill. Torch's gradients come from the
     reduce-scatter stream's pool (8b on two GPUs: 15 GiB more at the peak); titanlike's, through FSDP's
-    custom reduce-scatter (the override gradients_in_compute_pool), from the compute stream's pool, and equal torch's, with gradient
-    accumulation too."""
+    custom reduce-scatter (the override gradients_in_compute_pool), from the compute stream's pool, and
+    equal torch's, with gradient accumulation too."""
     found = run_probe("grad_pool_probe.py", tmp_path / "probe.json", device="cuda")
     assert found["ours"] == [found["default_stream"]], found
     assert found["torch"] and found["default_stream"] not in found["torch"], found  # the check can tell them apart
