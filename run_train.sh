@@ -10,6 +10,10 @@
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)"
 PYTHON="${PYTHON:-python3}"
+if ! command -v "$PYTHON" > /dev/null 2>&1; then
+  echo "error: PYTHON='$PYTHON': no such command; set PYTHON to the Python that has titanlike's packages (default python3)" >&2
+  exit 2
+fi
 if [ -z "${NGPU:-}" ]; then
   NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   [ "${NGPU:-0}" -ge 1 ] 2>/dev/null || NGPU=1
@@ -22,6 +26,14 @@ for count in "NGPU:processes on this node (default: the visible GPUs, or 1)" "NN
   case "${!var}" in
     [1-9] | [1-9][0-9] | [1-9][0-9][0-9] | [1-9][0-9][0-9][0-9] | [1-9][0-9][0-9][0-9][0-9]) ;;
     *) echo "error: $var='${!var}': must be a whole number from 1 to 99999: the ${count#*:}" >&2
+       exit 2 ;;
+  esac
+done
+# Whole numbers from 0 (which rank logs; seconds torchrun waits for the workers' save after a signal).
+for var in LOG_RANK TORCH_ELASTIC_SHUTDOWN_TIMEOUT; do
+  case "${!var:-0}" in
+    0 | [1-9] | [1-9][0-9] | [1-9][0-9][0-9] | [1-9][0-9][0-9][0-9] | [1-9][0-9][0-9][0-9][0-9] | [1-9][0-9][0-9][0-9][0-9][0-9]) ;;
+    *) echo "error: $var='${!var}': must be a whole number from 0 to 999999" >&2
        exit 2 ;;
   esac
 done

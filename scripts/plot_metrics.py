@@ -1,5 +1,7 @@
 """Draw a run's metrics.jsonl as one PNG: loss (train and validation), per-source loss, gradient norm,
-learning rate, tokens/s and GPU memory, against the step.
+learning rate, tokens/s and GPU memory (a GPU run's), against the step; resumes, rollbacks and the
+switch to a long-context stage are marked on every panel. The loss axis leaves out the first logged
+steps' loss when it would squash the rest (the line runs off the top).
 
     python scripts/plot_metrics.py RUN_FOLDER [--out FILE.png]     (default RUN_FOLDER/metrics.png)
 
@@ -76,6 +78,35 @@ def by_source(records: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
     return lines
 
 
+def events(records: list[dict]) -> list[tuple[float, str]]:
+    """(step, what) of each mark: a resume (the first record of a resumed process says `resumed_from`),
+    a rollback (its own record) and a stage switch (a train record's `stage` changing); at the step the
+    change happened after."""
+    found: list[tuple[float, str]] = []
+    stage = None
+    for r in records:
+        if r.get("kind") == "train" and isinstance(r.get("resumed_from"), int):
+            found.append((r["resumed_from"] + 0.5, f"resumed from step {r['resumed_from']}"))
+        if r.get("kind") == "rollback" and isinstance(r.get("to_step"), int):
+            found.append((r["step"] - 0.5, f"rolled back to step {r['to_step']}"))
+        if r.get("kind") == "train" and r.get("stage") is not None:
+            if stage is not None and r["stage"] != stage:
+                found.append((r["step"] - 0.5, f"stage {r['stage']}: seq_len {r.get('seq_len', '?')}"))
+            stage = r["stage"]
+    return found
+
+
+def loss_limits(ys: list[float]) -> tuple[float, float] | None:
+    """The loss axis's range when the first logged losses (a fresh model's, several times the rest) would
+    squash the rest: up to the largest after the first tenth of the points; None to let the axis fit all."""
+    later = ys[max(1, len(ys) // 10):]
+    if len(ys) < 5 or max(ys) <= 1.5 * max(later):
+        return None
+    low, high = min(ys), max(later)
+    margin = 0.05 * (high - low or high or 1.0)
+    return low - margin, high + margin
+
+
 def draw(records: list[dict], title: str, out: Path) -> None:
     try:
         import matplotlib
@@ -95,8 +126,12 @@ def draw(records: list[dict], title: str, out: Path) -> None:
         ("GPU memory peak (GiB)", [("reserved", series(records, "train", "mem_reserved_gib")),
                                    ("active", series(records, "train", "mem_active_gib"))]),
     ]
-    empty = {"loss by source": "one data source\n(no data.mix)", "GPU memory peak (GiB)": "not recorded\n(a CPU run)",
+    empty = {"loss by source": "one data source\n(no data.mix)",
              "tokens/s per device": "not yet measured\n(from the second log step)"}
+    if not any(xy[0] for _, xy in panels[-1][1]):
+        panels.pop()  # a CPU run records no GPU memory: no panel for it
+        axes.flat[-1].set_visible(False)
+    marks = events(records)
     for ax, (name, lines) in zip(axes.flat, panels):
         ax.set_title(name)
         ax.set_xlabel("step")
@@ -113,9 +148,13 @@ def draw(records: list[dict], title: str, out: Path) -> None:
                     color="gray")
             ax.set(xticks=[], yticks=[], xlabel="")
             continue
+        for step, what in marks:
+            ax.axvline(step, color="gray", linestyle=":", linewidth=1, label=what if name == "loss" else None)
+        if name == "loss" and (limits := loss_limits(series(records, "train", "loss")[1])):
+            ax.set_ylim(*limits)
         if name.startswith(("tokens/s", "GPU memory")):
             ax.set_ylim(bottom=0)  # a rate or an amount: from zero, so noise does not look like a trend
-        if len(drawn) > 1:
+        if len(drawn) > 1 or (name == "loss" and marks):
             ax.legend(fontsize="small")
         if name == "learning rate":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
@@ -131,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run", type=Path, help="a run's job.dump_folder (holding metrics.jsonl)")
     parser.add_argument("--out", type=Path, help="the PNG to write (default RUN/metrics.png)")
     args = parser.parse_args(argv)
-    records = read_records(args.run)
     out = args.out or args.run / "metrics.png"
+    if out.suffix.lower() != ".png":
+        fail(f"--out {out}: the picture is a PNG; give a file name that ends in .png")
+    records = read_records(args.run)
     draw(records, f"{args.run.resolve().name}: {len(records)} records, to step {records[-1]['step']}", out)
     print(out)
     return 0

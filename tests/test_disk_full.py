@@ -7,6 +7,7 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 
 from conftest import losses, run_train
 
@@ -64,3 +65,25 @@ def test_a_full_dump_folder_is_one_line(tmp_path, corpus, free_pages):
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "no space left on the device" in errors[0], proc.stderr[-3000:]
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_full_disk_at_the_first_save_says_the_size_not_which_checkpoints_to_remove(tmp_path):
+    """At the first save there is no earlier checkpoint to keep fewer of: the line says how large this
+    run's checkpoint is; later, what keep_latest_k can remove."""
+    import errno
+
+    from titanlike.checkpoint.folder import failure_cause
+
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "step-2.tmp"))
+    first = failure_cause(full, str(tmp_path), 0, 123.4, first=True)
+    assert "this run's checkpoint takes about 123 MB" in first and "keep_latest_k" not in first
+    later = failure_cause(full, str(tmp_path), 0, 123.4)
+    assert "a checkpoint takes 123 MB" in later and "--checkpoint.keep_latest_k 2" in later
+
+
+def test_a_save_knows_about_how_large_it_is():
+    from titanlike.checkpoint.writer import tensor_bytes
+
+    state = {"model": {"w": torch.zeros(4, 8), "b": torch.zeros(8, dtype=torch.bfloat16)}, "step": 3,
+             "moments": [torch.zeros(2, 2)]}
+    assert tensor_bytes(state) == 4 * 8 * 4 + 8 * 2 + 4 * 4

@@ -80,7 +80,8 @@ def test_the_launcher_is_python_without_warnings():
 
 
 @pytest.mark.parametrize("env", [{"NGPU": "0"}, {"NGPU": "-2"}, {"NGPU": "abc"}, {"NGPU": "08"},
-                                 {"NGPU": "99999999999999999999"}, {"NNODES": "0"}, {"NNODES": "abc"}])
+                                 {"NGPU": "99999999999999999999"}, {"NNODES": "0"}, {"NNODES": "abc"},
+                                 {"LOG_RANK": "abc"}, {"LOG_RANK": "-1"}, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "abc"}])
 def test_a_bad_ngpu_or_nnodes_is_one_line(env):
     """Checked by bash before Python starts: one line naming the variable and what it may be, exit 2."""
     proc = bash_mode("--job.print_config", **env)
@@ -89,6 +90,23 @@ def test_a_bad_ngpu_or_nnodes_is_one_line(env):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {name}={value!r}: "), proc.stderr
     assert "whole number" in lines[0] and proc.stdout == ""
+
+
+def test_a_python_that_is_not_there_is_one_line():
+    proc = bash_mode("--job.print_config", PYTHON="/nonexistent/python3")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == ["error: PYTHON='/nonexistent/python3': no such command; set PYTHON to "
+                                                "the Python that has titanlike's packages (default python3)"]
+
+
+def test_a_bad_log_rank_is_one_line_from_the_trainer_too(monkeypatch, capsys):
+    """`titanlike-train` (no launcher to check it first): one line, exit 2."""
+    from titanlike import train
+
+    monkeypatch.setenv("LOG_RANK", "first")
+    assert train.main(["--job.print_config"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: LOG_RANK='first': must be a whole number, the rank whose log is printed (default 0)\n"
 
 
 def test_help_into_a_closed_pipe_is_no_traceback(monkeypatch, capsys, tmp_path):

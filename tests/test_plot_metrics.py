@@ -49,3 +49,31 @@ def test_without_matplotlib_one_line_names_the_extra(tmp_path, monkeypatch, caps
     assert e.value.code == 2
     assert capsys.readouterr().err == "error: drawing needs matplotlib, which is not installed: " \
                                       "pip install 'titanlike[plot]'\n"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("plot_metrics", ROOT / SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_an_out_that_is_not_a_png_is_one_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 5.0}\n')
+    proc = run_python(SCRIPT, str(tmp_path), "--out", str(tmp_path / "x.txt"))
+    assert proc.returncode == 2 and not (tmp_path / "x.txt").exists()
+    assert proc.stderr == f"error: --out {tmp_path / 'x.txt'}: the picture is a PNG; give a file name that ends " \
+                          f"in .png\n"
+
+
+def test_resumes_rollbacks_and_stage_switches_are_marked_and_the_first_loss_does_not_squash_the_axis():
+    script = load_script()
+    records = [{"kind": "train", "step": s, "loss": 10.0 if s == 1 else 3.0 - s / 100, "stage": 1 if s <= 20 else 2,
+                "seq_len": 256 if s <= 20 else 512} for s in range(1, 41)]
+    records[24]["resumed_from"] = 24
+    records.append({"kind": "rollback", "step": 33, "to_step": 30})
+    assert script.events(records) == [(20.5, "stage 2: seq_len 512"), (24.5, "resumed from step 24"),
+                                      (32.5, "rolled back to step 30")]
+    low, high = script.loss_limits([r["loss"] for r in records if "loss" in r])
+    assert high < 3.1 and low < 2.6  # the first step's 10.0 is off the top; every later loss is inside
+    assert script.loss_limits([3.0, 2.9, 2.8, 2.7, 2.6, 2.5]) is None  # nothing squashed: the axis fits all

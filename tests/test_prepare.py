@@ -521,3 +521,22 @@ def test_document_tokens_for_the_byte_tokenizer_are_refused_not_ignored(tmp_path
     rc, err = call(main, str(tmp_path / "ok"), str(tmp_path / "a.txt"), "--bos-token", "<|begin_of_text|>",
                    "--val-fraction", "0")
     assert rc == 0, err
+
+
+def test_a_killed_prepares_temporary_folder_is_removed_by_the_next(tmp_path, capsys):
+    """SIGKILL leaves OUT.tmp-<pid> behind (no handler runs): the next prepare into OUT removes it, says so,
+    and leaves a prepare still running (its process alive) and other folders alone."""
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that no longer runs
+    (tmp_path / "a.txt").write_text("some text for the dataset")
+    killed, running, other = (tmp_path / f"out.tmp-{dead.pid}", tmp_path / f"out.tmp-{os.getppid()}",
+                              tmp_path / f"other.tmp-{dead.pid}")
+    for folder in (killed, running, other):
+        (folder / "train").mkdir(parents=True)
+    prepare(str(tmp_path / "out"), [str(tmp_path / "a.txt")], workers=1, val_fraction=0.0)
+    assert not killed.exists() and running.is_dir() and other.is_dir()
+    err = capsys.readouterr().err
+    assert f"removed {killed}: an earlier titanlike-prepare into {tmp_path / 'out'} was killed" in err

@@ -181,6 +181,8 @@ class Trainer:
             device=self.device, flops_per_token=self.flops_per_token, float8_matmul_share=float8_report.matmul_share,
             purge_step=purge_step,
             wandb=(cfg.metrics.wandb_project, cfg.metrics.wandb_name) if cfg.metrics.enable_wandb else None)
+        if resumed is not None:  # the first record of this process says so (scripts/plot_metrics.py marks it)
+            self.metrics.note({"resumed_from": resumed})
         # Float8 follows the weights (initialised or loaded) and updates its scales after each update.
         self.float8.attach(self.optimizer, counters=self.state, metrics=self.metrics, log_freq=cfg.metrics.log_freq)
         self.profiler = Profiler(cfg.profiling, cfg.job.dump_folder, rank, self.device, start_step=self.state.step)
@@ -363,7 +365,10 @@ class Trainer:
 
 
 def setup_logging(rank: int) -> None:
-    log_rank = int(os.environ.get("LOG_RANK", 0))
+    text = os.environ.get("LOG_RANK", "0")
+    if not (text.isascii() and text.isdigit()):
+        raise UserError(f"LOG_RANK={text!r}: must be a whole number, the rank whose log is printed (default 0)")
+    log_rank = int(text)
     level = logging.INFO if rank == log_rank else logging.WARNING
     prefix = f"[rank{rank}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
     logging.basicConfig(level=level, format=f"{prefix}%(asctime)s %(message)s", datefmt="%H:%M:%S", force=True)
@@ -378,7 +383,12 @@ def main(argv: list[str] | None = None) -> int:
     lifeline.follow_torchrun()  # a worker of torchrun ends with it (run/lifeline.py); a top-level run follows nothing
     parallel.default_allocator_settings()
     world, rank, _ = world_from_env()
-    setup_logging(rank)
+    try:
+        setup_logging(rank)
+    except UserError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
     trainer = cfg = None
     argv = list(sys.argv[1:] if argv is None else argv)
     publish = True  # whether every rank reaches the end together (a failure of one rank alone: no)

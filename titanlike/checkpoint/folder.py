@@ -70,10 +70,12 @@ class StepFolders:
         return sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 2**20 if path.is_dir() else 0.0
 
 
-def failure_cause(e: BaseException, folder: str, keep_latest_k: int, checkpoint_mb: float) -> str:
+def failure_cause(e: BaseException, folder: str, keep_latest_k: int, checkpoint_mb: float,
+                  first: bool = False) -> str:
     """One readable cause of a failed save: the OSError's text and path where there is one, else what
     the file system says (free space, the file size limit), else the first line of the error, with
-    its type named."""
+    its type named. `checkpoint_mb`: the newest complete step's size, or (`first`: there is none) an
+    estimate of this one's."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     free_mb = shutil.disk_usage(folder).free / 2**20 if os.path.isdir(folder) else float("inf")
@@ -90,10 +92,13 @@ def failure_cause(e: BaseException, folder: str, keep_latest_k: int, checkpoint_
     if (os_error and os_error.errno == errno.ENOSPC) or any("No space left" in str(x) for x in errors) or free_mb < 64:
         # A save keeps the newest complete checkpoint until the new one is whole: two on disk at the
         # peak whatever keep_latest_k is, so only a k above 2 (or 0, keep all) can be lowered to help.
-        need = f"; a checkpoint takes {checkpoint_mb:.0f} MB and a save needs room for one more beside the newest" \
-            if checkpoint_mb else ""
-        advice = ("keep fewer with --checkpoint.keep_latest_k 2, " if keep_latest_k == 0 or keep_latest_k > 2
-                  else "")
+        if first:  # nothing to remove yet: only the size can help the user plan
+            need = f"; this run's checkpoint takes about {checkpoint_mb:.0f} MB" if checkpoint_mb else ""
+        else:
+            need = f"; a checkpoint takes {checkpoint_mb:.0f} MB and a save needs room for one more beside the " \
+                f"newest" if checkpoint_mb else ""
+        advice = ("keep fewer with --checkpoint.keep_latest_k 2, " if not first and (keep_latest_k == 0 or
+                                                                                   keep_latest_k > 2) else "")
         return (f"No space left on device: {free_mb:.0f} MB free{need}; {advice}free space, or point "
                 f"--checkpoint.folder at a larger disk")
     size_limit = (f"this process may write files of at most {limit / 2**20:.0f} MB (ulimit -f); raise the limit"

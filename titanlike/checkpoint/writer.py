@@ -34,6 +34,18 @@ class CheckpointError(UserError):
     pass
 
 
+def tensor_bytes(value: Any) -> int:
+    """Bytes of the tensors (a DTensor's local shard) in nested dicts and lists of a state."""
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(tensor_bytes(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        local = value.to_local() if hasattr(value, "to_local") else value
+        return local.numel() * local.element_size()
+    return 0
+
+
 class StepWriter:
     """Writes step folders into `steps`; one background save in flight at a time. Collectives run on
     `group` (the main thread's) and `save_group` (a background save's own). `keep_latest_k`: the
@@ -47,6 +59,7 @@ class StepWriter:
         self.pending: tuple[int, Future] | None = None  # (step, upload future) of a background save
         self.staging: Future | None = None  # its host copy, which the next update must wait for
         self.stager: HostCopyStager | None = None  # pinned host buffers kept from one save to the next
+        self.estimate_mb = 0.0  # what the save under way takes, about: the failure line of a first save says it
 
     def barrier(self) -> None:
         """All ranks here (on the main thread's group; the manager's barriers too)."""
@@ -63,6 +76,7 @@ class StepWriter:
         this rank's RNG.
         In the background, only the copy to host memory stalls training. Returns the stall in seconds."""
         start = time.perf_counter()
+        self.estimate_mb = tensor_bytes(tensors) * self.world / 2**20  # ranks hold shards of one size
         self.wait_and_publish()  # one save in flight at a time
         tmp = self.steps.step_dir(step) + ".tmp"
         try:
@@ -170,8 +184,8 @@ class StepWriter:
         previous = [s for s in self.steps.complete() if s != step]
         kept = (f"the previous checkpoint {self.steps.step_dir(previous[-1])} is intact" if previous
                 else "no earlier checkpoint exists")
-        size = self.steps.size_mb(previous[-1]) if previous else 0.0
-        cause = failure_cause(e, self.steps.folder, self.keep_latest_k, size)
+        size = self.steps.size_mb(previous[-1]) if previous else self.estimate_mb
+        cause = failure_cause(e, self.steps.folder, self.keep_latest_k, size, first=not previous)
         raise CheckpointError(f"saving the checkpoint of step {step} to {self.steps.folder} failed: {cause}; "
                               f"{kept}") from None
 

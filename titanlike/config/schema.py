@@ -37,8 +37,7 @@ def available_cores() -> int:
 @dataclass
 class Job:
     config_file: str = ""
-    """TOML file to read before the command-line overrides ("" = the defaults: the default job,
-    train_configs/debug_model.toml's, which ./run_train.sh trains with no arguments)."""
+    """TOML file to read before the command-line overrides ("" = the defaults: debug_model.toml's job)."""
     dump_folder: str = "./outputs/debug"
     """Run folder: resolved config, metrics.jsonl, TensorBoard events, checkpoints."""
     seed: int = 0
@@ -230,9 +229,9 @@ class Training:
         need(self.max_norm >= 0, f"training.max_norm = {self.max_norm} must be >= 0 (0 = no clipping)")
         need(self.loss_chunk_tokens >= 0,
              f"training.loss_chunk_tokens = {self.loss_chunk_tokens} must be >= 0 (0 = off)")
-        need(self.fit_gib >= 0, f"training.fit_gib = {self.fit_gib} must be >= 0 (0 = off)")
-        need(self.gpu_memory_limit_gib >= 0,
-             f"training.gpu_memory_limit_gib = {self.gpu_memory_limit_gib} must be >= 0 (0 = no cap)")
+        need(0 <= self.fit_gib <= 2**20, f"training.fit_gib = {self.fit_gib} must be in [0, 1048576] GiB (0 = off)")
+        need(0 <= self.gpu_memory_limit_gib <= 2**20, f"training.gpu_memory_limit_gib = {self.gpu_memory_limit_gib} "
+                                                      f"must be in [0, 1048576] GiB (0 = no cap)")
 
 
 @dataclass

@@ -48,6 +48,12 @@ class ModelArgs:
             out.append(f"norm_eps = {self.norm_eps} must be in (0, 1)")
         if self.attn_mask not in ATTN_MASKS:
             out.append(f"attn_mask = {self.attn_mask!r} must be one of {', '.join(ATTN_MASKS)}")
+        for name, limit in SHAPE_LIMITS.items():
+            if getattr(self, name) > limit:
+                out.append(f"{name} = {getattr(self, name)} is more than any model titanlike builds: at most {limit:,}")
+        if not out and count_params(self)[0] > MAX_PARAMS:
+            out.append(f"{count_params(self)[0]:,} parameters is more than any model titanlike builds: at most "
+                       f"{MAX_PARAMS:,} (2^45)")
         return out
 
     @property
@@ -58,6 +64,12 @@ class ModelArgs:
 
 
 ATTN_MASKS = ("causal", "block_causal")
+# Far past every published Llama-style model (405B: 126 layers, dim 16,384, ffn 53,248, 128 heads), and
+# short of what makes a shape's arithmetic itself the problem: n_layers = 10**18 had titanlike-plan grow
+# its memory by a gigabyte a second and the trainer hang after the preflight.
+SHAPE_LIMITS = {"n_layers": 4096, "dim": 131072, "ffn_dim": 524288, "n_heads": 4096, "n_kv_heads": 4096,
+                "max_seq_len": 2**24}
+MAX_PARAMS = 2**45  # 35 trillion
 
 # A block's Linears in the order its forward runs them (model/decoder.py): attention's stacked q/k/v
 # and output projections, then the feed-forward's gate, up and down. Selective activation

@@ -22,7 +22,7 @@ import numpy as np
 from titanlike import fs
 from titanlike.config.dataset import DATASET_FORMAT, DATASET_JSON
 from titanlike.config.schema import MAX_WORKERS_PER_CORE, available_cores
-from titanlike.data.prepare.output import check_output, publish
+from titanlike.data.prepare.output import check_output, publish, remove_stale_work
 from titanlike.data.prepare.readers import expand, plan
 from titanlike.data.prepare.workers import STOP_SIGNALS, tokenized
 from titanlike.data.shards import ShardWriter, token_dtype
@@ -90,6 +90,9 @@ def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, 
     holdout = Holdout(val_fraction)
     dtype = token_dtype(tok.vocab_size)
 
+    for stale in remove_stale_work(out):
+        print(f"removed {stale}: an earlier titanlike-prepare into {out} was killed before it finished",
+              file=sys.stderr)
     tmp = f"{out}.tmp-{os.getpid()}"
     try:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sys
 
 from titanlike import fs
@@ -21,6 +22,32 @@ from titanlike.errors import UserError
 SPLITS = ("train", "val")
 WRITTEN = (*SPLITS, DATASET_JSON, "tokenizer.json")
 _SHARD = re.compile(r"shard-(\d+)\.bin")
+
+
+def remove_stale_work(out: str) -> list[str]:
+    """Remove the OUT.tmp-<pid> folders that a prepare into OUT left when it was killed (SIGKILL, a
+    power cut: no handler ran): those whose process is gone. A prepare still running keeps its own.
+    Returns what was removed."""
+    parent, name = os.path.split(os.path.abspath(out))
+    removed = []
+    for entry in os.listdir(parent) if os.path.isdir(parent) else []:
+        match = re.fullmatch(re.escape(name) + r"\.tmp-(\d+)", entry)
+        path = os.path.join(parent, entry)
+        if not match or os.path.islink(path) or not os.path.isdir(path) or _alive(int(match.group(1))):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's process (or not a pid at all: leave it be)
+    return True
 
 
 def check_output(out: str, files: list[str], overwrite: bool) -> None:
