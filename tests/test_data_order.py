@@ -89,10 +89,11 @@ def test_loader_state_names_its_order_and_an_old_state_means_affine(tmp_path):
         return build_train_loader(ds, 2, 4, 0, 1, seed=3, num_workers=0, pin_memory=False)
 
     fresh = loader()
-    assert fresh.state_dict() == {"batches_read": 0, "order": FEISTEL}
+    data = {str(tmp_path): {"shards": 1, "tokens": 40 * 8 + 1}}  # what the windows are read from
+    assert fresh.state_dict() == {"batches_read": 0, "order": FEISTEL, "data": data}
     old = loader()
     old.load_state_dict({"batches_read": 2})  # a checkpoint from before the Feistel order
-    assert old.state_dict() == {"batches_read": 2, "order": AFFINE}
+    assert old.state_dict() == {"batches_read": 2, "order": AFFINE, "data": data}
     expected = EpochOrder(len(ds), 3, kind=AFFINE).windows(np.arange(8, 10)).tolist()
     assert next(old)[:, 0].tolist() == [ds[w][0].item() for w in expected]
     with pytest.raises(DataError, match="data order 'zigzag' is unknown"):

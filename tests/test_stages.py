@@ -61,7 +61,7 @@ def test_tables_in_toml_resolve_to_stages(tmp_path):
     (["--data.phase", "5:seq_len=4096", "--model.max_seq_len", "2048"],
      "data.phase: the stage from step 5: seq_len = 4096 exceeds model.max_seq_len = 2048: set --model.max_seq_len"),
     (["--data.phase", "5:seq_len=4"], "seq_len = 4 must be at least 8"),
-    (["--data.phase", "500:seq_len=64"], r"the stage from step 500 must start in \[2, training.steps = 100\]"),
+    (["--data.phase", "500:seq_len=64"], r"the stage from step 500 must start in \[2, training.steps = 150\]"),
     (["--data.phase", "1:seq_len=64"], r"the stage from step 1 must start in \[2"),
     (["--data.phase", "9:seq_len=512;5:seq_len=128"], "phase steps 9, 5 must increase"),
     (["--data.phase", "5:rope_theta=-1"], "rope_theta = -1.0 must be a finite number > 0"),

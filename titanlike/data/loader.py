@@ -13,6 +13,8 @@ manager saves.
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 from collections.abc import Iterator, Sequence
 from typing import Protocol
@@ -24,6 +26,8 @@ from titanlike import cache
 from titanlike.data.corpus import build_default_corpus
 from titanlike.data.order import AFFINE, ORDERS, EpochOrder
 from titanlike.data.shards import DataError, Shard, ShardFault, id_advice, open_shards
+
+logger = logging.getLogger("titanlike")
 
 # ---- datasets and sampling --------------------------------------------------------------------
 
@@ -41,6 +45,12 @@ class TokenWindows(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
+
+    def identity(self) -> dict[str, dict[str, int]]:
+        """What the windows are read from, cheaply told apart from data made again in place: the shards'
+        folder → its shard count and tokens (a folder: prepare may make it again with another count)."""
+        where = os.path.commonpath([os.path.dirname(s.path) for s in self.shards]) if self.shards else ""
+        return {where: {"shards": len(self.shards), "tokens": sum(s.count for s in self.shards)}}
 
     def __getitem__(self, index: int) -> torch.Tensor:
         shard = int(np.searchsorted(self.offsets, index, side="right")) - 1
@@ -69,6 +79,9 @@ class MixedWindows(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
+
+    def identity(self) -> dict[str, dict[str, int]]:
+        return {k: v for part in self.parts for k, v in part.identity().items()}
 
     def __getitem__(self, index: int) -> torch.Tensor:
         source = int(np.searchsorted(self.offsets, index, side="right")) - 1
@@ -134,6 +147,21 @@ def validation_batches(dataset: TokenWindows, local_batch: int, dp_rank: int, dp
         yield torch.stack([dataset[(base + j) % len(dataset)] for j in range(local_batch)])
 
 
+def data_changes(saved: object, now: dict[str, dict[str, int]]) -> str:
+    """What differs between a checkpoint's data identity and the data's now, in words ("" = nothing; a
+    checkpoint saved before identities were recorded says nothing)."""
+    if not isinstance(saved, dict):
+        return ""
+    out = []
+    for where, was in saved.items():
+        have = now.get(where)
+        if not isinstance(was, dict) or have is None or was == have:
+            continue  # a source no longer read is a config change, which the resume says itself
+        out.append(f"{where}: {was.get('tokens', 0):,} → {have['tokens']:,} tokens in {was.get('shards', 0)} → "
+                   f"{have['shards']} shard(s)")
+    return "; ".join(out)
+
+
 def ignore_interrupts_in_loader_worker(worker_id: int) -> None:
     """Data-loader workers share the trainer's process group, so a terminal's Ctrl-C reaches them too;
     they must keep serving the step being finished and the loader state being saved. They exit
@@ -188,9 +216,13 @@ class TrainLoader:
         ahead, but always in this order)."""
         return self.sampler.positions(self.batches_read, self._micro)
 
-    def state_dict(self) -> dict[str, int | str]:
+    def identity(self) -> dict[str, dict[str, int]]:
+        """Each source's shard count and tokens (TokenWindows.identity), over every stage's windows."""
+        return {k: v for dataset, _ in self.parts for k, v in getattr(dataset, "identity", dict)().items()}
+
+    def state_dict(self) -> dict:
         assert self._micro == 0, "saved between steps, never inside a global batch"
-        return {"batches_read": self.batches_read, "order": self.sampler.plan.kind}
+        return {"batches_read": self.batches_read, "order": self.sampler.plan.kind, "data": self.identity()}
 
     def load_state_dict(self, state: dict) -> None:
         kind = state.get("order", AFFINE)
@@ -200,6 +232,10 @@ class TrainLoader:
         for _, sampler in self.parts:
             sampler.plan.kind = kind
         self.seek(int(state["batches_read"]))
+        changed = data_changes(state.get("data"), self.identity())
+        if changed:
+            logger.info(f"the data changed since the checkpoint was saved ({changed}): the run goes on from the same "
+                        f"position, global batch {self.batches_read}, over what is there now")
 
     def __iter__(self) -> TrainLoader:
         return self

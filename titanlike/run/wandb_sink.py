@@ -16,6 +16,7 @@ Plain Python at import (the preflight calls `check_installed`); wandb is importe
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import secrets
 import sys
@@ -74,8 +75,9 @@ class WandbSink:
     def close(self) -> None:
         try:
             self.run.finish()
-        except Exception:  # at exit: W&B reports its own failure to sync in its logs under wandb/
-            pass
+        except Exception as e:  # at exit: the run's own records are written; say what W&B may have lost
+            logging.getLogger("titanlike").warning(f"W&B did not finish its run ({_one_line(e)}): its last "
+                                                   f"records may be missing from {self.run.dir}")
 
 
 def _read(path: str) -> str:
