@@ -47,7 +47,7 @@ export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 # torchrun starts any worker, without importing torch: one clear line and exit code 2 on a mistake;
 # --help and --job.print_config print and stop here (exit 3).
 rc=0
-TITANLIKE_PREFLIGHT_WORLD=$((NGPU * NNODES)) "$PYTHON" -m titanlike.preflight --job.config_file "$CONFIG_FILE" "$@" || rc=$?
+TITANLIKE_PREFLIGHT_WORLD=$((NGPU * NNODES)) TITANLIKE_PREFLIGHT_LOCAL=$NGPU "$PYTHON" -m titanlike.preflight --job.config_file "$CONFIG_FILE" "$@" || rc=$?
 [ "$rc" -eq 3 ] && exit 0
 [ "$rc" -ne 0 ] && exit "$rc"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$([ "$NGPU" -gt 1 ] && echo 1 || nproc)}"

@@ -18,10 +18,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from titanlike.config import load_config  # noqa: E402
-from titanlike.plan.cli import usable_gib  # noqa: E402
-from titanlike.plan.fit import best_fit  # noqa: E402
+from titanlike.plan.cli import CARDS as PLAN_CARDS  # noqa: E402
+from titanlike.plan.fit import card_fit_gib, fit  # noqa: E402
 
-CARDS = {"32 GB (RTX 5090)": 32 * 1e9 / 2**30, "80 GB (H100)": 80 * 1e9 / 2**30}
+# The cards titanlike-plan answers for, by the memory torch sees on them: the same budget for each.
+CARDS = {name: gib for size, name, gib in PLAN_CARDS if size in (32, 80)}
 GPUS = (1, 2, 8)
 # Each preset in the config that trains it: its sequence length and batch.
 PRESETS = [("70b", "train_configs/llama3_70b.toml", []),
@@ -34,10 +35,11 @@ SEQS = (8192, 16384, 32768, 65536, 131072, 262144)  # the longest tried: 262,144
 
 
 def fits(argv: list[str], world: int, card_gib: float):
-    """The fastest fit of `argv` on `world` cards of `card_gib` (None if no lever combination fits)."""
-    cfg = load_config(argv)
+    """What `--training.fit_gib <the card's budget>` chooses for `argv` on `world` cards of `card_gib` (None if no
+    lever combination fits): titanlike-plan's answer for that card."""
     # CPU offload left out: what it needs is host memory (16 bytes a parameter), which this table does not know.
-    best, _ = best_fit(cfg, world, usable_gib(card_gib, world), given={"parallel.cpu_offload"}, card_gib=card_gib)
+    cfg = load_config([*argv, "--training.device", "cuda"])  # the cards' run, on any machine
+    best, _, _ = fit(cfg, argv, world, card_fit_gib(card_gib, world), keep=("parallel.cpu_offload",))
     return best
 
 

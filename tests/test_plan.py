@@ -211,7 +211,32 @@ def test_plan_prints_the_categories_the_cards_and_the_levers_without_torch():
                      "peak reserved"):
         assert category in text
     assert "80 GB (H100): fits" in text
-    assert "24 GB (RTX 4090): does not fit" in text and "fits with --training.loss_chunk_tokens 4096" in text
+    assert "24 GB (RTX 4090): does not fit" in text and "--training.fit_gib 20 chooses --training.loss_chunk_tokens" \
+        in text
+
+
+def test_plan_what_fits_and_fit_gib_give_one_answer_for_a_card():
+    """8b on two 80 GB GPUs: titanlike-plan's line for the card, scripts/what_fits.py's row and what
+    `--training.fit_gib <the card's budget>` logs name the same levers, inside the card's budget (what torch
+    can allocate there, less the estimate's 10 %)."""
+    import importlib.util
+
+    from titanlike.plan.cli import CARDS
+    from titanlike.plan.fit import card_fit_gib
+
+    argv = ["--job.config_file", "train_configs/llama3_8b.toml"]
+    card = next(gib for size, _, gib in CARDS if size == 80)
+    budget = card_fit_gib(card, 2)
+    assert budget == 70  # 79.65 GiB less the context (1) and NCCL (0.5), less 10 %
+    line = next(x for x in plan(*argv, "--world", "2").stdout.splitlines() if x.strip().startswith("80 GB"))
+    chosen = line.split(f"--training.fit_gib {budget} chooses ")[1].split(" →")[0]
+    _, logged = fit([*argv, "--training.device", "cuda", "--training.fit_gib", str(budget)], 2)
+    assert f"chose {chosen} (estimate" in logged
+    spec = importlib.util.spec_from_file_location("what_fits", ROOT / "scripts" / "what_fits.py")
+    what_fits = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(what_fits)
+    best = what_fits.fits(argv + what_fits.ANY_WORLD, 2, card)
+    assert " ".join(best.flags) == chosen and best.reserved_gib <= budget
 
 
 def test_plan_keeps_what_the_command_line_sets():
@@ -333,3 +358,35 @@ def test_what_fits_prints_each_card_and_gpu_count_without_torch():
     for card in ("32 GB", "80 GB"):
         sizes = [max(i for i, name in enumerate(order) if name in row) for row in rows if row.startswith(f"| {card}")]
         assert sizes == sorted(sizes), (card, rows)
+
+
+def test_a_gpu_config_on_a_machine_without_a_gpu_is_refused_in_the_preflight(monkeypatch, capsys):
+    """`NGPU=2 ./run_train.sh --job.config_file train_configs/llama3_8b.toml` where no GPU is visible: the run
+    would build 8b in host memory and be killed minutes later; the preflight says what it needs and has."""
+    from titanlike import preflight
+    from titanlike.config import host
+
+    monkeypatch.setattr(host, "gpu_visible", lambda: False)
+    monkeypatch.setattr(host, "host_available_bytes", lambda: 24 * 2**30)
+    monkeypatch.setenv(preflight.WORLD_ENV, "2")
+    monkeypatch.setenv(preflight.LOCAL_ENV, "2")
+    assert preflight.main(["--job.config_file", str(ROOT / C / "llama3_8b.toml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: this run trains on the CPU (no GPU is visible")
+    assert "each of the 2 process(es) of this host needs at least" in err and "24.0 GiB available" in err
+    monkeypatch.setattr(host, "gpu_visible", lambda: True)  # the same config where a GPU is: the GPUs' business
+    assert preflight.main(["--job.config_file", str(ROOT / C / "llama3_8b.toml")]) == 0
+
+
+def test_fit_on_a_cpu_never_picks_cpu_offload(monkeypatch):
+    """CPU offload moves state off a GPU: on a CPU run fit_gib never chooses it (and then refused it)."""
+    from titanlike.config import host
+
+    argv = ["--job.config_file", str(ROOT / C / "llama3_8b.toml"), "--training.fit_gib", "60"]
+    monkeypatch.setattr(host, "gpu_visible", lambda: True)
+    on_gpus, _ = fit(argv, 2)
+    assert on_gpus.parallel.cpu_offload  # where a GPU is, offload is what reaches 60 GiB
+    monkeypatch.setattr(host, "gpu_visible", lambda: False)
+    with pytest.raises(UserError) as e:
+        fit(argv, 2)
+    assert "cpu_offload" not in str(e.value)

@@ -25,6 +25,7 @@ from titanlike.plan.fit import fitted
 
 PRINTED = 3
 WORLD_ENV = "TITANLIKE_PREFLIGHT_WORLD"
+LOCAL_ENV = "TITANLIKE_PREFLIGHT_LOCAL"
 
 
 def resolved(cfg: JobConfig) -> JobConfig:
@@ -40,10 +41,16 @@ def check(cfg: JobConfig, world_size: int) -> ResolvedRun:
     """The checks that need the world size but no GPU; returns the resolved run (degrees, batch plan,
     shape, sources, folders) they were made on."""
     from titanlike import overrides
+    from titanlike.config.host import runs_on_cpu
     from titanlike.data.shards import open_shards
+    from titanlike.plan.estimate import cpu_host_problem
 
     overrides.chosen_names(cfg.parallel.overrides)  # names it knows (the probes need torch: the trainer's)
     run = resolve_run(cfg, world_size)  # reads dataset.json / an hf config.json: a bad shape stops here
+    if runs_on_cpu(cfg):  # a GPU config on a machine without one: it would build the model in host memory
+        problem = cpu_host_problem(cfg, world_size, local_processes(world_size))
+        if problem:
+            raise UserError(problem)
     info = run.model.dataset  # data.path's dataset.json, or the one tokenizer of a mixture's sources
     limit, source = ((info.vocab_size, f"its tokenizer ({info.path})") if info else
                      (run.model.args.vocab_size, "the model's vocabulary"))
@@ -77,6 +84,12 @@ def printed(text: str) -> int:
             pass  # a stdout without a file descriptor of its own: nothing left to flush into the pipe
         os.close(devnull)
     return PRINTED
+
+
+def local_processes(world: int) -> int:
+    """The processes run_train.sh starts on this host (NGPU; TITANLIKE_PREFLIGHT_LOCAL), else all of `world`."""
+    text = os.environ.get(LOCAL_ENV, "")
+    return int(text) if text.isdigit() and int(text) >= 1 else world
 
 
 def world_size() -> int:

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from titanlike import overrides, parallel
 from titanlike.checkpoint.manager import CheckpointManager
-from titanlike.config import JobConfig, help_text, load_config, to_toml
-from titanlike.config.dims import world_from_env
+from titanlike.config import ConfigError, JobConfig, help_text, load_config, to_toml
+from titanlike.config.dims import local_world, world_from_env
 from titanlike.config.run import resolve_run
 from titanlike.data.build import build_run_data
 from titanlike.data.loader import validation_batches
@@ -33,6 +33,7 @@ from titanlike.model.decoder import Transformer
 from titanlike.model.loss import build_loss, build_token_loss, cross_entropy  # noqa: F401  (tests use cross_entropy)
 from titanlike.model.shape import count_params, describe, flops_per_token
 from titanlike.optim import build_optimizer, build_scheduler, clip_and_step
+from titanlike.plan.estimate import cpu_host_problem
 from titanlike.plan.fit import fitted
 from titanlike.preflight import resolved
 from titanlike.run import faults, lifeline, stopping, wandb_sink
@@ -71,6 +72,8 @@ class Trainer:
         self.global_batch, self.accum_steps = self.dims.global_batch, self.dims.accum_steps
         self.is_main = rank == 0
         self.device = parallel.pick_device(t.device, local_rank)
+        if self.device.type == "cpu" and (problem := cpu_host_problem(cfg, world, local_world())):
+            raise ConfigError(problem)  # the preflight's check, for a run started without run_train.sh
         parallel.configure_device(self.device, t.gpu_memory_limit_gib, t.deterministic)
         offload = cfg.parallel.cpu_offload
         self.mesh = parallel.init_distributed(self.dims, self.device, cfg.parallel.backend_timeout_s,

@@ -30,6 +30,12 @@ def world_from_env() -> Ranks:
                  int(os.environ.get("LOCAL_RANK", 0)))
 
 
+def local_world() -> int:
+    """The processes of this run on this host, as torchrun sets LOCAL_WORLD_SIZE; 1 for a plain `python` run."""
+    text = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    return int(text) if text.isdigit() and int(text) >= 1 else 1
+
+
 def resolve_dims(world_size: int, dp_shard: int, dp_replicate: int, cp: int = 1) -> tuple[int, int]:
     """Check the data-parallel degrees against the world size; -1 takes what is left. The cp ranks of
     each data-parallel group come out of the world first: dp_replicate × dp_shard = world / cp."""

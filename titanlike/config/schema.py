@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import Literal
 
 from titanlike.config import sources, speed
+from titanlike.config.host import available_cores
 from titanlike.config.loader import need
 from titanlike.config.speed import ActivationCheckpoint, Compile, Fp8, Parallel
 from titanlike.config.stages import check_stages, stage_seq_lens
@@ -25,13 +26,6 @@ from titanlike.model.shape import PRESETS, model_args
 
 # data.num_workers: loader processes beyond a few per core only cost memory (each holds the dataset).
 MAX_WORKERS_PER_CORE = 4
-
-
-def available_cores() -> int:
-    """CPU cores this process may run on (its affinity mask where the platform has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 @dataclass

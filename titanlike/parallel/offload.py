@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from titanlike.config import ConfigError
+from titanlike.config.host import host_available_bytes
 
 logger = logging.getLogger("titanlike")
 
@@ -59,19 +60,6 @@ def host_bytes_per_rank(n_params: int, dp_shard: int, state_dtype: str, backgrou
     if background_saves:
         per_param += 4 + MOMENT_BYTES[state_dtype]
     return int(n_params * per_param / dp_shard)
-
-
-def host_available_bytes(meminfo: str = "/proc/meminfo") -> int:
-    """Memory the host can give without swapping: MemAvailable, or all physical memory where the
-    kernel does not say (not Linux)."""
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def check_host_memory(n_params: int, dp_shard: int, state_dtype: str, background_saves: bool, *,

@@ -4,6 +4,7 @@ first. No torch: it answers in about a second on any machine."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from titanlike.config import load_config
@@ -12,7 +13,7 @@ from titanlike.config.resolve import resolve_model
 from titanlike.errors import UserError
 from titanlike.model.shape import count_params
 from titanlike.plan.estimate import CONTEXT_GIB, NCCL_GIB, estimate_run
-from titanlike.plan.fit import best_fit, given_keys
+from titanlike.plan.fit import MARGIN, card_fit_gib, fit, fit_to_target, usable_gib
 
 USAGE = ("usage: titanlike-plan --job.config_file FILE --world N [--section.key value ...]\n"
          "  the per-GPU memory of that run at N GPUs, the cards it fits, and the levers that would make it fit")
@@ -20,12 +21,6 @@ USAGE = ("usage: titanlike-plan --job.config_file FILE --world N [--section.key 
 # Cards by the memory torch sees on them (GiB): RTX 4090, RTX 5090, H100 80GB, H200.
 CARDS = ((24, "24 GB (RTX 4090)", 23.99), (32, "32 GB (RTX 5090)", 31.84), (80, "80 GB (H100)", 79.65),
          (141, "141 GB (H200)", 140.4))
-
-
-def usable_gib(card_gib: float, world: int) -> float:
-    """What torch can allocate on a card: its memory less the CUDA context and workspaces, and NCCL's
-    buffers with more than one GPU."""
-    return card_gib - CONTEXT_GIB - (NCCL_GIB if world > 1 else 0.0)
 
 
 def split_world(argv: list[str]) -> tuple[int, list[str]]:
@@ -47,10 +42,7 @@ def split_world(argv: list[str]) -> tuple[int, list[str]]:
 
 def report(argv: list[str]) -> str:
     world, rest = split_world(argv)
-    cfg = load_config(rest)
-    # What the command line sets stays; what the TOML file sets is what a lever may change: the question
-    # here is what would make this config fit (training.fit_gib keeps the file's settings too).
-    given = given_keys(rest, with_file=False)
+    cfg = on_gpus(load_config(rest))
     args = resolve_model(cfg).args
     dims = parallel_dims(cfg, world)
     biggest = estimate_run(cfg, world, CARDS[-1][2])
@@ -63,24 +55,39 @@ def report(argv: list[str]) -> str:
     lines += [f"  {name:<{width}}  {gib:7.2f}" for name, gib in biggest.rows]
     lines += [f"  {'peak reserved (estimate, ±10 %)':<{width}}  {biggest.reserved_gib:7.2f}"]
     lines += [f"  ({note})" for note in biggest.notes]
-    lines += ["", f"fits on (usable = what torch can allocate: the card less {CONTEXT_GIB:g} GiB for the CUDA context"
-              + (f" and {NCCL_GIB:g} for NCCL" if world > 1 else "") + "):"]
+    lines += ["", f"fits on (the budget: what torch can allocate, the card less {CONTEXT_GIB:g} GiB for the CUDA "
+              f"context" + (f" and {NCCL_GIB:g} for NCCL" if world > 1 else "") + f", less {MARGIN:.0%} for the "
+              f"estimate's error; what --training.fit_gib <budget> chooses):"]
     for _, name, card in CARDS:
-        usable = usable_gib(card, world)
-        e = estimate_run(cfg, world, card)
-        if e.reserved_gib <= usable:
-            lines.append(f"  {name}: fits ({e.reserved_gib:.1f} of {usable:.1f} GiB)")
-            continue
-        best, every = best_fit(cfg, world, usable, given, card)
-        if best is None:
-            smallest = min(every, key=lambda f: f.reserved_gib)
-            lines.append(f"  {name}: does not fit ({e.reserved_gib:.1f} GiB of {usable:.1f}); no lever is enough "
-                         f"(at best {smallest.reserved_gib:.1f} GiB with {' '.join(smallest.flags)})")
-        else:
-            lines.append(f"  {name}: does not fit ({e.reserved_gib:.1f} GiB of {usable:.1f}); fits with "
-                         f"{' '.join(best.flags)} → {best.reserved_gib:.1f} GiB, about {best.speed:.0%} of the speed")
+        budget = card_fit_gib(card, world)
+        lines.append(f"  {name}: {card_line(cfg, rest, world, budget, usable_gib(card, world))}")
+    if t.fit_gib:
+        try:
+            lines += ["", fit_to_target(cfg, rest, world)[1] or ""]
+        except UserError as e:
+            lines += ["", str(e)]
     lines += ["", "levers: --training.fit_gib G picks the fastest that fit; docs/memory.md lists each with its cost"]
     return "\n".join(lines)
+
+
+def on_gpus(cfg):
+    """The run as it would train on the cards this plans for, whatever machine asks (one without a GPU
+    would train on its CPU, where some levers do not apply)."""
+    return dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, device="cuda"))
+
+
+def card_line(cfg, argv: list[str], world: int, budget: int, usable: float) -> str:
+    """What a card of `budget` GiB (of `usable`) takes: the run as it is, or what fit_gib chooses."""
+    best, every, _ = fit(cfg, argv, world, budget)
+    now = every[0].reserved_gib
+    if best is not None and not best.choices:
+        return f"fits ({now:.1f} GiB, budget {budget} of {usable:.1f})"
+    if best is None:
+        smallest = min(every, key=lambda f: f.reserved_gib)
+        return (f"does not fit ({now:.1f} GiB, budget {budget}); no lever is enough (at best "
+                f"{smallest.reserved_gib:.1f} GiB with {' '.join(smallest.flags)})")
+    return (f"does not fit ({now:.1f} GiB, budget {budget}); --training.fit_gib {budget} chooses "
+            f"{' '.join(best.flags)} → {best.reserved_gib:.1f} GiB, about {best.speed:.0%} of the speed")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -321,3 +321,19 @@ def estimate_run(cfg: JobConfig, world: int, card_gib: float | None = None) -> E
     cap = cfg.training.gpu_memory_limit_gib
     card = min(cap, card_gib) if cap and card_gib else cap or card_gib
     return estimate(shape_of(cfg, resolve_model(cfg).args, dims, card))
+
+
+def cpu_host_problem(cfg: JobConfig, world: int, local_processes: int) -> str | None:
+    """For a run on the CPU (no GPU visible, or training.device = cpu): why this host cannot hold it, or None.
+    Each process holds what a GPU would (titanlike-plan's estimate, a floor: on a CPU the activations are
+    fp32), and all `local_processes` of this host hold theirs at once."""
+    from titanlike.config.host import host_available_bytes
+
+    per_process = estimate_run(cfg, world).reserved_gib
+    need, have = per_process * local_processes, host_available_bytes() / 2**30
+    if need <= have:
+        return None
+    return (f"this run trains on the CPU (no GPU is visible, or training.device = cpu), where each of the "
+            f"{local_processes} process(es) of this host needs at least {per_process:.1f} GiB of memory "
+            f"(titanlike-plan's estimate): {need:.1f} GiB, and this host has {have:.1f} GiB available; run it "
+            f"where its GPUs are, or choose a smaller model (--model.flavor debug)")

@@ -1,5 +1,9 @@
-"""The fastest combination of levers whose estimate fits a memory target: `--training.fit_gib` and the
-"would fit with" lines of titanlike-plan.
+"""The fastest combination of levers whose estimate fits a memory target: `--training.fit_gib`, the
+"fits with" lines of titanlike-plan and scripts/what_fits.py, one answer from one function (`fit`).
+
+For a card, the target is what torch can allocate there less the estimate's error (MARGIN):
+`card_fit_gib` is the `--training.fit_gib` a card calls for, and titanlike-plan's line for the card is
+what that fit_gib chooses.
 
 Every combination of one value (or none) per lever key is estimated (a few hundred at most, plain
 arithmetic); the fastest that fits wins, the smaller estimate breaking ties. Keys the user set, in the
@@ -16,7 +20,7 @@ from titanlike.config import loader, validate
 from titanlike.config.dims import parallel_dims
 from titanlike.config.schema import JobConfig
 from titanlike.errors import UserError
-from titanlike.plan.estimate import estimate_run
+from titanlike.plan.estimate import CONTEXT_GIB, NCCL_GIB, estimate_run
 from titanlike.plan.levers import AC_ORDER, CHOICES, Choice, ac_value, apply, flags
 
 
@@ -30,6 +34,22 @@ class Fit:
     """The share of the run's tokens/s left after their costs."""
     reserved_gib: float
     flags: tuple[str, ...]
+
+
+# The estimate is within about 10 % of the measured peaks it is tested against (tests/test_plan.py): a
+# budget leaves that much room (docs/memory.md).
+MARGIN = 0.10
+
+
+def usable_gib(card_gib: float, world: int) -> float:
+    """What torch can allocate on a card: its memory less the CUDA context and workspaces, and NCCL's
+    buffers with more than one GPU."""
+    return card_gib - CONTEXT_GIB - (NCCL_GIB if world > 1 else 0.0)
+
+
+def card_fit_gib(card_gib: float, world: int) -> int:
+    """The --training.fit_gib for a card: what torch can allocate there less MARGIN, in whole GiB."""
+    return int(usable_gib(card_gib, world) * (1 - MARGIN))
 
 
 def given_keys(argv: list[str], with_file: bool = True) -> set[str]:
@@ -97,16 +117,24 @@ def best_fit(cfg: JobConfig, world: int, target_gib: float, given: set[str],
     return best, every
 
 
+def fit(cfg: JobConfig, argv: list[str], world: int, target: float, keep: tuple[str, ...] = ()
+        ) -> tuple[Fit | None, list[Fit], set[str]]:
+    """What `--training.fit_gib target` chooses for the run of `argv` (parsed: `cfg`): (the fit or None,
+    every combination, the lever keys kept). Keys the user set stay, and those of `keep`."""
+    # The micro-batch a TOML file sets is how its global batch is computed, not what is trained (more
+    # micro-batches accumulate the same gradient): fit may change it unless the command line sets it.
+    given = given_keys(argv, with_file=False) | (given_keys(argv) - {"training.local_batch_size"}) | set(keep)
+    best, every = best_fit(cfg, world, target, given)
+    return best, every, given
+
+
 def fit_to_target(cfg: JobConfig, argv: list[str], world: int) -> tuple[JobConfig, str | None]:
     """training.fit_gib: the config with the fastest levers whose estimate fits, and the line that says what
     was chosen and why (None when fit_gib is off). UserError (one line) when no combination fits."""
     target = cfg.training.fit_gib
     if not target:
         return cfg, None
-    # The micro-batch a TOML file sets is how its global batch is computed, not what is trained (more
-    # micro-batches accumulate the same gradient): fit may change it unless the command line sets it.
-    given = given_keys(argv, with_file=False) | (given_keys(argv) - {"training.local_batch_size"})
-    best, every = best_fit(cfg, world, target, given)
+    best, every, given = fit(cfg, argv, world, target)
     now = every[0].reserved_gib
     if best is None:
         smallest = min(every, key=lambda f: f.reserved_gib)

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from titanlike.config.host import runs_on_cpu
 from titanlike.config.schema import JobConfig
 
 B = "docs/benchmarks/"
@@ -98,7 +99,7 @@ CHOICES: tuple[Choice, ...] = (
            f"{B}2026-11-26-cp-kernels-fit-to-target.md: 8b over two H200s with weights, gradients and AdamW's "
            "state in host memory and the optimizer step on the CPU ran 0.30× the speed; 1b 0.354× "
            f"({B}2026-11-26-cp-long-windows-1b-levers.md)",
-           usable=_has("parallel", "cpu_offload")),
+           usable=lambda cfg: hasattr(cfg.parallel, "cpu_offload") and not runs_on_cpu(cfg)),
 )
 
 # The AC modes, from the one that keeps most to the one that keeps least, as Choice values spell them.
