@@ -108,14 +108,19 @@ def test_hf_tokenizer_and_dataset_json(tmp_path, hf_tokenizer):
     assert tok.bos_id is None and tok.eos_token == "<|endoftext|>"
     train = shard_tokens(tmp_path / "out" / "train")
     val = shard_tokens(tmp_path / "out" / "val")
-    # A document is held out while val, with it, keeps within 10 % of the tokens so far; the rest train, each
-    # tokenized exactly as the tokenizer does.
-    held, kept, total, held_tokens = [], [], 0, 0
-    for d in DOCS:
+    # A document drawn (with probability 0.1, by its place), or any while val is empty, is held out while val,
+    # with it, keeps within twice 10 % of the tokens so far; the rest train, each tokenized exactly as the
+    # tokenizer does.
+    from titanlike.data.prepare.driver import Holdout
+
+    drawn = Holdout(0.1, 1).draw(0, len(DOCS)) < 0.1
+    held, kept, total, held_tokens, places = [], [], 0, 0, []
+    for i, d in enumerate(DOCS):
         n = len(tok.tok.encode(d, add_special_tokens=False).ids) + 1
         total += n
-        if held_tokens + n <= 0.1 * total:
+        if (drawn[i] or not held_tokens) and held_tokens + n <= 2 * 0.1 * total:
             held.append(d)
+            places.append(i)
             held_tokens += n
         else:
             kept.append(d)
@@ -123,6 +128,11 @@ def test_hf_tokenizer_and_dataset_json(tmp_path, hf_tokenizer):
     np.testing.assert_array_equal(train, expected)
     assert documents(val, tok) == held
     out = tmp_path / "out"
+    # Which documents went to val, per INPUT (write_inputs: a.txt, b.md, then 18, 10, 10 and 20 lines or rows).
+    firsts = [0, 1, 2, 20, 30, 40]
+    recorded = json.loads((out / "val_documents.json").read_text())["inputs"]
+    assert [r["input"] for r in recorded] == [os.path.abspath(i) for i in inputs]
+    assert sorted(firsts[k] + j for k, r in enumerate(recorded) for j in r["val_documents"]) == places
     assert (out / "tokenizer.json").read_text() == Path(hf_tokenizer).read_text()
     vocab = tok.tok.get_vocab_size()
     assert info["splits"]["val"]["documents"] == len(held) >= 4 and info["vocab_size"] == vocab and 320 < vocab <= 384
@@ -229,15 +239,30 @@ def test_no_validation_documents_says_how_to_get_some(tmp_path):
 
 def test_val_fraction_is_a_share_of_tokens(tmp_path):
     """One long document where every 100th would be held out no longer puts a third of the tokens into val:
-    --val-fraction 0.01 holds out at most 1 % of the tokens (whole documents, the long one kept in train)."""
+    --val-fraction 0.01 holds out about 1 % of the tokens (whole documents, the long one kept in train)."""
     docs = tmp_path / "docs"
     docs.mkdir()
-    for i in range(300):
-        (docs / f"{i:03d}.txt").write_text(("long text " * 2000) if i == 99 else f"short document {i:03d} " * 5)
+    for i in range(3000):
+        (docs / f"{i:04d}.txt").write_text(("long text " * 20000) if i == 99 else f"short document {i:04d} " * 5)
     info = prepare(str(tmp_path / "out"), [str(docs)], workers=1, val_fraction=0.01)
     train, val = info["splits"]["train"]["tokens"], info["splits"]["val"]["tokens"]
-    assert 0.005 < val / (train + val) <= 0.01, (train, val)
+    assert 0.005 < val / (train + val) <= 0.02 and val < 200_000, (train, val)
     assert info["val_fraction"] == 0.01
+
+
+def test_val_holds_documents_at_random_whatever_their_length(tmp_path):
+    """Short and long documents, interleaved: val's documents are as long as train's on average (holding out
+    the first document that fit drew the short ones: man pages in val averaged 530 tokens, 3,215 in train)."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(2000):
+        (docs / f"{i:04d}.txt").write_text("word " * (20 if i % 2 else 400))  # 100 and 2,000 bytes
+    info = prepare(str(tmp_path / "out"), [str(docs)], workers=1, val_fraction=0.05)
+    train, val = info["splits"]["train"], info["splits"]["val"]
+    mean_train, mean_val = train["tokens"] / train["documents"], val["tokens"] / val["documents"]
+    assert val["documents"] >= 60 and abs(mean_val / mean_train - 1) < 0.25, (train, val)
+    recorded = json.loads((tmp_path / "out" / "val_documents.json").read_text())["inputs"]
+    assert len(recorded[0]["val_documents"]) == val["documents"]
 
 
 def bad_inputs(root: Path) -> list[tuple[list[str], tuple[str, ...]]]:
@@ -339,7 +364,7 @@ def test_overwrite_replaces_only_what_prepare_wrote(tmp_path):
     assert cmd(str(out), str(tmp_path / "b.txt"), "--overwrite", "--val-fraction", "0").returncode == 0
     assert documents(shard_tokens(out / "train"), ByteTokenizer()) == ["second"]
     assert (out / "README.txt").read_text() == "the user's own note"
-    assert sorted(os.listdir(out)) == ["README.txt", "dataset.json", "tokenizer.json", "train"]
+    assert sorted(os.listdir(out)) == ["README.txt", "dataset.json", "tokenizer.json", "train", "val_documents.json"]
 
 
 def test_overwrite_refuses_files_it_did_not_write_in_train_and_val(tmp_path):
@@ -370,7 +395,7 @@ def test_overwrite_refuses_files_it_did_not_write_in_train_and_val(tmp_path):
         p.unlink()
     assert cmd(str(out), docs[0], "--overwrite", "--val-fraction", "0").returncode == 0
     assert documents(shard_tokens(out / "train"), ByteTokenizer()) == ["document 0"]
-    assert sorted(os.listdir(out)) == ["dataset.json", "tokenizer.json", "train"]
+    assert sorted(os.listdir(out)) == ["dataset.json", "tokenizer.json", "train", "val_documents.json"]
 
 
 def test_overwrite_removes_a_linked_shard_but_never_its_target(tmp_path):

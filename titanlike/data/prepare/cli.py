@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train with: --data.path {a.out}/train --data.val_path {a.out}/val")
     else:
         why = ("--val-fraction is 0" if not info["val_fraction"] else
-               f"no document fits in --val-fraction {info['val_fraction']:g} of the tokens; there are "
+               f"no document was held out at --val-fraction {info['val_fraction']:g} (each is drawn with that "
+               f"chance, and held while val keeps within twice that share of the tokens); there are "
                f"{info['documents']}")
         more = "give more documents (a text file is one document, a .jsonl line or parquet row one)"
         if info["documents"] >= 2:

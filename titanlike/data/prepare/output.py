@@ -1,9 +1,9 @@
 """titanlike-prepare's output folder: what it refuses to write over, and how a finished dataset takes
 the place of an earlier one (--overwrite) without losing anything of the user's.
 
-prepare writes OUT/train/, OUT/val/, OUT/dataset.json and OUT/tokenizer.json, and OUT/dataset.json
-records how many shards each split holds: those shards and those two files are what --overwrite
-may remove. Any other file in OUT stays; any other file in train/ or val/ stops it, with its name.
+prepare writes OUT/train/, OUT/val/, OUT/dataset.json, OUT/tokenizer.json and OUT/val_documents.json,
+and OUT/dataset.json records how many shards each split holds: those shards and those three files are
+what --overwrite may remove. Any other file in OUT stays; any other file in train/ or val/ stops it, with its name.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from titanlike.errors import UserError
 
 # What titanlike-prepare writes into OUT; --overwrite replaces these and nothing else.
 SPLITS = ("train", "val")
-WRITTEN = (*SPLITS, DATASET_JSON, "tokenizer.json")
+VAL_DOCUMENTS = "val_documents.json"  # which documents of each INPUT went to val (driver.Holdout)
+WRITTEN = (*SPLITS, DATASET_JSON, "tokenizer.json", VAL_DOCUMENTS)
 _SHARD = re.compile(r"shard-(\d+)\.bin")
 
 
