@@ -169,15 +169,16 @@ def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, done_steps: in
     """Put this run's LR schedule (its configured peak LR, warmup, decay and steps) at `done_steps`
     updates done, and set the optimizer's LR to the one the next update uses. A resume applies the
     schedule as configured now, not as it was when the checkpoint was saved."""
-    state = scheduler.state_dict()
-    state.update(last_epoch=done_steps, _step_count=done_steps + 1)
-    scheduler.load_state_dict(state)
     # LambdaLR's own arithmetic (a tensor base LR times the factor where the optimizer keeps a tensor
     # LR), so that a resumed run's LR is bit for bit the uninterrupted run's.
     lrs = [base * fn(done_steps) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    # Through the scheduler's own state_dict: its position, and the LRs get_last_lr() reports.
+    state = scheduler.state_dict()
+    state.update(last_epoch=done_steps, _step_count=done_steps + 1,
+                 _last_lr=[lr.clone() if isinstance(lr, torch.Tensor) else lr for lr in lrs])
+    scheduler.load_state_dict(state)
     for group, lr in zip(scheduler.optimizer.param_groups, lrs):
         if isinstance(group["lr"], torch.Tensor):
             group["lr"].fill_(lr)  # torchao's low-bit AdamW refuses a float LR
         else:
             group["lr"] = lr
-    scheduler._last_lr = [lr.clone() if isinstance(lr, torch.Tensor) else lr for lr in lrs]  # get_last_lr()
