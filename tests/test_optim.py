@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import run_probe
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import ModelArgs
 from titanlike.optim import build_optimizer, build_scheduler, clip_and_step, lr_factor
@@ -178,43 +177,3 @@ def test_no_clip_below_max_norm_or_when_disabled():
     params = with_grads(big)
     assert float(clip_grad_norm(params, 0.0)) == pytest.approx(50.0)
     torch.testing.assert_close(params[0].grad, big)
-
-
-# ---- clipping folded into fused AdamW ---------------------------------------------------------------
-
-
-@pytest.mark.parametrize("max_norm", [0.05, 100.0, 0.0], ids=["clipping", "below", "off"])
-def test_fused_step_clips_like_clipping_in_place(max_norm):
-    """Fused AdamW clips through its grad_scale input: the same update as clipping the gradients first."""
-    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
-    runs = {}
-    for fused in (True, False):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
-        opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1, fused=fused, foreach=not fused)
-        norms = []
-        for step in range(3):
-            model.zero_grad(set_to_none=True)
-            model(x * (step + 1)).square().mean().backward()
-            norm, skipped = clip_and_step(opt, list(model.parameters()), max_norm, skip_nonfinite=False)
-            norms.append(float(norm))
-            assert skipped.tolist() == 0.0
-        assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")  # nothing left for the next step
-        runs[fused] = (norms, [p.detach().clone() for p in model.parameters()], [p.grad for p in model.parameters()])
-    (fused_norms, fused_w, fused_g), (norms, w, g) = runs[True], runs[False]
-    assert fused_norms == pytest.approx(norms, rel=1e-6)
-    if max_norm == 0.05:
-        assert min(norms) > 0.05  # clipping was active on every step
-    for a, b in zip(fused_w, w):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    for a, b in zip(fused_g, g):  # the kernel leaves the clipped gradients behind, as clipping in place does
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-
-
-@pytest.mark.slow
-def test_fused_clipping_over_fsdp_shards(tmp_path):
-    """Over 2 gloo ranks with sharded (DTensor) gradients, fused and in-place clipping train alike."""
-    result = run_probe("fused_clip_probe.py", tmp_path / "probe.json")
-    assert min(result["foreach_norms"]) > 0.5  # the probe clips at 0.5: clipping was active
-    assert result["fused_norms"] == pytest.approx(result["foreach_norms"], rel=1e-5)
-    assert result["moved"] > 1e-3 and result["max_diff"] < 1e-5

@@ -130,38 +130,20 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], 
 
     `skipped` is 1.0 where skip_nonfinite is set and the norm is not finite, else 0.0. A skipped
     update leaves the weights and the optimizer state (moments, step count) exactly as they were.
-
-    Fused AdamW (the CUDA default) takes the two inputs of the AMP grad scaler, and both spare work:
-    `grad_scale`, which the kernel divides every gradient by as it reads it, so clipping needs no
-    pass of its own over the gradients (one read and one write of every fp32 gradient, 12 GB for
-    1b; docs/benchmarks/2026-11-22-bf16-residual-fused-clip.md); and `found_inf`, which makes the
-    update a no-op on the device, so skipping needs no host synchronisation and the CPU keeps
-    queueing work. The foreach and for-loop implementations, and torchao's 8-bit AdamW
-    (optimizer.state_dtype), have neither: they clip in place and read the flag on the host (a
-    synchronisation on a GPU; on the CPU kernels execute as they are called and it costs nothing).
+    Skipping reads the flag on the host: one synchronisation a step on a GPU, with
+    training.nonfinite = skip only. (Fused AdamW's undeclared grad_scale and found_inf inputs, the AMP
+    grad scaler's, once folded the clipping and the skip into its kernel: 1.0045x on `1b`, under what
+    an override of torch's internals must buy, docs/overrides.md.)
 
     The norm is the same number on every rank (grad_norm all-reduces it), so all ranks clip by the
     same factor and skip together; a non-finite loss on any rank makes the norm non-finite.
     """
     total = grad_norm(params)
     skipped = (~torch.isfinite(total)).float() if skip_nonfinite else torch.zeros((), device=total.device)
-    if not optimizer.defaults.get("fused"):
-        if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-        if not (skip_nonfinite and skipped.item()):
-            optimizer.step()
-        return total, skipped
-    # The same factor as clip_grads_with_norm_, as the divisor the fused kernel expects.
     if max_norm > 0:
-        # Attributes that torch's fused AdamW reads (torch/optim/adam.py), not declared on Optimizer.
-        optimizer.grad_scale = (max_norm / (total + 1e-6)).clamp(max=1.0).reciprocal()  # type: ignore[attr-defined]
-    if skip_nonfinite:
-        optimizer.found_inf = skipped  # type: ignore[attr-defined]
-    try:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    if not (skip_nonfinite and skipped.item()):
         optimizer.step()
-    finally:
-        optimizer.__dict__.pop("grad_scale", None)
-        optimizer.__dict__.pop("found_inf", None)
     return total, skipped
 
 

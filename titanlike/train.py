@@ -242,7 +242,7 @@ class Trainer:
         # The update overwrites the weights: a background save's copy of them must be complete first.
         self.checkpoint.before_update()
         # Clip and update (float8 updates its scales after it, in its own hook). training.nonfinite =
-        # skip decides on the device whether to update: no host sync on GPU.
+        # skip reads on the host whether to update: one host sync a step, with skip only.
         grad_norm, skipped = clip_and_step(self.optimizer, list(self.model.parameters()), self.cfg.training.max_norm,
                                            skip_nonfinite=self.cfg.training.nonfinite == "skip")
         self.scheduler.step()

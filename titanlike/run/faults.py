@@ -2,7 +2,7 @@
 failed because another rank did.
 
 What a non-finite loss does (training.nonfinite: abort, skip, rollback) is nonfinite.py's decision;
-skipping an update without a host sync is optim.clip_and_step.
+skipping an update is optim.clip_and_step.
 """
 
 from __future__ import annotations
