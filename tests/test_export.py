@@ -422,7 +422,7 @@ def test_two_rank_run_starts_from_export(exported, tmp_path, corpus):
     the loss of the exported weights on the first global batch, computed here in one process."""
     from titanlike.data.loader import GlobalBatchSampler, open_dataset
     from titanlike.data.order import EpochOrder
-    from titanlike.train import cross_entropy
+    from titanlike.model.loss import cross_entropy
 
     step_dir, hf = exported
     run_train(tmp_path, *SCHEDULE, "--training.steps", "1", "--checkpoint.enable", "false",

@@ -58,8 +58,8 @@ def batch_loss(sd: dict, corpus, step: int) -> float:
     from titanlike.data.loader import GlobalBatchSampler, open_dataset
     from titanlike.data.order import EpochOrder
     from titanlike.model.decoder import Transformer
+    from titanlike.model.loss import cross_entropy
     from titanlike.model.shape import model_args
-    from titanlike.train import cross_entropy
 
     model = Transformer(model_args("debug"))
     model.load_state_dict(sd["model"])

@@ -30,7 +30,7 @@ from titanlike.errors import UserError
 from titanlike.float8 import Float8Converter
 from titanlike.hf.initial import load_initial_weights
 from titanlike.model.decoder import Transformer
-from titanlike.model.loss import build_loss, build_token_loss, cross_entropy  # noqa: F401  (tests use cross_entropy)
+from titanlike.model.loss import build_loss, build_token_loss
 from titanlike.model.shape import count_params, describe, flops_per_token
 from titanlike.optim import build_optimizer, build_scheduler, clip_and_step
 from titanlike.plan.estimate import cpu_host_problem
