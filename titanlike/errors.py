@@ -18,6 +18,16 @@ class UserError(Exception):
     same_on_all_ranks = False
 
 
+EXIT_CODE = 2  # what an entry point returns for a mistake the user can fix
+
+
+def error_exit(error: BaseException) -> int:
+    """How every entry point ends on a mistake the user can fix: its one `error:` line on stderr; returns
+    the exit code."""
+    print(f"error: {error}", file=sys.stderr)
+    return EXIT_CODE
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse for the console scripts, whose mistakes end as one `error:` line and exit code 2
     (argparse's own prints the usage too); `--help` shows the usage."""

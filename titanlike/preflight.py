@@ -20,7 +20,7 @@ import sys
 from titanlike.config import JobConfig, help_text, load_config, to_toml
 from titanlike.config.resolve import resolve_model, with_resolved_shape
 from titanlike.config.run import ResolvedRun, resolve_run
-from titanlike.errors import UserError
+from titanlike.errors import UserError, error_exit
 from titanlike.plan.fit import fitted
 
 PRINTED = 3
@@ -115,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
         check_not_in_use(run.dump_folder, run.checkpoint_folder)  # a second run into a folder in use
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return error_exit(e)
     return 0
 
 

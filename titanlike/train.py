@@ -26,7 +26,7 @@ from titanlike.config.run import resolve_run
 from titanlike.data.build import build_run_data
 from titanlike.data.loader import validation_batches
 from titanlike.data.tokenizer import record_tokenizer, run_tokenizer_files
-from titanlike.errors import UserError
+from titanlike.errors import EXIT_CODE, UserError, error_exit
 from titanlike.float8 import Float8Converter
 from titanlike.hf.initial import load_initial_weights
 from titanlike.model.decoder import Transformer
@@ -389,9 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         setup_logging(rank)
     except UserError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
+        return error_exit(e) if rank == 0 else EXIT_CODE
     trainer = cfg = None
     argv = list(sys.argv[1:] if argv is None else argv)
     publish = True  # whether every rank reaches the end together (a failure of one rank alone: no)
@@ -416,10 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         publish = world == 1
         return stopping.EXIT_CODE[stopping.INTERRUPTED]
     except UserError as e:
-        if rank == 0 or not e.same_on_all_ranks:
-            print(f"error: {e}", file=sys.stderr)
         publish = world == 1 or e.same_on_all_ranks
-        return 2
+        return error_exit(e) if rank == 0 or not e.same_on_all_ranks else EXIT_CODE
     except RuntimeError as e:  # out of memory, or a peer rank gone: one line where it is one of those
         publish = world == 1
         known = faults.explain(e, cfg, world, rank, **(trainer.fault_facts() if trainer is not None else {}))

@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 
 from titanlike import fs
-from titanlike.errors import ArgumentParser, UserError
+from titanlike.errors import ArgumentParser, UserError, error_exit
 
 DTYPES = ("bf16", "fp32")
 
@@ -246,8 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         files, arch = export(a.checkpoint, a.out, a.dtype, a.tokenizer, a.trust_pickled_dcp, a.overwrite,
                              a.allow_nonfinite)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return error_exit(e)
     print(f"exported {a.checkpoint} to {a.out} ({a.dtype}, {arch}): {', '.join(files)}")
     note = inference_note(a.out)
     if note:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from titanlike.errors import ArgumentParser, UserError
+from titanlike.errors import ArgumentParser, UserError, error_exit
 from titanlike.model.decoder import Transformer
 
 
@@ -258,8 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--max-new-tokens {a.max_new_tokens}: the model's context is {model.args.max_seq_len} "
                             f"tokens and the prompt takes {len(prompt)}; ask for {max(room, 0)} or fewer")
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return error_exit(e)
     gen = torch.Generator(device=device).manual_seed(a.seed)
     t0 = time.perf_counter()
     new = generate(model, prompt, a.max_new_tokens, a.temperature, a.top_k, tok.eos_id, gen, vocab_limit=tok.vocab_size)

@@ -10,7 +10,7 @@ import sys
 from titanlike.config import load_config
 from titanlike.config.dims import parallel_dims
 from titanlike.config.resolve import resolve_model
-from titanlike.errors import UserError
+from titanlike.errors import UserError, error_exit
 from titanlike.model.shape import count_params
 from titanlike.plan.estimate import CONTEXT_GIB, NCCL_GIB, estimate_run
 from titanlike.plan.fit import MARGIN, card_fit_gib, fit, fit_to_target, usable_gib
@@ -98,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(report(argv))
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return error_exit(e)
     return 0
 
 

@@ -30,7 +30,7 @@ import sys
 from titanlike.data.prepare.driver import prepare
 from titanlike.data.prepare.readers import ALL_SUFFIXES, TEXT_FIELDS
 from titanlike.data.prepare.workers import STOP_SIGNALS
-from titanlike.errors import ArgumentParser, UserError
+from titanlike.errors import ArgumentParser, UserError, error_exit
 
 
 class Stopped(BaseException):
@@ -89,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         info = prepare(a.out, a.inputs, a.tokenizer, a.workers, a.text_field or "", a.val_fraction, a.shard_tokens,
                        a.overwrite, a.bos_token, a.eos_token, progress=sys.stderr.isatty())
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return error_exit(e)
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)
         return 130

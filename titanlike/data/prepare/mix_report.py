@@ -19,7 +19,7 @@ import sys
 from titanlike import fs
 from titanlike.config.dataset import DatasetError, dataset_info_path, read_dataset_info, shared_dataset_info
 from titanlike.config.sources import parse_mix
-from titanlike.errors import ArgumentParser, UserError
+from titanlike.errors import ArgumentParser, UserError, error_exit
 
 
 def folder_record(path: str) -> dict:
@@ -121,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --mix {a.mix!r}: {e}", file=sys.stderr)
         return 2
     except (UserError, DatasetError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return error_exit(e)
     if a.mix and not tokens:
         print("give --tokens (or --steps and --tokens-per-step) for the epochs each source would make",
               file=sys.stderr)
