@@ -121,6 +121,16 @@ def step_folder_problem(step_dir: str) -> str | None:
     return None
 
 
+def step_model_args(step_dir: str) -> ModelArgs:
+    """The model shape a step folder records (model_args.json), read through the gate's file checks: one
+    UserError line for a file that does not describe a model titanlike builds."""
+    args_file = os.path.join(step_dir, MODEL_ARGS)
+    try:
+        return args_from_json(fs.read_json(args_file, "the checkpoint's model shape"), args_file)
+    except ValueError as e:
+        raise UserError(f"{e}; it does not describe a model titanlike builds") from None
+
+
 def read_model_weights(step_dir: str, trust_pickled_dcp: bool = False, flag: str = TRUST_FLAG
                        ) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     """(ModelArgs, full CPU fp32 state dict under our parameter names) of a checkpoint step folder
@@ -132,11 +142,7 @@ def read_model_weights(step_dir: str, trust_pickled_dcp: bool = False, flag: str
     if problem:
         raise UserError(problem)
     check_readable(step_dir, trust_pickled_dcp, flag)
-    args_file = os.path.join(step_dir, MODEL_ARGS)
-    try:
-        margs = args_from_json(fs.read_json(args_file, "the checkpoint's model shape"), args_file)
-    except ValueError as e:
-        raise UserError(f"{e}; it does not describe a model titanlike builds") from None
+    margs = step_model_args(step_dir)
     with torch.device("meta"):
         model = Transformer(margs)
     model.to_empty(device="cpu")

@@ -184,9 +184,8 @@ def export(step_dir: str, out_dir: str, dtype: str = "bf16", tokenizer: str = ""
     an infinity are refused unless `allow_nonfinite`."""
     import torch
 
-    from titanlike.checkpoint.weights import MODEL_ARGS, read_model_weights, step_folder_problem
+    from titanlike.checkpoint.weights import read_model_weights, step_folder_problem, step_model_args
     from titanlike.hf.interchange import set_file_modes, write_hf_folder, write_tokenizer_files
-    from titanlike.model.shape import args_from_json
 
     if os.path.isfile(os.path.join(out_dir, ".metadata")):
         raise UserError(f"{out_dir} is a checkpoint; the output must be another folder")
@@ -194,11 +193,7 @@ def export(step_dir: str, out_dir: str, dtype: str = "bf16", tokenizer: str = ""
     problem = step_folder_problem(step_dir)
     if problem:
         raise UserError(problem)
-    args_file = os.path.join(step_dir, MODEL_ARGS)
-    try:
-        shape = args_from_json(fs.read_json(args_file, "the checkpoint's model shape"), args_file)
-    except ValueError as e:
-        raise UserError(f"{e}; it does not describe a model titanlike builds") from None
+    shape = step_model_args(step_dir)
     tok = run_tokenizer(step_dir, tokenizer, shape.vocab_size)  # before the weights: a wrong choice costs nothing
     margs, state = read_model_weights(step_dir, trust_pickled_dcp, flag="--trust-pickled-dcp")
     bad = None if allow_nonfinite else first_nonfinite(state)
