@@ -167,6 +167,39 @@ def gpu_shard(items: list, shard: str) -> list:
     return [i for i in items if i in mine]
 
 
+# ---- helpers the tests share that no run needs ------------------------------------------------------
+
+
+def resolve_model_args(cfg):
+    """The model shape a config means (what a run resolves: config/resolve.py)."""
+    from titanlike.config.resolve import resolve_model
+
+    return resolve_model(cfg).args
+
+
+def build_train_loader(dataset, local_batch: int, global_batch: int, dp_rank: int, dp_world: int, seed: int,
+                       num_workers: int, pin_memory: bool, plan=None):
+    """A loader over one dataset in `plan`'s order (default: its own epoch order), as data/build.py makes
+    one for a run, without the rest of the run."""
+    from titanlike.data.loader import DataError, GlobalBatchSampler, TrainLoader
+    from titanlike.data.order import EpochOrder
+
+    if len(dataset) < global_batch:
+        raise DataError(f"the training data has {len(dataset)} samples of data.seq_len + 1 tokens, fewer than one "
+                        f"global batch of {global_batch}; use more data, a shorter data.seq_len or a smaller batch")
+    plan = plan if plan is not None else EpochOrder(len(dataset), seed)
+    return TrainLoader(dataset, GlobalBatchSampler(plan, local_batch, global_batch, dp_rank, dp_world), num_workers,
+                       pin_memory)
+
+
+def seal(folder: str, step: int = 0) -> None:
+    """A manifest for every file of a DCP folder written in one process: what a titanlike save writes, so
+    that the folder counts as written by titanlike on this account."""
+    from titanlike.checkpoint.manifest import MANIFEST, describe_files, write_manifest
+
+    write_manifest(folder, step, describe_files(folder, sorted(n for n in os.listdir(folder) if n != MANIFEST)))
+
+
 def _env() -> dict:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"

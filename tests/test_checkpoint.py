@@ -35,9 +35,9 @@ from conftest import (
     metrics,
     run_python,
     run_train,
+    seal,
     step_losses,
 )
-from titanlike.checkpoint.manifest import seal
 
 # Single-process DCP calls (the export, the synthetic checkpoints) say that they are single-process.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -689,7 +689,7 @@ def test_every_shipped_config_runs_in_bf16_with_one_flag(toml):
 
 
 def test_gpt2_112m_config_is_the_reports_shape():
-    from titanlike.config.resolve import resolve_model_args
+    from conftest import resolve_model_args
     from titanlike.model.shape import count_params
 
     margs = resolve_model_args(load_config(["--job.config_file", str(ROOT / "train_configs" / "gpt2_112m.toml")]))

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from titanlike.data.loader import GlobalBatchSampler, TokenWindows, build_train_loader, open_dataset, validation_batches
+from conftest import build_train_loader
+from titanlike.data.loader import GlobalBatchSampler, TokenWindows, open_dataset, validation_batches
 from titanlike.data.order import EpochOrder
 from titanlike.data.shards import HEADER, MAGIC, DataError, Shard, find_shards, write_shard
 from titanlike.data.tokenizer import ByteTokenizer

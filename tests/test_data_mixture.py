@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import losses, metrics, run_train, train_here
-from titanlike.checkpoint.manifest import seal
+from conftest import losses, metrics, run_train, seal, train_here
 from titanlike.config import ConfigError, load_config, to_toml
 from titanlike.config.dataset import DatasetError
 from titanlike.config.sources import schedule_of

@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from titanlike.data.loader import GlobalBatchSampler, build_train_loader, open_dataset
+from conftest import build_train_loader
+from titanlike.data.loader import GlobalBatchSampler, open_dataset
 from titanlike.data.order import AFFINE, FEISTEL, EpochOrder, derive_key, feistel
 from titanlike.data.shards import DataError, write_shard
 

@@ -6,8 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
-from conftest import losses, train_here
-from titanlike.checkpoint.manifest import seal
+from conftest import losses, seal, train_here
 
 RUN = ("--training.steps", "4", "--data.seq_len", "32", "--training.local_batch_size", "2",
        "--training.global_batch_size", "4", "--metrics.log_freq", "1", "--validation.enable", "false",

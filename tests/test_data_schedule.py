@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import losses, metrics, train_here
+from conftest import losses, metrics, seal, train_here
 from test_data_mixture import data_section, prepared, step_windows
-from titanlike.checkpoint.manifest import seal
 from titanlike.config import ConfigError, load_config
 from titanlike.config.sources import schedule_of
 from titanlike.data.build import build_run_data

@@ -25,14 +25,14 @@ from conftest import (
     copy_run,
     error_lines,
     load_in_process,
+    resolve_model_args,
     run_python,
     run_train,
+    seal,
     step_losses,
     train_here,
 )
-from titanlike.checkpoint.manifest import seal
 from titanlike.config import load_config
-from titanlike.config.resolve import resolve_model_args
 from titanlike.errors import UserError
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import model_args

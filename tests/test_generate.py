@@ -8,8 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import run_python
-from titanlike.checkpoint.manifest import seal
+from conftest import run_python, seal
 from titanlike.hf.generate import KVCache, forward_cached, generate
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import ModelArgs

@@ -10,9 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import losses, run_train
+from conftest import losses, resolve_model_args, run_train
 from titanlike.config import ConfigError, load_config
-from titanlike.config.resolve import resolve_model_args
 from titanlike.model.decoder import Attention, Transformer, apply_rope, rope_tables
 from titanlike.model.shape import PRESETS, ModelArgs, count_params, shape_difference
 

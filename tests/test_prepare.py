@@ -11,9 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import run_python
+from conftest import resolve_model_args, run_python
 from titanlike.config import ConfigError, load_config
-from titanlike.config.resolve import resolve_model_args
 from titanlike.data.prepare import readers
 from titanlike.data.prepare.driver import prepare
 from titanlike.data.prepare.readers import ALL_SUFFIXES

@@ -126,12 +126,6 @@ def write_manifest(folder: str, step: int, files: dict[str, dict]) -> None:
                                                    "signature": sign(key, files, meta)}, indent=1, fsync=True)
 
 
-def seal(folder: str, step: int = 0) -> None:
-    """A manifest for every file of a DCP folder written in one process (tests, tools): what a
-    titanlike save writes, so that the folder counts as written by titanlike on this account."""
-    write_manifest(folder, step, describe_files(folder, sorted(n for n in os.listdir(folder) if n != MANIFEST)))
-
-
 # ---- the gate ---------------------------------------------------------------------------------------
 
 

@@ -122,10 +122,6 @@ def document_end(cfg: JobConfig, info: DatasetInfo | None, builtin_corpus: bool)
     return info.eos_id
 
 
-def resolve_model_args(cfg: JobConfig) -> ModelArgs:
-    return resolve_model(cfg).args
-
-
 def with_resolved_shape(cfg: JobConfig, model: ResolvedModel) -> JobConfig:
     """The config as the run uses it: [model] with the shape it resolved to (the preset's or the data's
     values where the config leaves them unset), for --job.print_config and config.toml."""

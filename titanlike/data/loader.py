@@ -24,7 +24,7 @@ import torch
 
 from titanlike import cache
 from titanlike.data.corpus import build_default_corpus
-from titanlike.data.order import AFFINE, ORDERS, EpochOrder
+from titanlike.data.order import AFFINE, ORDERS
 from titanlike.data.shards import DataError, Shard, ShardFault, id_advice, open_shards
 
 logger = logging.getLogger("titanlike")
@@ -281,17 +281,3 @@ def open_dataset(path: str, seq_len: int, vocab_size: int, what: str, tokenizer:
     limit, source = (tokenizer[0], f"its tokenizer ({tokenizer[1]})") if tokenizer else (vocab_size,
                                                                                       "the model's vocabulary")
     return TokenWindows(open_shards(path, seq_len, limit, source, what), seq_len, limit, source)
-
-
-def build_train_loader(dataset: TokenWindows | MixedWindows, local_batch: int, global_batch: int, dp_rank: int,
-                       dp_world: int, seed: int, num_workers: int, pin_memory: bool,
-                       plan: SamplePlan | None = None) -> TrainLoader:
-    """The loader over `dataset` in `plan`'s order (default: the dataset's own epoch order)."""
-    if len(dataset) < global_batch:
-        raise DataError(
-            f"the training data has {len(dataset)} samples of data.seq_len + 1 tokens, fewer than one "
-            f"global batch of {global_batch}; use more data, a shorter data.seq_len or a smaller batch"
-        )
-    plan = plan if plan is not None else EpochOrder(len(dataset), seed)
-    sampler = GlobalBatchSampler(plan, local_batch, global_batch, dp_rank, dp_world)
-    return TrainLoader(dataset, sampler, num_workers, pin_memory)
