@@ -57,8 +57,8 @@ def test_a_full_dump_folder_is_one_line(tmp_path, corpus, free_pages):
     with small_disk(tmp_path / "disk", "1m") as mount:
         fill(mount)
         os.truncate(mount / "filler", max(0, os.path.getsize(mount / "filler") - free_pages * 4096))
-        proc = train_here(mount / "run", "--training.steps", "3", "--metrics.log_freq", "1", corpus=corpus,
-                          check=False)
+        proc = train_here(mount / "run", "--training.steps", "3", "--metrics.log_freq", "1", "--data.seq_len", "64",
+                          "--training.local_batch_size", "2", corpus=corpus, check=False)
     if free_pages <= 3:  # the probe, config.toml, TensorBoard, metrics.jsonl in turn
         assert proc.returncode == 2, proc.stderr[-3000:]
     if proc.returncode:

@@ -6,7 +6,9 @@ transformers checks (AutoModelForCausalLM, AutoTokenizer) skip when it is not in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import shutil
@@ -62,6 +64,23 @@ def synthetic_checkpoint(step_dir: Path, **overrides) -> Transformer:
 
 
 def export(step_dir: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """titanlike-export's main() in this process (a new process costs seconds of imports a call; the
+    command itself runs as one in `exported` and test_garbage_or_missing_checkpoint_is_one_line). An
+    exception main() does not turn into an error: line fails the test as a traceback would."""
+    from titanlike.hf.export import main
+
+    argv = [str(step_dir), str(out), *extra]
+    out_text, err_text = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out_text), contextlib.redirect_stderr(err_text):
+        try:
+            rc = main(argv)
+        except SystemExit as e:  # argparse's usage errors
+            rc = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(argv, rc, out_text.getvalue(), err_text.getvalue())
+
+
+def export_command(step_dir: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """The console command as a user runs it, in a process of its own."""
     return run_python("-m", "titanlike.hf.export", str(step_dir), str(out), *extra)
 
 
@@ -371,7 +390,7 @@ TOKENS = torch.randint(0, 258, (2, 64), generator=torch.Generator().manual_seed(
 def exported(ref, tmp_path_factory):
     """The reference run's last checkpoint, exported in fp32: (step folder, Hugging Face folder)."""
     step_dir, out = ckpt(ref[0]) / f"step-{STEPS}", tmp_path_factory.mktemp("export") / "hf"
-    proc = export(step_dir, out, "--dtype", "fp32")
+    proc = export_command(step_dir, out, "--dtype", "fp32")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == (f"exported {step_dir} to {out} (fp32, LlamaForCausalLM): model.safetensors, "
                                    f"config.json, generation_config.json, tokenizer.json, tokenizer_config.json")
@@ -474,7 +493,7 @@ def test_export_loads_in_transformers_llama(request, tmp_path, tied):
 
 @pytest.mark.slow
 def test_export_errors(tmp_path, ref, capsys):
-    missing = export(tmp_path / "nope", tmp_path / "out")  # the real command line: exit code 2
+    missing = export_command(tmp_path / "nope", tmp_path / "out")  # the real command line: exit code 2
     assert missing.returncode == 2 and error_lines(missing.stderr) == [f"error: {tmp_path}/nope: no such folder"]
 
     from titanlike.hf.export import main

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 
 import pytest
 import torch
 
-from conftest import run_python, seal
+from conftest import call, run_python, seal
 from titanlike.hf.generate import KVCache, forward_cached, generate
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import ModelArgs
@@ -85,16 +87,19 @@ def test_command_on_a_step_folder(tmp_path):
     dcp.save({"model": get_model_state_dict(m)}, checkpoint_id=str(step), no_dist=True)
     (step / "model_args.json").write_text(json.dumps(dataclasses.asdict(args)))
     seal(str(step))  # the manifest a titanlike save writes: trusted as this account's
-    proc = run_python("-m", "titanlike.hf.generate", str(step), "--prompt", "abc", "--max-new-tokens", "10",
-                      "--temperature", "0", "--device", "cpu")
-    assert proc.returncode == 0, proc.stderr
+    from titanlike.hf.generate import main
+
+    out, err = io.StringIO(), io.StringIO()  # main() in this process: a new one costs seconds of imports
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main([str(step), "--prompt", "abc", "--max-new-tokens", "10", "--temperature", "0", "--device", "cpu"])
+    assert rc == 0, err.getvalue()
     prompt = [256] + list(b"abc")
     new = generate(m, prompt, 10, eos_id=257, vocab_limit=258)
-    assert proc.stdout == "abc" + bytes(i for i in new if i < 256).decode("utf-8", errors="replace") + "\n"
-    assert "new tokens in" in proc.stderr
-    bad = run_python("-m", "titanlike.hf.generate", str(tmp_path / "nope"))
-    lines = bad.stderr.strip().splitlines()
-    assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ")
+    assert out.getvalue() == "abc" + bytes(i for i in new if i < 256).decode("utf-8", errors="replace") + "\n"
+    assert "new tokens in" in err.getvalue()
+    rc, stderr = call(main, str(tmp_path / "nope"))
+    lines = stderr.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: ")
 
     # Export and generate never import torchao, whose import prints notices of its own (an extension it could
     # not load, a pytree deprecation): transformers imports it when installed, which is not ours to quiet

@@ -103,6 +103,7 @@ def ctrl_c_twice(dump: Path, corpus, ngpu: int = 1) -> tuple[int, str]:
     return rc, log.read_text()
 
 
+@pytest.mark.slow
 def test_second_ctrl_c_stops_at_once(tmp_path, corpus):
     dump = tmp_path / "run"
     rc, out = ctrl_c_twice(dump, corpus)

@@ -29,6 +29,7 @@ def printed_config(proc: subprocess.CompletedProcess) -> dict:
     return tomllib.loads(proc.stdout)
 
 
+@pytest.mark.slow  # torchrun twice: the slow tier, where the launcher's other modes run
 def test_torchrun_with_no_arguments_trains_what_the_launcher_trains():
     launcher = printed_config(bash_mode("--job.print_config"))
     torchrun = printed_config(python_mode("--job.print_config"))
@@ -63,6 +64,7 @@ def test_help_is_printed_once(ngpu):
     assert "--training.steps" in proc.stdout
 
 
+@pytest.mark.slow
 def test_help_under_torchrun_is_printed_once():
     proc = python_mode("--help", nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -71,6 +71,7 @@ def test_chunked_loss_with_a_float8_output_layer(chunk_tokens, rtol):
         assert rel <= max(rtol, 1e-6) * 5, (name, rel.item())
 
 
+@pytest.mark.slow  # two compiles; the default tier compiles the head's loss below
 def test_chunked_loss_compiled_equals_whole_logits():
     model, inputs, targets = model_and_batch()
     want_loss, want_grads = loss_and_grads(model, inputs, targets, 0, compile=True)
@@ -80,7 +81,7 @@ def test_chunked_loss_compiled_equals_whole_logits():
         torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("float8_output", [False, True])
+@pytest.mark.parametrize("float8_output", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_compiled_head_equals_eager_loss(float8_output):
     """One process, compiled: the final norm, the output layer (bf16 or float8) and the loss as one
     graph give the eager loss and gradients; and the same compiled loss serves under no_grad (validation)."""
