@@ -316,7 +316,7 @@ def test_a_shard_truncated_during_training_is_one_line_naming_it(tmp_path, num_w
     assert message.startswith(f"{path} became shorter while training read it: tokens ")
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("num_workers", [0, 1])  # a worker's fault reaches the trainer as the same line
 def test_a_header_that_understates_the_largest_id_is_caught_in_the_loader(tmp_path, num_workers):
     from titanlike.data.shards import HEADER, MAGIC, ShardFault
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerAction
 
-from conftest import losses, run_train
+from conftest import losses, train_here
 from titanlike.run.profiling import Profiler
 
 A = ProfilerAction
@@ -43,7 +43,7 @@ def test_windows_are_fixed_on_the_global_step():
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory, corpus):
     dump = tmp_path_factory.mktemp("profiled")
-    proc = run_train(dump, "--training.steps", "7", "--metrics.log_freq", "1", "--data.seq_len", "64",
+    proc = train_here(dump, "--training.steps", "7", "--metrics.log_freq", "1", "--data.seq_len", "64",
                      "--training.local_batch_size", "2", "--validation.enable", "false",
                      "--profiling.enable", "--profiling.freq", "3", "--profiling.warmup", "1",
                      "--profiling.active", "1", "--profiling.memory_snapshot", corpus=corpus)
