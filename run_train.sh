@@ -59,17 +59,17 @@ fi
 # Schedulers preempt with SIGTERM or SIGUSR1: torchrun forwards both to the workers, which finish
 # the step and save; give them time for that save before torchrun escalates to SIGKILL.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"
-# torchrun (titanlike.run.launch: torchrun ending in one line, not a traceback) exits 128 + signal
+# torchrun (titanlike.process.launch: torchrun ending in one line, not a traceback) exits 128 + signal
 # after forwarding a signal, even when every worker saved and stopped cleanly; the workers leave
 # a marker so that this launcher can report the truth: exit 0.
 export TITANLIKE_PREEMPTED_MARKER="$(mktemp -u "${TMPDIR:-/tmp}/titanlike-preempted.XXXXXX")"
 # torchrun runs in a process group of its own (set -m), so that a signal sent to this launcher's
 # group (a terminal's Ctrl-C, a scheduler signalling the job) reaches it once: passed on from here.
 # Ctrl-C (SIGINT): the workers finish the step, save and exit 130; a second one stops them at once.
-# torchrun follows this launcher and the workers follow torchrun (titanlike/run/lifeline.py): a SIGKILL
+# torchrun follows this launcher and the workers follow torchrun (titanlike/process/lifeline.py): a SIGKILL
 # of this launcher's group ends the run with a save, as a preemption does, never leaving it headless.
 set -m
-TITANLIKE_LAUNCHER_PID=$$ "$PYTHON" -m titanlike.run.launch "${rdzv[@]}" --nproc_per_node="$NGPU" --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
+TITANLIKE_LAUNCHER_PID=$$ "$PYTHON" -m titanlike.process.launch "${rdzv[@]}" --nproc_per_node="$NGPU" --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
   "$here/run_train.sh" --job.config_file "$CONFIG_FILE" "$@" &
 pid=$!
 set +m
@@ -89,7 +89,7 @@ exit "$rc"
 import os
 import sys
 
-from titanlike.run import lifeline
+from titanlike.process import lifeline
 
 lifeline.follow_torchrun()  # before torch loads: a worker ends with the torchrun that started it
 from titanlike.train import main  # noqa: E402

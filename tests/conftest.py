@@ -192,6 +192,17 @@ def build_train_loader(dataset, local_batch: int, global_batch: int, dp_rank: in
                        pin_memory)
 
 
+def build_data(data, *, seed: int, validation: bool = True, stages=None):
+    """The run's data (data/build.py) over a [data] section, as a 1-rank run of local batch 2, global batch 4
+    and vocabulary 320 builds it; `stages`: one stage of data.seq_len unless given."""
+    from titanlike.config.sources import schedule_of
+    from titanlike.config.stages import Stage, Stages
+    from titanlike.data.build import DataSpec, build_run_data
+
+    stages = stages or Stages((Stage(1, data.seq_len, 0.0, 2, 4, 2),))
+    return build_run_data(DataSpec(data, schedule_of(data), stages, 320, seed, validation=validation))
+
+
 def seal(folder: str, step: int = 0) -> None:
     """A manifest for every file of a DCP folder written in one process: what a titanlike save writes, so
     that the folder counts as written by titanlike on this account."""

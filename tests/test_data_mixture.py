@@ -12,11 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import losses, metrics, run_train, seal, train_here
+from conftest import build_data, losses, metrics, run_train, seal, train_here
 from titanlike.config import ConfigError, load_config, to_toml
 from titanlike.config.dataset import DatasetError
-from titanlike.config.sources import schedule_of
-from titanlike.data.build import build_run_data
 from titanlike.data.loader import GlobalBatchSampler
 from titanlike.data.mixture import MixturePlan, block_counts
 from titanlike.data.order import EpochOrder
@@ -130,8 +128,7 @@ def test_loader_resumes_a_mixture_with_any_workers_and_counts_what_it_read(sourc
 
     def run_data(w):
         data = data_section(mix, w)
-        return build_run_data(data, schedule_of(data), 320, None, 2, 4, 0, 1, seed=1, pin_memory=False,
-                              validation=True)
+        return build_data(data, seed=1, validation=True)
 
     reference = run_data(0)
     batches = [next(reference.loader) for _ in range(2 * 12)]  # 12 steps of 2 micro-batches
@@ -242,7 +239,7 @@ def test_a_mixture_run_reports_each_source_and_resumes_exactly(tmp_path, sources
 def test_per_source_losses_leave_the_loss_as_it_was(tmp_path, sources, corpus, monkeypatch):
     """Reading each source's loss changes no loss: a mixture's losses are bit for bit those of the same
     run with the plain loss function; a run on one source logs no per-source loss at all."""
-    from titanlike import train
+    from titanlike import trainer
     from titanlike.model.loss import build_loss
 
     mix = ("--data.mix", f"web={sources['web']}:0.7,code={sources['code']}:0.3")
@@ -255,14 +252,14 @@ def test_per_source_losses_leave_the_loss_as_it_was(tmp_path, sources, corpus, m
         return lambda model, inputs, targets, context=None: (loss_fn(model, inputs, targets, context),
                                                              torch.zeros(targets.shape))
 
-    monkeypatch.setattr(train, "build_token_loss", plain)
+    monkeypatch.setattr(trainer, "build_token_loss", plain)
     train_here(tmp_path / "plain", *short, *mix)
     assert losses(tmp_path / "mixed") == losses(tmp_path / "plain") and len(losses(tmp_path / "plain")) == 3
 
     def never(*args, **kwargs):
         raise AssertionError("a run on one source builds the plain loss alone")
 
-    monkeypatch.setattr(train, "build_token_loss", never)  # one source: the plain loss path, as before
+    monkeypatch.setattr(trainer, "build_token_loss", never)  # one source: the plain loss path, as before
     train_here(tmp_path / "one", *short, corpus=corpus)
     assert all("loss_by_source" not in r for r in metrics(tmp_path / "one")) and len(losses(tmp_path / "one")) == 3
 

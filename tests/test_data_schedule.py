@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import losses, metrics, seal, train_here
+from conftest import build_data, losses, metrics, seal, train_here
 from test_data_mixture import data_section, prepared, step_windows
 from titanlike.config import ConfigError, load_config
 from titanlike.config.sources import schedule_of
-from titanlike.data.build import build_run_data
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +28,7 @@ SWITCH = 6  # the first step of the second mixture
 def run_data(sources, workers=0, anneal=SWITCH):
     data = data_section(f"web={sources['web']}:0.7,code={sources['code']}:0.3", workers,
                         anneal_mix=f"books={sources['books']}:0.5,web={sources['web']}:0.5", anneal_from_step=anneal)
-    return build_run_data(data, schedule_of(data), 320, None, 2, 4, 0, 1, seed=2, pin_memory=False, validation=True)
+    return build_data(data, seed=2, validation=True)
 
 
 def test_the_second_mixture_starts_at_its_step_and_a_shared_source_goes_on(sources):
@@ -110,13 +109,12 @@ def test_trainer_resumes_across_the_switch_and_logs_a_changed_schedule(tmp_path,
 def test_data_path_with_an_anneal_is_a_source_named_data(sources):
     data = data_section("", path=f"{sources['web']}/train", val_path=f"{sources['web']}/val",
                         anneal_mix=f"books={sources['books']}/train:1", anneal_from_step=3)
-    run = build_run_data(data, schedule_of(data), 320, None, 2, 4, 0, 1, seed=2, pin_memory=False, validation=True)
+    run = build_data(data, seed=2, validation=True)
     assert run.names == ["data", "books"] and set(run.val) == {"data", "books"}  # books/train: val/ beside it
     source, _ = run.plan.sources_and_uses(np.arange(4 * 4))
     assert set(source[:8].tolist()) == {0} and set(source[8:].tolist()) == {1}
     # Without a schedule, data.path reads the plain order of its windows.
     plain_data = data_section("", path=f"{sources['web']}/train")
-    plain = build_run_data(plain_data, schedule_of(plain_data), 320, None, 2, 4, 0, 1, seed=2, pin_memory=False,
-                           validation=True)
+    plain = build_data(plain_data, seed=2, validation=True)
     assert plain.names == ["data"] and not plain.mixed and not plain.val
     assert plain.read_by_source() == {"tokens_by_source": {"data": 0}, "epochs_by_source": {"data": 0.0}}

@@ -19,7 +19,7 @@ from titanlike.config.dims import parallel_dims
 from titanlike.errors import UserError
 from titanlike.float8 import Float8Options
 from titanlike.float8.layers import check_device
-from titanlike.run import faults
+from titanlike.process import faults
 
 # ---- out of memory ----------------------------------------------------------------------------------
 

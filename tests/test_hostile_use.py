@@ -497,7 +497,7 @@ def test_import_advice_does_not_loop(hf_folder, tmp_path, corpus):
 def test_earlier_runs_that_is_not_a_folder_of_ours_is_refused_untouched(tmp_path, kind):
     """A fresh run moves another run's records to earlier-runs/<time>/: never through a link there, into
     wherever it points; nor a traceback when earlier-runs is a file."""
-    from titanlike.run.folder import RunFolder
+    from titanlike.records.folder import RunFolder
 
     dump, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
     dump.mkdir()

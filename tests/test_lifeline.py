@@ -1,5 +1,5 @@
 """No process outlives its run: torchrun follows the launcher and the workers follow torchrun
-(titanlike/run/lifeline.py). A SIGKILL of the launcher's process group, or of torchrun alone, ends the
+(titanlike/process/lifeline.py). A SIGKILL of the launcher's process group, or of torchrun alone, ends the
 whole run with a save (the inner levels get SIGTERM, as in a preemption), and the run folder's lock
 goes with it."""
 
@@ -17,7 +17,7 @@ import pytest
 from conftest import ROOT, _env
 from test_interrupt import complete_checkpoints, wait_for
 from titanlike import fs
-from titanlike.run import lifeline
+from titanlike.process import lifeline
 
 
 def children(pid: int) -> list[int]:
@@ -96,7 +96,7 @@ def test_a_killed_launcher_or_torchrun_takes_the_run_with_it(tmp_path, corpus, k
     fs.FolderLock(str(dump), "job.dump_folder").check_free()  # the next run may take the folder
 
 
-FOLLOWER = ("from titanlike.run import lifeline; import time; print(lifeline.follow_torchrun(), flush=True); "
+FOLLOWER = ("from titanlike.process import lifeline; import time; print(lifeline.follow_torchrun(), flush=True); "
             "time.sleep(60)")
 
 

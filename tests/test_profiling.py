@@ -11,7 +11,7 @@ import torch
 from torch.profiler import ProfilerAction
 
 from conftest import losses, train_here
-from titanlike.run.profiling import Profiler
+from titanlike.records.profiling import Profiler
 
 A = ProfilerAction
 

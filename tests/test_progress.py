@@ -8,9 +8,9 @@ import logging
 import pytest
 import torch
 
-from titanlike.run import progress
-from titanlike.run.metrics import MetricsLogger, format_line
-from titanlike.run.progress import CLEAR, Progress, format_duration, render, wants_terminal_line
+from titanlike.records import progress
+from titanlike.records.metrics import MetricsLogger, format_line
+from titanlike.records.progress import CLEAR, Progress, format_duration, render, wants_terminal_line
 
 
 class Terminal(io.StringIO):
@@ -136,7 +136,7 @@ def test_plain_log_line_carries_the_step_count_and_eta():
 
 def test_cpu_log_line_has_no_tflops_or_mfu_column(tmp_path, caplog):
     m = MetricsLogger(str(tmp_path), is_writer=True, tensorboard=False, device=torch.device("cpu"),
-                      flops_per_token=1000, float8_matmul_share=0.0)
+                      float8_matmul_share=0.0)
     with caplog.at_level(logging.INFO, logger="titanlike"):
         m.log(20, {"loss": 3.0, "tps": 1234.0, "tflops": 0.0012, "mfu": None}, total_steps=150, eta_s=65)
     m.close()

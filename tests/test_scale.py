@@ -132,13 +132,14 @@ def test_collective_timeout_names_rank_and_host(tmp_path, corpus):
     assert errors[0].startswith(f"error: rank 0 on {socket.gethostname()}: a collective timed out ("), errors[0]
     assert "3000ms" in errors[0] and "another rank" in errors[0]
     # The one line replaces the worker's traceback (torchrun still prints its own summary).
-    assert "stalled_rank_probe.py\", line" not in proc.stderr and "titanlike/train.py\", line" not in proc.stderr
+    assert "stalled_rank_probe.py\", line" not in proc.stderr and "titanlike/train.py\", line" not in proc.stderr \
+        and "titanlike/trainer.py\", line" not in proc.stderr
 
 
 def test_collective_failure_recognises_backend_errors_only():
     import torch.distributed as dist
 
-    from titanlike.run.faults import collective_failure
+    from titanlike.process.faults import collective_failure
 
     gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [10.0.0.7]:4802: "
                         "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in "

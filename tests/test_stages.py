@@ -12,14 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import call, error_lines, losses, metrics, run_train, train_here
+from conftest import build_data, call, error_lines, losses, metrics, run_train, train_here
 from test_data_mixture import data_section, prepared
 from titanlike import preflight
 from titanlike.config import ConfigError, load_config
 from titanlike.config.run import resolve_run
 from titanlike.config.sources import parse_phase_items, parse_phases, schedule_of
 from titanlike.config.stages import Stage, Stages
-from titanlike.data.build import build_run_data
 
 # ---- the table ---------------------------------------------------------------------------------------------
 
@@ -97,8 +96,7 @@ STAGES = Stages((Stage(1, 16, 1e4, 2, 4, 2), Stage(SWITCH, 32, 1e5, 1, 2, 2)))
 
 def staged_data(sources, workers=0):
     data = data_section(f"web={sources['web']}:0.7,code={sources['code']}:0.3", workers)
-    return build_run_data(data, schedule_of(data), 320, None, 2, 4, 0, 1, seed=2, pin_memory=False,
-                          validation=True, stages=STAGES)
+    return build_data(data, seed=2, validation=True, stages=STAGES)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -136,8 +134,7 @@ def test_the_long_stage_goes_on_from_the_tokens_read_before_it(sources):
 
 def test_a_mixture_phase_inside_a_stage_keeps_its_step(sources):
     data = data_section(f"web={sources['web']}:1", phase=f"{SWITCH + 2}:code={sources['code']}:1")
-    run = build_run_data(data, schedule_of(data), 320, None, 2, 4, 0, 1, seed=2, pin_memory=False,
-                         validation=False, stages=STAGES)
+    run = build_data(data, seed=2, validation=False, stages=STAGES)
     plan = run.segments[1].plan
     # The long stage reads 2 samples a step: the code phase starts 2 steps (4 positions) into it.
     assert plan.starts.tolist() == [0, 4]
@@ -214,7 +211,7 @@ def test_four_ranks_with_cp_change_the_batch_at_the_switch_and_resume_exactly(tm
 
 
 def test_out_of_memory_in_a_long_stage_names_the_stage_s_knobs():
-    from titanlike.run.faults import oom_message
+    from titanlike.process.faults import oom_message
 
     cfg = load_config(["--training.local_batch_size", "4", "--data.phase", "5:seq_len=128,local_batch_size=2"])
     run = resolve_run(cfg, 1)

@@ -63,7 +63,7 @@ def check(cfg: JobConfig, world_size: int) -> ResolvedRun:
     elif not run.builtin_corpus:
         open_shards(cfg.data.path, seq_len, limit, source, "data.path")
     if cfg.metrics.enable_wandb:
-        from titanlike.run.wandb_sink import check_installed
+        from titanlike.records.wandb_sink import check_installed
 
         check_installed()  # found, not imported
     return run
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         world = world_size()
         cfg = fitted(cfg, argv, world)  # training.fit_gib: a target nothing reaches stops here
         run = check(cfg, world)
-        from titanlike.run.folder import check_not_in_use
+        from titanlike.records.folder import check_not_in_use
 
         check_not_in_use(run.dump_folder, run.checkpoint_folder)  # a second run into a folder in use
     except UserError as e:

@@ -1,5 +1,5 @@
 """Which run a checkpoint belongs to. A run's id is drawn when it starts afresh, kept in its dump folder
-(run/folder.py writes it) and in every checkpoint it saves (trainer_state.json's "run"), and carried on by
+(records/folder.py writes it) and in every checkpoint it saves (trainer_state.json's "run"), and carried on by
 each resume. A step saved by another run than the dump folder's (copied in, or two experiments given
 one checkpoint folder) is resumed from only when checkpoint.load_step names it: that branches a new run.
 docs/checkpointing.md says why."""

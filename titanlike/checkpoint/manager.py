@@ -27,8 +27,9 @@ import logging
 import os
 import shutil
 import warnings
-from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ from titanlike import fs
 from titanlike.checkpoint.folder import StepFolders
 from titanlike.checkpoint.identity import other_run, run_after_load
 from titanlike.checkpoint.manifest import ensure_signing_key, inspect, read_manifest
+from titanlike.checkpoint.record import TRAINER_STATE, Due, RunRecord, from_earlier_layout
 from titanlike.checkpoint.states import ModelState, OptimizerState, SchedulerState, holds_tensors, set_rng_state
 from titanlike.checkpoint.weights import MODEL_ARGS, CheckpointMismatch, check_model_shape
 from titanlike.checkpoint.writer import RNG_FILE, CheckpointError, StepWriter
@@ -50,77 +52,40 @@ logger = logging.getLogger("titanlike")
 # DCP warns that a single-process save is single-process (its background thread ignores no_dist).
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
-TRAINER_STATE = "trainer_state.json"
 
 
-@dataclass
-class RunRecord:
-    """What this run is, saved with every step and compared at a resume."""
+class DataPosition(Protocol):
+    """What the checkpoint needs of the data's position (the loader): its state, saved and restored as
+    it is, and the number of global batches a saved state has read (the weights' stage follows from it)."""
 
-    model_args: Any
-    """The model's shape (a ModelArgs; model_args.json)."""
-    global_batch: int
-    dp_world: int
-    seed: int
-    optimizer_state_dtype: str = "fp32"
-    """8-bit moments cannot become fp32 ones, nor back."""
-    settings: dict = field(default_factory=dict)
-    """What a resume may change, by config name ("optimizer.lr": 3e-4, ...): each change is one line."""
-    load_step: int = -1
-    """The checkpoint.load_step this run's line of checkpoints began with (applied once: -1 when none)."""
-    run_id: str = ""
-    """Which run saved it: drawn when a run starts afresh (or branches from another run's step), kept in its
-    dump folder (run/folder.py) and carried on by every resume of it."""
-    dump_folder: str = ""
-    """That run's dump folder (absolute), for the line that names a checkpoint's run."""
-
-    def saved(self) -> dict:
-        return {"global_batch": self.global_batch, "dp_world": self.dp_world, "seed": self.seed,
-                "optimizer_state_dtype": self.optimizer_state_dtype, "settings": self.settings,
-                "load_step": self.load_step, "run_id": self.run_id, "dump_folder": self.dump_folder}
-
-
-class Due(NamedTuple):
-    """What a step ends with, the same on every rank."""
-
-    save: bool
-    """This step is saved: at the interval, at the last step, or on a stop request."""
-    stop: int
-    """The stop request all ranks agreed on (0: none, train on; run/stopping.py names the others)."""
-    last: bool
-    """The last step of training."""
-
-
-def _from_earlier_layout(record: dict, step: int) -> dict:
-    """trainer_state.json as titanlike wrote it before it saved each state under its own name."""
-    ts = record.get("train_state", {})
-    return {"states": {"train_state": ts, "lr_scheduler": {"steps_done": step},
-                       "dataloader": {"batches_read": step + int(ts.get("data_offset", 0))}},
-            "run": {k: record.get(k) for k in ("global_batch", "dp_world", "settings")} | {
-                "optimizer_state_dtype": record.get("optimizer_state_dtype", "fp32")},
-            "preemption": record.get("preemption", False)}
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+    def batches_in(self, state: dict) -> int: ...
+    def state_at(self, batches_read: int) -> dict: ...
 
 
 class CheckpointManager:
     def __init__(self, run: ResolvedRun, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
-                 loader, float8, counters, is_main: bool, cuda: bool, folder_run: str | None = None,
-                 step_files: dict[str, str] | None = None):
+                 loader: DataPosition, float8, counters, shape_after: Callable[[int], Any], is_main: bool,
+                 cuda: bool, folder_run: str | None = None, step_files: dict[str, str] | None = None):
         """`run`: the resolved run (its [checkpoint] section and folder, and what a resume compares). The
         parts of the run it saves and restores, in the order a load restores them (weights before what
         is derived from them: float8's scales): `model`, `optimizer`, `scheduler` (the LR schedule),
-        `loader` (the data position), `counters` (the step, tokens, ...) and `float8`. `folder_run`: the
-        run id the dump folder records (rank 0 reads it; None: none), compared with the checkpoint's.
-        `step_files`: files every step folder carries as they are (name → text: the run's tokenizer)."""
+        `loader` (the data position), `counters` (the step, tokens, ...) and `float8`. `shape_after(n)`:
+        the model's shape once n global batches trained it (its stage's RoPE base: model_args.json).
+        `folder_run`: the run id the dump folder records (rank 0 reads it; None: none), compared with the
+        checkpoint's. `step_files`: files every step folder carries as they are (name → text: the run's
+        tokenizer)."""
         cfg = run.cfg
         self.cfg, self.is_main, self.cuda = cfg.checkpoint, is_main, cuda
         self.states: dict[str, Any] = {
             "model": ModelState(model), "optimizer": OptimizerState(model, optimizer),
             "lr_scheduler": SchedulerState(scheduler), "dataloader": loader, "train_state": counters,
             "float8": float8}
-        self.run = RunRecord(run.model.args, run.global_batch, run.dims.dp, cfg.job.seed, cfg.optimizer.state_dtype,
+        self.run = RunRecord(run.global_batch, run.dims.dp, cfg.job.seed, cfg.optimizer.state_dtype,
                              resumable_settings(cfg, run.schedule, run.stages),
                              dump_folder=os.path.abspath(cfg.job.dump_folder))
-        self.stages, self.step_files = run.stages, dict(step_files or {})
+        self.data, self.shape_after, self.step_files = loader, shape_after, dict(step_files or {})
         self.folder_run = folder_run
         self.branched = False  # resumed from another run's step that checkpoint.load_step named: a new run
         self.folder = run.checkpoint_folder
@@ -307,17 +272,28 @@ class CheckpointManager:
             return {}
         if not isinstance(record, dict):
             return {}
-        return record if "states" in record else _from_earlier_layout(record, step)
+        return record if "states" in record else from_earlier_layout(record, step, self.data.state_at)
 
     def _load(self, step: int, keep: tuple[str, ...] = ()) -> None:
         """Restore every state but those in `keep` (and, with `keep`, this rank's RNG) from step-N."""
-        path = self.step_dir(step)
-        record, run = self._record(step), self.run
+        path, record = self.step_dir(step), self._record(step)
         saved_run = record.get("run", {})
-        model_state = self.states["model"]
+        self._check_compatible(path, record)
+        self._load_states(path, record.get("states", {}), keep)
+        self.run.load_step = saved_run.get("load_step", -1) if self.run.load_step < 0 else self.run.load_step
+        if keep:
+            return
+        how = self._restore_rng(path, saved_run)
+        if self.is_main:
+            logger.info(f"resumed from {path} at step {step} ({how})")
+            self._say_changed_settings(saved_run.get("settings", {}))
+
+    def _check_compatible(self, path: str, record: dict) -> None:
+        """The model's shape, and what cannot change across a resume, against this run's; one line if not."""
+        saved_run, run = record.get("run", {}), self.run
         # The RoPE base the weights trained with last: the stage of the checkpoint's data position.
-        read = record.get("states", {}).get("dataloader", {}).get("batches_read", 0)
-        check_model_shape(model_state.model, self.stages.args_after(run.model_args, int(read)), path)
+        read = self.data.batches_in(record.get("states", {}).get("dataloader", {}))
+        check_model_shape(self.states["model"].model, self.shape_after(read), path)
         for key, ours, option in (("optimizer_state_dtype", run.optimizer_state_dtype, "optimizer.state_dtype"),
                                   ("global_batch", run.global_batch, "training.global_batch_size"),
                                   ("seed", run.seed, "job.seed")):
@@ -328,6 +304,9 @@ class CheckpointManager:
                        "job.seed": "the data order depends on it"}[option]
                 raise CheckpointMismatch(f"{path} was trained with {option} = {theirs}, this run has {ours}: resume "
                                          f"with --{option} {theirs} ({why})")
+
+    def _load_states(self, path: str, json_states: dict, keep: tuple[str, ...]) -> None:
+        """Each state but those in `keep`: its tensors from DCP, the rest from the trainer state's JSON."""
         saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         in_dcp = {key.split(".", 1)[0] for key in saved}  # the states this checkpoint saved with DCP
         tensor_states = {}
@@ -341,7 +320,6 @@ class CheckpointManager:
             if sd:
                 tensor_states[name] = sd
         dcp.load(tensor_states, checkpoint_id=path, process_group=self.cpu_group, no_dist=not self.sharded)
-        json_states = record.get("states", {})
         for name, state in self.states.items():
             if name in keep:
                 continue
@@ -351,23 +329,23 @@ class CheckpointManager:
                 state.load_state_dict(json_states[name])
             elif getattr(state, "partial_load", False):
                 state.load_state_dict({})
-        self.run.load_step = saved_run.get("load_step", -1) if self.run.load_step < 0 else self.run.load_step
-        if keep:
-            return
+
+    def _restore_rng(self, path: str, saved_run: dict) -> str:
+        """This rank's RNG, where the checkpoint has it for the same data-parallel world; says which."""
         rng_file = os.path.join(path, RNG_FILE.format(self.rank))
-        if saved_run.get("dp_world") == run.dp_world and os.path.isfile(rng_file):
+        if saved_run.get("dp_world") == self.run.dp_world and os.path.isfile(rng_file):
             set_rng_state(fs.read_json(rng_file, "the RNG state"))
-            how = "data position and RNG restored"
-        else:
-            how = (f"data position restored; RNG afresh: saved on {saved_run.get('dp_world')} data-parallel ranks, "
-                   f"now {run.dp_world}")
-        if self.is_main:
-            logger.info(f"resumed from {path} at step {step} ({how})")
-            for key, now in run.settings.items():
-                before = saved_run.get("settings", {}).get(key, now)
-                if before != now:
-                    note = resume_note(key).format(now=now)
-                    logger.info(f"{key}: checkpoint {before} → config {now}" + (f" ({note})" if note else ""))
+            return "data position and RNG restored"
+        return (f"data position restored; RNG afresh: saved on {saved_run.get('dp_world')} data-parallel ranks, "
+                f"now {self.run.dp_world}")
+
+    def _say_changed_settings(self, before_settings: dict) -> None:
+        """One line for each setting a resume changed (checkpoint value → config value)."""
+        for key, now in self.run.settings.items():
+            before = before_settings.get(key, now)
+            if before != now:
+                note = resume_note(key).format(now=now)
+                logger.info(f"{key}: checkpoint {before} → config {now}" + (f" ({note})" if note else ""))
 
     def restore(self, step: int) -> str:
         """A rollback: step-N's weights, optimizer, schedule and counters; the data position (and RNG)
@@ -412,8 +390,8 @@ class CheckpointManager:
             self._own_folder()  # a stop's save without checkpoint.enable: the folder is ours from now
         states = {name: state.state_dict() for name, state in self.states.items()}
         tensors = {name: sd for name, sd in states.items() if holds_tensors(sd)}
-        read = int(states["dataloader"].get("batches_read", 0))  # the stage the weights last trained in: its RoPE base
-        files = {MODEL_ARGS: asdict(self.stages.args_after(self.run.model_args, read)),
+        # The stage the weights last trained in: its RoPE base.
+        files = {MODEL_ARGS: asdict(self.shape_after(self.data.batches_in(states["dataloader"]))),
                  TRAINER_STATE: {"format": 2, "step": step, "preemption": preemption, "run": self.run.saved(),
                                  "states": {name: sd for name, sd in states.items() if name not in tensors}},
                  **self.step_files}

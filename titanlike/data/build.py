@@ -10,7 +10,7 @@ everything here is a function of it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
@@ -110,6 +110,39 @@ class RunData:
         return sum(w * losses[name] for name, w in self.val_weights().items())
 
 
+@dataclass(frozen=True)
+class DataSpec:
+    """What the run's data is built from: the config's [data] and what the resolved run made of it, and
+    where this rank reads."""
+
+    data: Any
+    """The config's [data] section (paths, num_workers, val_path)."""
+    schedule: DataSchedule
+    """Its sources and phases, as the resolved run parsed them."""
+    stages: Stages
+    """The run's stages (config/stages.py): each one's seq_len and batch."""
+    vocab_size: int
+    """The model's vocabulary: every token id is checked against it."""
+    seed: int
+    """job.seed: the sample order."""
+    dp_rank: int = 0
+    """This rank's data-parallel rank (the cp ranks of a group read the same samples)."""
+    dp_world: int = 1
+    validation: bool = True
+    """Open each source's held-out windows."""
+    tokenizer: tuple[int, str] | None = field(default=None)
+    """(its ids, its dataset.json), when the data has one (loader.open_dataset checks every window)."""
+    pin_memory: bool = False
+
+    @classmethod
+    def of_run(cls, run: Any, dp_rank: int, pin_memory: bool) -> DataSpec:
+        """From the resolved run (config/run.py ResolvedRun) at this rank."""
+        cfg, dataset = run.cfg, run.model.dataset
+        return cls(cfg.data, run.schedule, run.stages, run.model.args.vocab_size, cfg.job.seed, dp_rank,
+                   run.dims.dp, cfg.validation.enable, (dataset.vocab_size, dataset.path) if dataset else None,
+                   pin_memory)
+
+
 def _positions(stages: list[Stage]) -> list[int]:
     """Each stage's first plan position within its segment (stages of one seq_len read one plan on)."""
     out: list[int] = []
@@ -119,28 +152,11 @@ def _positions(stages: list[Stage]) -> list[int]:
     return out
 
 
-def build_run_data(data: Any, schedule: DataSchedule, vocab_size: int, tokenizer: tuple[int, str] | None,
-                   local_batch: int, global_batch: int, dp_rank: int, dp_world: int, seed: int, pin_memory: bool,
-                   validation: bool, stages: Stages | None = None) -> RunData:
-    """`data`: the config's [data] section; `schedule`: its sources and phases, as the resolved run parsed
-    them. `tokenizer`: (its ids, its dataset.json), when the data has one (loader.open_dataset checks every
-    window against it). `stages`: the run's stages (config/stages.py); None: one, of data.seq_len and
-    this batch."""
-    sources = schedule.sources
-    mixed = schedule.mixed
-    if stages is None:
-        stages = Stages((Stage(1, data.seq_len, 0.0, local_batch, global_batch,
-                               global_batch // (local_batch * dp_world)),))
-    if mixed:
-        # data.path in a schedule validates on data.val_path, as without one; a mixture's sources on their val/.
-        splits = [(s.splits()[0], data.val_path) if s.name == SINGLE and not data.mix else s.splits()
-                  for s in sources]
-        what = [f"data source {s.name}" for s in sources]
-    else:  # data.path as it always was: the embedded corpus when empty, data.val_path for validation
-        splits, what = [resolve_paths(data.path, data.val_path)], ["data.path"]
-    index = {s.name: i for i, s in enumerate(sources)}
-    mixes = [(p.start_step - 1, {index[s.name]: s.weight for s in p.sources}) for p in schedule.phases]
-    staged, first_position = list(stages.stages), _positions(list(stages.stages))
+def build_run_data(spec: DataSpec) -> RunData:
+    """The sources' windows at each stage's seq_len, the sample plans and the loader over them."""
+    sources, data = spec.schedule.sources, spec.data
+    builder = _SegmentBuilder(spec)
+    staged, first_position = list(spec.stages.stages), _positions(list(spec.stages.stages))
     segments: list[Segment] = []
     segment_of_stage: list[int] = []
     parts = []
@@ -150,14 +166,14 @@ def build_run_data(data: Any, schedule: DataSchedule, vocab_size: int, tokenizer
             last = k
             while last + 1 < len(staged) and staged[last + 1].seq_len == st.seq_len:
                 last += 1
-            segments.append(_segment(st.seq_len, splits, what, sources, mixed, vocab_size, tokenizer, validation,
-                                     seed, mixes, [(staged[j], first_position[j]) for j in range(k, last + 1)],
-                                     staged[last + 1].first_batch if last + 1 < len(staged) else None,
-                                     segments[-1] if segments else None, _end_position(staged, first_position, k)))
+            segments.append(builder.segment(st.seq_len, [(staged[j], first_position[j]) for j in range(k, last + 1)],
+                                            staged[last + 1].first_batch if last + 1 < len(staged) else None,
+                                            segments[-1] if segments else None,
+                                            _end_position(staged, first_position, k)))
         segment_of_stage.append(len(segments) - 1)
         segment = segments[-1]
         dataset = MixedWindows(segment.train) if len(segment.train) > 1 else segment.train[0]
-        sampler = GlobalBatchSampler(segment.plan, st.local_batch, st.global_batch, dp_rank, dp_world,
+        sampler = GlobalBatchSampler(segment.plan, st.local_batch, st.global_batch, spec.dp_rank, spec.dp_world,
                                      first_batch=st.first_batch, first_position=first_position[k], end_batch=end)
         if len(dataset) < st.global_batch:
             where = "data.seq_len" if k == 0 else f"the stage from step {st.start_step}'s seq_len {st.seq_len}"
@@ -165,8 +181,8 @@ def build_run_data(data: Any, schedule: DataSchedule, vocab_size: int, tokenizer
                 f"the training data has {len(dataset)} samples of {where} + 1 tokens, fewer than one global batch "
                 f"of {st.global_batch}; use more data, a shorter seq_len or a smaller batch")
         parts.append((dataset, sampler))
-    loader = TrainLoader(*parts[0], data.num_workers, pin_memory, later=parts[1:])
-    return RunData([s.name for s in sources], segments, segment_of_stage, loader, mixed)
+    loader = TrainLoader(*parts[0], data.num_workers, spec.pin_memory, later=parts[1:])
+    return RunData([s.name for s in sources], segments, segment_of_stage, loader, spec.schedule.mixed)
 
 
 def _end_position(stages: list[Stage], first_position: list[int], k: int) -> int | None:
@@ -177,33 +193,50 @@ def _end_position(stages: list[Stage], first_position: list[int], k: int) -> int
     return first_position[k - 1] + (stages[k].first_batch - prev.first_batch) * prev.global_batch
 
 
-def _segment(seq_len: int, splits: list[tuple[str, str]], what: list[str], sources: Any, mixed: bool,
-             vocab_size: int, tokenizer: tuple[int, str] | None, validation: bool, seed: int,
-             mixes: list[tuple[int, dict[int, float]]], stages: list[tuple[Stage, int]], end_batch: int | None,
-             before: Segment | None, before_end: int | None) -> Segment:
-    """The windows and plan of one seq_len's stages (with their first plan positions), which read the
-    global batches up to `end_batch`. The mixtures (`mixes`: first batch, weights) are placed at their
-    plan positions; a source goes on, in windows of the new length, from the tokens read of it before
-    (`before`, which ended at plan position `before_end`)."""
-    train = [open_dataset(path, seq_len, vocab_size, w, tokenizer) for (path, _), w in zip(splits, what)]
-    val = {s.name: open_dataset(v, seq_len, vocab_size, f"{w} (its val/ split)" if mixed else "data.val_path",
-                                tokenizer)
-           for s, (_, v), w in zip(sources, splits, what) if v and validation}
-    first_batch = stages[0][0].first_batch
-    phases = []
-    for batch, weights in mixes:
-        if batch <= first_batch:  # the mixture in force when the segment begins
-            phases = [(0, weights)]
-        elif end_batch is None or batch < end_batch:
-            st, position = next((st, p) for st, p in stages[::-1] if st.first_batch <= batch)
-            phases.append((position + (batch - st.first_batch) * st.global_batch, weights))
-    n = len(train)
-    if before is None:
-        tokens_before, start_uses = np.zeros(n, dtype=np.int64), None
-    else:
-        assert before_end is not None
-        uses = before.plan.uses_before(before_end)
-        tokens_before = before.tokens_before + (uses - before.plan.before[0]) * before.seq_len
-        start_uses = (tokens_before // seq_len).tolist()
-    plan = MixturePlan([len(t) for t in train], phases, seed, [s.salt for s in sources], start_uses=start_uses)
-    return Segment(seq_len, train, val, plan, tokens_before)
+class _SegmentBuilder:
+    """Where each source's splits are, and the mixtures by first batch: the same for every segment."""
+
+    def __init__(self, spec: DataSpec):
+        self.spec = spec
+        data, schedule = spec.data, spec.schedule
+        if schedule.mixed:
+            # data.path in a schedule validates on data.val_path, as without one; a mixture's sources on their val/.
+            self.splits = [(s.splits()[0], data.val_path) if s.name == SINGLE and not data.mix else s.splits()
+                           for s in schedule.sources]
+            self.what = [f"data source {s.name}" for s in schedule.sources]
+        else:  # data.path as it always was: the embedded corpus when empty, data.val_path for validation
+            self.splits, self.what = [resolve_paths(data.path, data.val_path)], ["data.path"]
+        index = {s.name: i for i, s in enumerate(schedule.sources)}
+        self.mixes = [(p.start_step - 1, {index[s.name]: s.weight for s in p.sources}) for p in schedule.phases]
+
+    def segment(self, seq_len: int, stages: list[tuple[Stage, int]], end_batch: int | None,
+                before: Segment | None, before_end: int | None) -> Segment:
+        """The windows and plan of one seq_len's stages (with their first plan positions), which read the
+        global batches up to `end_batch`. The mixtures are placed at their plan positions; a source goes
+        on, in windows of the new length, from the tokens read of it before (`before`, which ended at
+        plan position `before_end`)."""
+        spec, sources, mixed = self.spec, self.spec.schedule.sources, self.spec.schedule.mixed
+        train = [open_dataset(path, seq_len, spec.vocab_size, w, spec.tokenizer)
+                 for (path, _), w in zip(self.splits, self.what)]
+        val = {s.name: open_dataset(v, seq_len, spec.vocab_size, f"{w} (its val/ split)" if mixed else "data.val_path",
+                                    spec.tokenizer)
+               for s, (_, v), w in zip(sources, self.splits, self.what) if v and spec.validation}
+        first_batch = stages[0][0].first_batch
+        phases = []
+        for batch, weights in self.mixes:
+            if batch <= first_batch:  # the mixture in force when the segment begins
+                phases = [(0, weights)]
+            elif end_batch is None or batch < end_batch:
+                st, position = next((st, p) for st, p in stages[::-1] if st.first_batch <= batch)
+                phases.append((position + (batch - st.first_batch) * st.global_batch, weights))
+        n = len(train)
+        if before is None:
+            tokens_before, start_uses = np.zeros(n, dtype=np.int64), None
+        else:
+            assert before_end is not None
+            uses = before.plan.uses_before(before_end)
+            tokens_before = before.tokens_before + (uses - before.plan.before[0]) * before.seq_len
+            start_uses = (tokens_before // seq_len).tolist()
+        plan = MixturePlan([len(t) for t in train], phases, spec.seed, [s.salt for s in sources],
+                           start_uses=start_uses)
+        return Segment(seq_len, train, val, plan, tokens_before)

@@ -224,6 +224,17 @@ class TrainLoader:
         assert self._micro == 0, "saved between steps, never inside a global batch"
         return {"batches_read": self.batches_read, "order": self.sampler.plan.kind, "data": self.identity()}
 
+    @staticmethod
+    def batches_in(state: dict) -> int:
+        """The global batches a saved state had read (0 for none)."""
+        return int(state.get("batches_read", 0))
+
+    @staticmethod
+    def state_at(batches_read: int) -> dict:
+        """The state of a loader that has read `batches_read` global batches in the first order there was
+        (a checkpoint that saved only the run's counters)."""
+        return {"batches_read": batches_read}
+
     def load_state_dict(self, state: dict) -> None:
         kind = state.get("order", AFFINE)
         if kind not in ORDERS:

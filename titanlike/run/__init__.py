@@ -1,3 +1,3 @@
-"""What surrounds the training steps: the run folder (folder.py), metrics (metrics.py), the progress
-line (progress.py), profiling (profiling.py), stop signals (stopping.py), the non-finite policy
-(nonfinite.py), fault messages (faults.py), and torchrun as the launcher starts it (launch.py)."""
+"""The training loop's own parts, which the trainer consults at every step: the run's counters
+(state.py), its stage (stage.py), what a non-finite loss does (nonfinite.py), stop requests and how a
+stopped run ends (stopping.py), and a mixture's loss per source (source_losses.py)."""

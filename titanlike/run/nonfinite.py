@@ -13,10 +13,11 @@ Skipping stops once MAX_IN_A_ROW consecutive steps had their update skipped (the
 themselves have diverged: skipping more batches cannot help); rolling back stops once it has
 rolled back MAX_IN_A_ROW times to the same checkpoint and meets a non-finite value again.
 
-`NonFiniteGuard` carries the verdict out: it counts skipped updates in the run's counters, and a
-rollback reloads the checkpoint (weights, optimizer, schedule, step) while the data reads on, so
-the batches read since that checkpoint, the offending one among them, are never replayed. The
-trainer asks it before it logs or saves a step, so the weights of a diverged run are never saved.
+`NonFiniteGuard` gives the verdict; the trainer, which owns the checkpoint and the counters, carries
+it out: it counts skipped updates, and a rollback reloads the checkpoint (weights, optimizer,
+schedule, step) while the data reads on, so the batches read since that checkpoint, the offending
+one among them, are never replayed. The trainer asks before it logs or saves a step, so the
+weights of a diverged run are never saved.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Protocol
 
 from titanlike.errors import UserError
 
@@ -138,34 +139,48 @@ class NonFinitePolicy:
         return Verdict(rollback_to=target, cause=(step, what, value), in_a_row=times)
 
 
-class NonFiniteGuard:
-    """training.nonfinite, carried out. `checkpoint` lists and restores complete steps (complete_steps,
-    step_dir, restore); `counters` are the run's (step, data_offset, skipped_steps)."""
+class Counters(Protocol):
+    """The run's counters as the guard reads them (run/state.py)."""
 
-    def __init__(self, mode: str, checkpoint: Any, counters: Any, is_main: bool = True):
-        self.mode, self.checkpoint, self.counters, self.is_main = mode, checkpoint, counters, is_main
-        self.policy = NonFinitePolicy(mode, checkpoint.complete_steps, checkpoint.step_dir, is_main=is_main)
+    @property
+    def step(self) -> int: ...
+    @property
+    def skipped_steps(self) -> int: ...
+    @property
+    def data_offset(self) -> int: ...
+
+
+class NonFiniteGuard:
+    """training.nonfinite over the run: judges the steps since the last check and says what to do. It
+    changes nothing of the run itself: whoever owns the checkpoint and the counters carries a verdict
+    out (the trainer: a rollback restores the checkpoint and leaves the data where it is), then tells
+    the guard (`rolled_back`) for the line that says so."""
+
+    def __init__(self, mode: str, *, complete_steps: Callable[[], list[int]], step_dir: Callable[[int], str],
+                 counters: Counters, is_main: bool = True):
+        """`complete_steps()`: the checkpoints a rollback may go back to; `step_dir(step)`: one's folder,
+        for messages; `counters`: the run's (read only)."""
+        self.mode, self.counters, self.is_main = mode, counters, is_main
+        self.policy = NonFinitePolicy(mode, complete_steps, step_dir, is_main=is_main)
 
     def check(self, rows: Sequence[Sequence[float]]) -> Verdict:
         """`rows`: (loss, gradient norm, skipped) of the steps since the last check, ending at the
-        counters' step, reduced over ranks. Raises NonFiniteLoss to abort; a rollback verdict has been
-        carried out when this returns."""
+        counters' step, reduced over ranks. Raises NonFiniteLoss to abort."""
         c = self.counters
-        verdict = self.policy.judge(rows, c.step - len(rows) + 1, c.skipped_steps)
-        c.skipped_steps += verdict.skipped
-        if verdict.rollback_to is None:
-            return verdict
-        assert verdict.cause is not None, "a rollback verdict names its cause"
+        return self.policy.judge(rows, c.step - len(rows) + 1, c.skipped_steps)
+
+    def rolled_back(self, verdict: Verdict, where: str, batches_read: int) -> Verdict:
+        """A rollback verdict, carried out: the checkpoint `where` was reloaded while the data had read
+        `batches_read` global batches, which it goes on from. Says so; returns the verdict with the
+        batches not replayed."""
+        assert verdict.rollback_to is not None and verdict.cause is not None, "a rollback verdict"
         target, (step, what, value) = verdict.rollback_to, verdict.cause
-        read = c.batches_read  # global batches read so far; the data goes on from there
-        where = self.checkpoint.restore(target)  # weights, optimizer, schedule and counters of step `target`
-        c.data_offset = read - target
         if self.is_main:
             logger.warning(
                 f"{what} became {value} at step {step}: rolled back to {where} ({verdict.in_a_row} of at most "
-                f"{MAX_IN_A_ROW} in a row); training goes on with batch {read + 1}: the {read - target} batches "
-                f"read since step {target} are not replayed")
-        return replace(verdict, not_replayed=read - target)
+                f"{MAX_IN_A_ROW} in a row); training goes on with batch {batches_read + 1}: the "
+                f"{batches_read - target} batches read since step {target} are not replayed")
+        return replace(verdict, not_replayed=batches_read - target)
 
     def counts(self) -> dict:
         """For the log record: updates skipped, or batches left behind by rollbacks, so far."""

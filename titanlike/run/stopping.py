@@ -14,7 +14,7 @@ The handlers only record the request; the training loop acts on it between steps
 has agreed on it (CheckpointManager.due), so all ranks stop after the same step. A second
 Ctrl-C restores the default action of SIGINT, which ends the process even while it waits inside a
 long native call (a collective, a save). Under torchrun the workers run in process groups of their
-own and get their signals from torchrun; titanlike.run.launch passes a second Ctrl-C on to them.
+own and get their signals from torchrun; titanlike.process.launch passes a second Ctrl-C on to them.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import sys
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
-# run_train.sh exports its own pid here before it starts torchrun, and titanlike.run.launch exports
+# run_train.sh exports its own pid here before it starts torchrun, and titanlike.process.launch exports
 # torchrun's before it starts the workers: a child that finds another parent was orphaned before it
 # could ask to follow (the kernel only signals a death that comes after the request).
 LAUNCHER_PID_ENV = "TITANLIKE_LAUNCHER_PID"

@@ -100,6 +100,10 @@ class Progress:
         if self.terminal and (now - self._drawn_at >= REDRAW_EVERY_S or self._step == self.total):
             self._draw(now)
 
+    def new_stage(self, tokens_per_step: int) -> None:
+        """A stage with another batch or seq_len begins: the rate counts its tokens per step."""
+        self.tokens_per_step = tokens_per_step
+
     def logged_loss(self, step: int, loss: float) -> None:
         self._loss = (step, loss)
 

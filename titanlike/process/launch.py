@@ -1,6 +1,6 @@
 """torchrun, as run_train.sh starts it, ending in one line instead of a traceback.
 
-`python -m titanlike.run.launch <torchrun arguments>` is `torchrun` itself (torch.distributed.run's
+`python -m titanlike.process.launch <torchrun arguments>` is `torchrun` itself (torch.distributed.run's
 argument parser and launcher), except for how it ends. When a worker fails, torchrun raises
 ChildFailedError and prints its traceback and a table; but the worker has already said what went
 wrong, as one `error:` line for anything the user can fix, so here torchrun ends with one plain line
@@ -26,7 +26,7 @@ import socket
 import sys
 from pathlib import Path
 
-from titanlike.run import lifeline
+from titanlike.process import lifeline
 from titanlike.run.stopping import PREEMPTED_MARKER_ENV
 
 

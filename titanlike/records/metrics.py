@@ -19,8 +19,8 @@ from collections.abc import Iterator
 import torch
 
 from titanlike import fs
-from titanlike.run.progress import format_duration
-from titanlike.run.wandb_sink import WandbSink
+from titanlike.records.progress import format_duration
+from titanlike.records.wandb_sink import WandbSink
 
 logger = logging.getLogger("titanlike")
 
@@ -97,11 +97,10 @@ def _quiet_tensorboard_thread_errors() -> None:
 
 class MetricsLogger:
     def __init__(self, folder: str, *, is_writer: bool, tensorboard: bool, device: torch.device,
-                 flops_per_token: int, float8_matmul_share: float, purge_step: int | None = None,
+                 float8_matmul_share: float, purge_step: int | None = None,
                  wandb: tuple[str, str] | None = None):
         self.is_writer = is_writer
         self.device = device
-        self.flops_per_token = flops_per_token
         self.float8_share = float8_matmul_share
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         self.peak = peak_bf16_flops(self.device_name) if device.type == "cuda" else None
@@ -121,6 +120,7 @@ class MetricsLogger:
                 self.wandb = WandbSink(folder, *wandb)
         self._window_start: float | None = None
         self._window_tokens = 0
+        self._window_flops = 0
         self._window_data_s = 0.0
         self.start_time = time.perf_counter()
         self._loop_start = self.start_time
@@ -128,15 +128,18 @@ class MetricsLogger:
 
     # ---- accounting called from the training loop ----------------------------------------
 
-    def add_tokens(self, tokens_per_device: int, data_wait_s: float) -> None:
+    def add_tokens(self, tokens_per_device: int, data_wait_s: float, flops_per_token: int) -> None:
+        """After each step: this device's tokens, the time it waited for data, and the stage's training
+        FLOPs per token (MFU's numerator; the stage owns it)."""
         self._window_tokens += tokens_per_device
+        self._window_flops += tokens_per_device * flops_per_token
         self._window_data_s += data_wait_s
 
     def start_window(self) -> None:
         """Begin a throughput window now (after the first step, and after each log point)."""
         self._sync()
         self._window_start = time.perf_counter()
-        self._window_tokens = 0
+        self._window_tokens = self._window_flops = 0
         self._window_data_s = 0.0
 
     def _sync(self) -> None:
@@ -151,10 +154,10 @@ class MetricsLogger:
         if self._window_start is not None and self._window_tokens:
             elapsed = now - self._window_start
             tps = self._window_tokens / elapsed
-            tflops = tps * self.flops_per_token / 1e12
+            tflops = self._window_flops / elapsed / 1e12
             out = {"tps": tps, "tflops": tflops, "data_share": self._window_data_s / elapsed}
             out["mfu"] = 100 * tflops * 1e12 / self.peak if self.peak else None
-        self._window_start, self._window_tokens, self._window_data_s = now, 0, 0.0
+        self._window_start, self._window_tokens, self._window_flops, self._window_data_s = now, 0, 0, 0.0
         return out
 
     def memory(self) -> dict:

@@ -2,7 +2,7 @@
 the same keys, written by the writer rank through MetricsLogger.
 
 - W&B's files go to `<dump_folder>/wandb/`, beside the run's other records, so a run's history stays in one
-  folder (and a fresh run into the folder moves them to earlier-runs/ with the rest: run/folder.py).
+  folder (and a fresh run into the folder moves them to earlier-runs/ with the rest: records/folder.py).
 - The W&B run id is kept in `<dump_folder>/wandb/titanlike-run-id`: a resumed run continues that W&B run.
 - Every record carries the training step as `step`, the x-axis of every chart (`define_metric`): W&B's own
   step counter only grows, so a resumed run re-logging the steps after its checkpoint would be dropped
