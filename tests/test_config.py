@@ -204,7 +204,6 @@ INVALID = [
     (["--model.flavor", "hf"], "model.flavor = hf takes the shape from a Hugging Face folder's config.json"),
     (["--model.n_kv_heads", "3"],
      "model shape (debug with the model.* overrides): n_heads = 8 is not divisible by n_kv_heads = 3"),
-    (["--model.max_seq_len", "64", "--data.seq_len", "128"], "data.seq_len = 128 exceeds model.max_seq_len = 64"),
     (["--data.seq_len", "4"], "data.seq_len = 4 must be at least 8"),
     (["--data.num_workers", "-1"], "data.num_workers = -1 must be >= 0"),
     (["--data.num_workers", "100000"], "data.num_workers = 100000 is more than 4 per CPU core"),

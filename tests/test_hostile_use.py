@@ -474,6 +474,18 @@ def test_a_pytorch_bin_only_folder_says_how_to_convert(hf_folder, tmp_path, corp
     assert "save_pretrained" in line
 
 
+def test_an_hf_shape_holds_the_samples_to_its_limit_as_a_preset_does(hf_folder):
+    """The limit is read from config.json (or model.max_seq_len) only when the run is resolved: the same one
+    line as for a preset, from the same check."""
+    from titanlike.config import ConfigError, load_config
+    from titanlike.config.run import resolve_run
+
+    cfg = load_config(["--model.flavor", "hf", "--checkpoint.initial_load_path", str(hf_folder),
+                       "--model.max_seq_len", "64", "--data.seq_len", "128"])
+    with pytest.raises(ConfigError, match="^data.seq_len = 128 exceeds model.max_seq_len = 64: set"):
+        resolve_run(cfg, 1)
+
+
 def test_import_advice_does_not_loop(hf_folder, tmp_path, corpus):
     """Each refusal's advice, followed, is not refused for the reason the advice gave."""
     from safetensors.torch import load_file, save_file

@@ -57,6 +57,9 @@ def test_tables_in_toml_resolve_to_stages(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
+    # Every stage's samples, the first's too, are held to the model's limit in one place (config/stages.py).
+    (["--model.max_seq_len", "64", "--data.seq_len", "128"],
+     "data.seq_len = 128 exceeds model.max_seq_len = 64: set --model.max_seq_len 128 or more"),
     (["--data.phase", "5:seq_len=4096", "--model.max_seq_len", "2048"],
      "data.phase: the stage from step 5: seq_len = 4096 exceeds model.max_seq_len = 2048: set --model.max_seq_len"),
     (["--data.phase", "5:seq_len=4"], "seq_len = 4 must be at least 8"),

@@ -48,7 +48,7 @@ def check(cfg: JobConfig, world_size: int) -> ResolvedRun:
     overrides.chosen_names(cfg.parallel.overrides)  # names it knows (the probes need torch: the trainer's)
     run = resolve_run(cfg, world_size)  # reads dataset.json / an hf config.json: a bad shape stops here
     if runs_on_cpu(cfg):  # a GPU config on a machine without one: it would build the model in host memory
-        problem = cpu_host_problem(cfg, world_size, local_processes(world_size))
+        problem = cpu_host_problem(cfg, world_size, local_processes(world_size), run.model.args)
         if problem:
             raise UserError(problem)
     info = run.model.dataset  # data.path's dataset.json, or the one tokenizer of a mixture's sources

@@ -77,7 +77,7 @@ class Trainer:
         self.dims, self.local_rank, self.rank, self.world = self.run.dims, local_rank, rank, world
         self.is_main = rank == 0
         self.device = parallel.pick_device(t.device, local_rank)
-        if self.device.type == "cpu" and (problem := cpu_host_problem(cfg, world, local_world())):
+        if self.device.type == "cpu" and (problem := cpu_host_problem(cfg, world, local_world(), self.run.model.args)):
             raise ConfigError(problem)  # the preflight's check, for a run started without run_train.sh
         parallel.configure_device(self.device, t.gpu_memory_limit_gib, t.deterministic)
         offload = cfg.parallel.cpu_offload

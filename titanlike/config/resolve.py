@@ -103,8 +103,6 @@ def resolve_model(cfg: JobConfig, schedule: DataSchedule | None = None) -> Resol
     problems = args.problems()
     if problems:
         raise ConfigError(f"model shape ({name} with the model.* overrides): {problems[0]}")
-    if cfg.data.seq_len > args.max_seq_len:
-        raise ConfigError(f"data.seq_len = {cfg.data.seq_len} exceeds the model's max_seq_len = {args.max_seq_len}")
     return ResolvedModel(args, name, tuple(notes), info, document_end(cfg, info, schedule.builtin_corpus))
 
 

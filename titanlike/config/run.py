@@ -63,6 +63,6 @@ def resolve_run(cfg: JobConfig, world_size: int) -> ResolvedRun:
     dims = parallel_dims(cfg, world_size)
     schedule = schedule_of(cfg.data)
     model = resolve_model(cfg, schedule)
-    stages = resolve_stages(cfg, model.args, dims.dp)
+    stages = resolve_stages(cfg, model.args, dims.dp, schedule)
     checkpoints = in_dump_folder(cfg.job.dump_folder, cfg.checkpoint.folder)
     return ResolvedRun(cfg, model, dims, schedule, stages, cfg.job.dump_folder, checkpoints)

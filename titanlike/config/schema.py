@@ -161,10 +161,10 @@ class Data:
              f"(got {self.anneal_mix!r} from step {self.anneal_from_step})")
         need(not (self.anneal_mix and self.phase),
              "data.anneal_mix is one later mixture and data.phase a list of them: give one of the two")
-        need(not (self.anneal_mix or sources.phase_mixtures(self.phase)) or not sources.builtin_corpus(self),
+        schedule = sources.schedule_of(self)
+        need(len(schedule.phases) == 1 or not schedule.builtin_corpus,
              "a schedule mixes prepared datasets: name the first mixture with data.mix (or data.path), not the "
              "embedded corpus")
-        schedule = sources.schedule_of(self)
         conflict = schedule.name_conflict()
         need(conflict is None, str(conflict))
         for source in schedule.sources if schedule.mixed else ():
@@ -417,15 +417,14 @@ def validate_across_sections(cfg: JobConfig) -> None:
     if m.flavor != "hf":
         shape = model_args(m.flavor, **m.shape_overrides())
         max_seq_len, n_layers = shape.max_seq_len, shape.n_layers
-        need(cfg.data.seq_len <= max_seq_len,
-             f"data.seq_len = {cfg.data.seq_len} exceeds model.max_seq_len = {max_seq_len}")
         blocks = cfg.activation_checkpoint.selective_ac_blocks
         need(blocks <= n_layers,
              f"activation_checkpoint.selective_ac_blocks = {blocks} is more than the model's {n_layers} blocks")
-    check_stages(cfg, max_seq_len if m.flavor != "hf" else None)
-    for where, seq_len in stage_seq_lens(cfg):  # a long-context stage's windows split over cp ranks too
+    schedule = sources.schedule_of(cfg.data)
+    check_stages(cfg, max_seq_len if m.flavor != "hf" else None, schedule)
+    for where, seq_len in stage_seq_lens(cfg, schedule):  # a long-context stage's windows split over cp ranks too
         speed.validate_context_parallel(cfg.parallel.cp, seq_len, m.attn_mask, cfg.training.device, where)
-    for phase in sources.schedule_of(cfg.data).phases[1:]:
+    for phase in schedule.phases[1:]:
         need(1 < phase.start_step <= cfg.training.steps,
              f"{phase.option}: a mixture from step {phase.start_step} must start in [2, training.steps = "
              f"{cfg.training.steps}] (the first applies from step 1; one past the last step is never read)")

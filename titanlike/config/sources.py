@@ -12,6 +12,7 @@ FOLDER is what `titanlike-prepare` wrote (dataset.json, train/, val/), or its tr
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -66,7 +67,17 @@ class Phase:
 
 
 def parse_mix(text: str) -> list[Source]:
-    """The sources of a mix string; a ValueError with the first problem, as one phrase."""
+    """The sources of a mix string; a ValueError with the first problem, as one phrase. Parsed once per
+    process for each text: the config checks, the resolved run and the preflight all ask."""
+    return list(_parsed_mix(text))
+
+
+@functools.lru_cache(maxsize=32)
+def _parsed_mix(text: str) -> tuple[Source, ...]:
+    return tuple(_parse_mix_text(text))
+
+
+def _parse_mix_text(text: str) -> list[Source]:
     if not text.strip():
         raise ValueError("names no source")
     sources: list[Source] = []
@@ -161,7 +172,12 @@ def _setting(part: str) -> tuple[str, float] | None:
 def parse_phase_items(text: str) -> list[PhaseItem]:
     """The items of a data.phase string, "STEP:MIX;STEP:MIX", where an item may also (or only) change
     stage settings: "STEP:MIX,seq_len=32768,rope_theta=2e6" or "STEP:seq_len=32768". A ValueError with
-    the first problem."""
+    the first problem. Parsed once per process for each text."""
+    return list(_parsed_phase_items(text))
+
+
+@functools.lru_cache(maxsize=32)
+def _parsed_phase_items(text: str) -> tuple[PhaseItem, ...]:
     out: list[PhaseItem] = []
     for item in (t.strip() for t in text.split(";")):
         step_text, colon, rest = item.partition(":")
@@ -187,21 +203,13 @@ def parse_phase_items(text: str) -> list[PhaseItem]:
     steps = [p.step for p in out]
     if steps != sorted(set(steps)):
         raise ValueError(f"phase steps {', '.join(map(str, steps))} must increase")
-    return out
+    return tuple(out)
 
 
 def parse_phases(text: str) -> list[tuple[int, list[Source]]]:
     """The mixtures of a data.phase string (its items that name one), as (step, sources); a ValueError
     with the first problem of any item."""
     return [(p.step, list(p.sources)) for p in parse_phase_items(text) if p.sources is not None]
-
-
-def phase_mixtures(text: str) -> bool:
-    """Whether a (valid) data.phase string names any mixture, not only stage settings."""
-    try:
-        return bool(text) and bool(parse_phases(text))
-    except ValueError:
-        return False
 
 
 def phases_from_tables(value: Any) -> str:

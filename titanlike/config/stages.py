@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from titanlike.config.loader import ConfigError
-from titanlike.config.sources import schedule_of
+from titanlike.config.sources import DataSchedule
 from titanlike.model.shape import ModelArgs
 
 MIN_SEQ_LEN = 8
@@ -84,38 +84,44 @@ class Stages:
         return replace(args, rope_theta=self.at_batch(max(0, batches_read - 1)).rope_theta)
 
 
-def _settings(cfg: Any) -> list[tuple[int, dict[str, Any]]]:
-    """(first step, every STAGE_KEYS value in force) of each stage, from the config's own values on."""
+def _settings(cfg: Any, schedule: DataSchedule) -> list[tuple[int, dict[str, Any]]]:
+    """(first step, every STAGE_KEYS value in force) of each stage, from the config's own values on;
+    `schedule`: [data]'s, parsed (its stage changes)."""
     current = {"seq_len": cfg.data.seq_len, "rope_theta": None, "local_batch_size": cfg.training.local_batch_size,
                "global_batch_size": cfg.training.global_batch_size}
     out = [(1, dict(current))]
-    for step, changes in schedule_of(cfg.data).stage_changes:
+    for step, changes in schedule.stage_changes:
         current.update(changes)
         out.append((step, dict(current)))
     return out
 
 
-def stage_seq_lens(cfg: Any) -> list[tuple[str, int]]:
+def stage_seq_lens(cfg: Any, schedule: DataSchedule) -> list[tuple[str, int]]:
     """(option, seq_len) of every stage: data.seq_len, then each stage's of data.phase."""
-    return [("data.seq_len" if step == 1 else f"data.phase: the stage from step {step}: seq_len", s["seq_len"])
-            for step, s in _settings(cfg)]
+    return [(_seq_len_option(step), s["seq_len"]) for step, s in _settings(cfg, schedule)]
 
 
-def check_stages(cfg: Any, max_seq_len: int | None) -> None:
+def _seq_len_option(step: int) -> str:
+    return "data.seq_len" if step == 1 else f"data.phase: the stage from step {step}: seq_len"
+
+
+def check_stages(cfg: Any, max_seq_len: int | None, schedule: DataSchedule) -> None:
     """The rules a stage table must keep at any world size; `max_seq_len`: the model's (None for an hf
-    shape, checked once its config.json is read). ConfigError (one line) naming the stage."""
+    shape, checked once its config.json is read). ConfigError (one line) naming the stage. The one place
+    that holds every stage's samples, the first's included, to the model's limit."""
     steps = cfg.training.steps
-    for step, s in _settings(cfg)[1:]:
+    for step, s in _settings(cfg, schedule):
+        if max_seq_len is not None and s["seq_len"] > max_seq_len:
+            raise ConfigError(f"{_seq_len_option(step)} = {s['seq_len']} exceeds model.max_seq_len = {max_seq_len}: "
+                              f"set --model.max_seq_len {s['seq_len']} or more (it is the model's limit, exported "
+                              f"as max_position_embeddings, and is not raised for you)")
+    for step, s in _settings(cfg, schedule)[1:]:
         where = f"data.phase: the stage from step {step}"
         if not 1 < step <= steps:
             raise ConfigError(f"{where} must start in [2, training.steps = {steps}] (the first stage applies from "
                               f"step 1; one past the last step is never read)")
         if s["seq_len"] < MIN_SEQ_LEN:
             raise ConfigError(f"{where}: seq_len = {s['seq_len']} must be at least {MIN_SEQ_LEN}")
-        if max_seq_len is not None and s["seq_len"] > max_seq_len:
-            raise ConfigError(f"{where}: seq_len = {s['seq_len']} exceeds model.max_seq_len = {max_seq_len}: "
-                              f"set --model.max_seq_len {s['seq_len']} or more (it is the model's limit, exported "
-                              f"as max_position_embeddings, and is not raised for you)")
         theta = s["rope_theta"]
         if theta is not None and not (math.isfinite(theta) and theta > 0):
             raise ConfigError(f"{where}: rope_theta = {theta} must be a finite number > 0")
@@ -128,12 +134,13 @@ def check_stages(cfg: Any, max_seq_len: int | None) -> None:
                               f"(× the data-parallel degree)")
 
 
-def resolve_stages(cfg: Any, args: ModelArgs, dp: int) -> Stages:
-    """The stages at `dp` data-parallel ranks, for the model shape `args`; ConfigError (one line) for a
-    stage whose batch does not split over the ranks or whose samples exceed the model's limit."""
-    check_stages(cfg, args.max_seq_len)
+def resolve_stages(cfg: Any, args: ModelArgs, dp: int, schedule: DataSchedule) -> Stages:
+    """The stages at `dp` data-parallel ranks, for the model shape `args` and [data]'s parsed `schedule`;
+    ConfigError (one line) for a stage whose batch does not split over the ranks or whose samples exceed
+    the model's limit."""
+    check_stages(cfg, args.max_seq_len, schedule)
     out: list[Stage] = []
-    for step, s in _settings(cfg):
+    for step, s in _settings(cfg, schedule):
         local = s["local_batch_size"]
         glob = s["global_batch_size"] or local * dp
         if glob % (local * dp):

@@ -310,26 +310,27 @@ def ac_words(s: Shape) -> str:
     return f" ({what}, {s.tokens:,} tokens{', float8' if s.float8 else ''}{'' if s.compile else ', eager'})"
 
 
-def estimate_run(cfg: JobConfig, world: int, card_gib: float | None = None) -> Estimate:
+def estimate_run(cfg: JobConfig, world: int, card_gib: float | None = None, args: ModelArgs | None = None) -> Estimate:
     """The estimate for a validated config at `world` ranks, with parallel.reshard_after_forward = default
-    resolved for a card of `card_gib` (or training.gpu_memory_limit_gib when set, as the trainer does).
-    ConfigError (one line) for a world size or batch that does not work, as the preflight says it."""
+    resolved for a card of `card_gib` (or training.gpu_memory_limit_gib when set, as the trainer does);
+    `args`: the model's shape, where the run is resolved already (else resolved here). ConfigError (one
+    line) for a world size or batch that does not work, as the preflight says it."""
     from titanlike.config.dims import parallel_dims
     from titanlike.config.resolve import resolve_model
 
     dims = parallel_dims(cfg, world)
     cap = cfg.training.gpu_memory_limit_gib
     card = min(cap, card_gib) if cap and card_gib else cap or card_gib
-    return estimate(shape_of(cfg, resolve_model(cfg).args, dims, card))
+    return estimate(shape_of(cfg, args if args is not None else resolve_model(cfg).args, dims, card))
 
 
-def cpu_host_problem(cfg: JobConfig, world: int, local_processes: int) -> str | None:
-    """For a run on the CPU (no GPU visible, or training.device = cpu): why this host cannot hold it, or None.
-    Each process holds what a GPU would (titanlike-plan's estimate, a floor: on a CPU the activations are
-    fp32), and all `local_processes` of this host hold theirs at once."""
+def cpu_host_problem(cfg: JobConfig, world: int, local_processes: int, args: ModelArgs) -> str | None:
+    """For a run on the CPU (no GPU visible, or training.device = cpu) of the model shape `args`: why this
+    host cannot hold it, or None. Each process holds what a GPU would (titanlike-plan's estimate, a floor:
+    on a CPU the activations are fp32), and all `local_processes` of this host hold theirs at once."""
     from titanlike.config.host import host_available_bytes
 
-    per_process = estimate_run(cfg, world).reserved_gib
+    per_process = estimate_run(cfg, world, args=args).reserved_gib
     need, have = per_process * local_processes, host_available_bytes() / 2**30
     if need <= have:
         return None
