@@ -18,7 +18,7 @@ import time
 import torch
 
 from titanlike import overrides, parallel
-from titanlike.checkpoint.manager import CheckpointManager
+from titanlike.checkpoint.manager import CheckpointManager, SavedParts
 from titanlike.config import ConfigError, JobConfig, to_toml
 from titanlike.config.dims import local_world, world_from_env
 from titanlike.config.run import resolve_run
@@ -173,8 +173,7 @@ class Trainer:
         # The run's tokenizer goes into its folder and into every step folder, for the export.
         self.tokenizer_files = run_tokenizer_files(self.run.model.dataset, builtin_corpus=self.run.builtin_corpus)
         self.checkpoint = CheckpointManager(
-            self.run, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, loader=self.loader,
-            float8=self.float8, counters=self.state,
+            self.run, SavedParts(self.model, self.optimizer, self.scheduler, self.loader, self.state, self.float8),
             shape_after=lambda batches_read: self.run.stages.args_after(self.margs, batches_read),
             is_main=self.is_main, cuda=self.device.type == "cuda", folder_run=self.run_folder.run_id,
             step_files=self.tokenizer_files)

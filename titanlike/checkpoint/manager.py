@@ -1,7 +1,7 @@
 """The checkpoint manager: built in one call from the parts of a run, it decides when to save, saves,
 publishes, verifies, resumes, falls back and owns its folder. The trainer calls it at a few points:
 
-    manager = CheckpointManager(run, model=, optimizer=, scheduler=, loader=, float8=, counters=, ...)
+    manager = CheckpointManager(run, SavedParts(model, optimizer, scheduler, loader, counters, float8), ...)
     manager.load_or_start()        resume from the newest intact step (or checkpoint.load_step, or a
                                    stopped run's save); None if there is nothing to resume
     manager.before_update()        before each optimizer step: a background save's copy of the tensors
@@ -28,7 +28,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 import torch
@@ -64,28 +64,42 @@ class DataPosition(Protocol):
     def state_at(self, batches_read: int) -> dict: ...
 
 
+@dataclass(frozen=True)
+class SavedParts:
+    """The parts of a run a checkpoint saves and restores, in the order a load restores them (weights
+    before what is derived from them: float8's scales)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    """The LR schedule (its position)."""
+    loader: DataPosition
+    """The data position: its state is saved as it is."""
+    counters: Any
+    """The run's counters (step, tokens, ...: run/state.py)."""
+    float8: Any
+    """The float8 converter (delayed scaling's history)."""
+
+
 class CheckpointManager:
-    def __init__(self, run: ResolvedRun, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
-                 loader: DataPosition, float8, counters, shape_after: Callable[[int], Any], is_main: bool,
+    def __init__(self, run: ResolvedRun, parts: SavedParts, *, shape_after: Callable[[int], Any], is_main: bool,
                  cuda: bool, folder_run: str | None = None, step_files: dict[str, str] | None = None):
-        """`run`: the resolved run (its [checkpoint] section and folder, and what a resume compares). The
-        parts of the run it saves and restores, in the order a load restores them (weights before what
-        is derived from them: float8's scales): `model`, `optimizer`, `scheduler` (the LR schedule),
-        `loader` (the data position), `counters` (the step, tokens, ...) and `float8`. `shape_after(n)`:
-        the model's shape once n global batches trained it (its stage's RoPE base: model_args.json).
-        `folder_run`: the run id the dump folder records (rank 0 reads it; None: none), compared with the
-        checkpoint's. `step_files`: files every step folder carries as they are (name → text: the run's
-        tokenizer)."""
+        """`run`: the resolved run (its [checkpoint] section and folder, and what a resume compares);
+        `parts`: what it saves and restores. `shape_after(n)`: the model's shape once n global batches
+        trained it (its stage's RoPE base: model_args.json). `folder_run`: the run id the dump folder
+        records (rank 0 reads it; None: none), compared with the checkpoint's. `step_files`: files every
+        step folder carries as they are (name → text: the run's tokenizer)."""
         cfg = run.cfg
         self.cfg, self.is_main, self.cuda = cfg.checkpoint, is_main, cuda
+        p = parts
         self.states: dict[str, Any] = {
-            "model": ModelState(model), "optimizer": OptimizerState(model, optimizer),
-            "lr_scheduler": SchedulerState(scheduler), "dataloader": loader, "train_state": counters,
-            "float8": float8}
+            "model": ModelState(p.model), "optimizer": OptimizerState(p.model, p.optimizer),
+            "lr_scheduler": SchedulerState(p.scheduler), "dataloader": p.loader, "train_state": p.counters,
+            "float8": p.float8}
         self.run = RunRecord(run.global_batch, run.dims.dp, cfg.job.seed, cfg.optimizer.state_dtype,
                              resumable_settings(cfg, run.schedule, run.stages),
                              dump_folder=os.path.abspath(cfg.job.dump_folder))
-        self.data, self.shape_after, self.step_files = loader, shape_after, dict(step_files or {})
+        self.data, self.shape_after, self.step_files = parts.loader, shape_after, dict(step_files or {})
         self.folder_run = folder_run
         self.branched = False  # resumed from another run's step that checkpoint.load_step named: a new run
         self.folder = run.checkpoint_folder
