@@ -26,7 +26,6 @@ from titanlike.parallel.context import (
     apply_context_parallel,
     rank_order,
     shard_sequence,
-    unshard_sequence,
     window_order,
 )
 from titanlike.parallel.mesh import destroy_process_group
@@ -56,6 +55,14 @@ class WholeWindow:
     def scatter_finish(self, pending):
         local = pending.shape[-2] // self.cp
         return torch.zeros((*pending.shape[:-2], local, pending.shape[-1]), dtype=pending.dtype)
+
+
+def unshard_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The whole sequence from every rank's part, in rank order: the inverse of shard_sequence."""
+    cp = len(parts)
+    halves = [p.chunk(2, dim=dim) for p in parts]
+    ordered = [halves[r][0] for r in range(cp)] + [halves[r][1] for r in reversed(range(cp))]
+    return torch.cat(ordered, dim=dim)
 
 
 @pytest.mark.parametrize("kernel", ["CpuKernel", "TorchKernel"])

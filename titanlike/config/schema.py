@@ -96,9 +96,7 @@ class Model:
         need(self.vocab_size <= 2**24, f"model.vocab_size = {self.vocab_size} is too large: at most 2^24 = {2**24}")
         for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta", "norm_eps", "max_seq_len"):
             need(getattr(self, key) >= 0, f"model.{key} = {getattr(self, key)} must be >= 0 (0 = the preset's)")
-        if self.flavor != "hf":  # an hf shape is checked once its config.json is read (titanlike/config/resolve.py)
-            for problem in model_args(self.flavor, **self.shape_overrides()).problems():
-                need(False, f"model shape ({self.flavor} with the model.* overrides): {problem}")
+        # The shape the overrides make is built and checked once, with the rules across sections.
 
 
 @dataclass
@@ -414,8 +412,10 @@ def validate_across_sections(cfg: JobConfig) -> None:
          "model.flavor = hf takes the shape from a Hugging Face folder's config.json: "
          "set --checkpoint.initial_load_path")
     max_seq_len = 0
-    if m.flavor != "hf":
+    if m.flavor != "hf":  # an hf shape is checked once its config.json is read (titanlike/config/resolve.py)
         shape = model_args(m.flavor, **m.shape_overrides())
+        for problem in shape.problems():
+            need(False, f"model shape ({m.flavor} with the model.* overrides): {problem}")
         max_seq_len, n_layers = shape.max_seq_len, shape.n_layers
         blocks = cfg.activation_checkpoint.selective_ac_blocks
         need(blocks <= n_layers,

@@ -77,14 +77,6 @@ def shard_sequence(x: torch.Tensor, rank: int, cp: int, dim: int = 1) -> torch.T
     return torch.cat([parts[head], parts[tail]], dim=dim)
 
 
-def unshard_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
-    """The whole sequence from every rank's part, in rank order: the inverse of shard_sequence."""
-    cp = len(parts)
-    halves = [p.chunk(2, dim=dim) for p in parts]
-    ordered = [halves[r][0] for r in range(cp)] + [halves[r][1] for r in reversed(range(cp))]
-    return torch.cat(ordered, dim=dim)
-
-
 def window_order(gathered: torch.Tensor, cp: int) -> torch.Tensor:
     """(cp · n, ..., 2L, d), every rank's (n, ..., 2L, d) part stacked in rank order (what an all-gather
     along dim 0 makes), as (n, ..., cp · 2L, d) in window order: the inverse of rank_order."""
