@@ -414,8 +414,8 @@ def assert_round_trip(step_dir: Path, hf: Path) -> None:
 @pytest.mark.slow
 def test_export_import_round_trip_gives_identical_logits(exported, tmp_path):
     step_dir, hf = exported
-    assert sorted(os.listdir(hf)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                                      "tokenizer_config.json"]
+    assert sorted(os.listdir(hf)) == ["config.json", "generation_config.json", "model.safetensors",
+                                      "titanlike-export.json", "tokenizer.json", "tokenizer_config.json"]
     assert_round_trip(step_dir, hf)
 
     # bf16 (the default): the same weights, rounded.

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import losses, metrics, run_probe, run_train
+from conftest import losses, metrics, run_probe, run_train, train_here
 from titanlike.config.schema import Fp8
 from titanlike.errors import UserError
 from titanlike.float8 import Float8Converter, Float8Options, layers
@@ -207,7 +207,7 @@ FP8 = ("--fp8.emulate", "--fp8.auto_filter", "false")
 @pytest.fixture(scope="module")
 def high_precision(tmp_path_factory, corpus):
     dump = tmp_path_factory.mktemp("hp")
-    run_train(dump, *COMMON, corpus=corpus)
+    train_here(dump, *COMMON, corpus=corpus)
     return losses(dump)
 
 
@@ -223,7 +223,7 @@ def assert_tracks(fp8_losses: dict, reference: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_float8_trains_and_tracks_high_precision(tmp_path, corpus, high_precision, recipe):
-    proc = run_train(tmp_path, *COMMON, "--fp8.recipe", recipe, *FP8, corpus=corpus)
+    proc = train_here(tmp_path, *COMMON, "--fp8.recipe", recipe, *FP8, corpus=corpus)
     assert_tracks(losses(tmp_path), high_precision)
     log = proc.stdout + proc.stderr
     assert f"float8 {recipe} (emulated): 20 Linears converted, 1 kept in high precision" in log
@@ -238,8 +238,8 @@ def test_float8_trains_and_tracks_high_precision(tmp_path, corpus, high_precisio
 
 @pytest.mark.slow
 def test_delayed_scaling_trains_and_tracks_high_precision(tmp_path, corpus, high_precision):
-    proc = run_train(tmp_path, *COMMON, "--fp8.recipe", "tensorwise", *FP8, "--fp8.scaling", "delayed",
-                     "--fp8.amax_every", "2", corpus=corpus)
+    proc = train_here(tmp_path, *COMMON, "--fp8.recipe", "tensorwise", *FP8, "--fp8.scaling", "delayed",
+                      "--fp8.amax_every", "2", corpus=corpus)
     assert_tracks(losses(tmp_path), high_precision)
     log = proc.stdout + proc.stderr
     assert ("float8 tensorwise (emulated), delayed scaling (amax history 16, measured every 2 step(s)): "

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, losses, metrics, run_python, run_train
+from conftest import ROOT, losses, metrics, run_python, run_train, train_here
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import ModelArgs
 from titanlike.optim import build_optimizer, build_scheduler, clip_and_step, lr_factor, resume_schedule
@@ -166,9 +166,10 @@ def resume_from(src: Path, step: int, dst: Path) -> None:
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, corpus) -> Path:
     """One process, 8-bit moments, six steps straight, checkpoints at 3 and 6. Its users are all in the slow
-    tier, which makes it once for them (cold, with torchao's compiled step, about 30 s)."""
+    tier, which makes it once for them, in this process: torchao's compiled step is then compiled once for
+    every one-process run of the module."""
     dump = tmp_path_factory.mktemp("straight")
-    run_train(dump, *SCHEDULE, *EIGHT_BIT, corpus=corpus)
+    train_here(dump, *SCHEDULE, *EIGHT_BIT, corpus=corpus)
     return dump
 
 
@@ -176,7 +177,7 @@ def straight(tmp_path_factory, corpus) -> Path:
 def test_8bit_differs_from_fp32(straight, tmp_path, corpus):
     """The option changes the optimizer the trainer builds (and its LR is logged as a number)."""
     fp32 = tmp_path / "fp32"
-    run_train(fp32, *SCHEDULE, "--checkpoint.enable", "false", corpus=corpus)
+    train_here(fp32, *SCHEDULE, "--checkpoint.enable", "false", corpus=corpus)
     a, b = losses(straight), losses(fp32)
     assert a[1] == b[1] and a[STEPS] != b[STEPS] and a[STEPS] == pytest.approx(b[STEPS], rel=0.02)
     assert all(isinstance(r["lr"], float) for r in metrics(straight))
@@ -217,7 +218,7 @@ def test_8bit_two_rank_fsdp_resume_is_bitwise_exact(tmp_path, corpus):
     # rounding of another reduction order (measured: 2e-5 relative at step 6, float8 included).
     one = tmp_path / "one"
     resume_from(full, 3, one)
-    proc = run_train(one, *SCHEDULE, *EIGHT_BIT, *FP8, corpus=corpus)
+    proc = train_here(one, *SCHEDULE, *EIGHT_BIT, *FP8, corpus=corpus)
     assert "saved on 2 data-parallel ranks, now 1" in proc.stderr
     assert losses(one) == pytest.approx({s: a[s] for s in (4, 5, 6)}, rel=1e-4)
 
@@ -267,13 +268,13 @@ def test_8bit_background_save_writes_what_the_foreground_save_writes_and_resumes
     from it, steps 4-6 are the straight run's bit for bit, and so is the step-6 checkpoint. (On two ranks
     under FSDP: test_8bit_two_rank_fsdp_resume_is_bitwise_exact.)"""
     background = tmp_path / "background"
-    proc = run_train(background, *SCHEDULE, *EIGHT_BIT, "--checkpoint.async_mode", "async", corpus=corpus)
+    proc = train_here(background, *SCHEDULE, *EIGHT_BIT, "--checkpoint.async_mode", "async", corpus=corpus)
     assert "checkpoint step 3: saving in the background to" in proc.stderr
     assert losses(background) == losses(straight)
     assert_same_checkpoint(straight / "checkpoint" / "step-3", background / "checkpoint" / "step-3", tmp_path)
     resumed = tmp_path / "resumed"
     resume_from(background, 3, resumed)
-    proc = run_train(resumed, *SCHEDULE, *EIGHT_BIT, corpus=corpus)
+    proc = train_here(resumed, *SCHEDULE, *EIGHT_BIT, corpus=corpus)
     assert "resumed from" in proc.stderr and "at step 3 (data position and RNG restored)" in proc.stderr
     full = {r["step"]: (r["loss"], r["lr"]) for r in metrics(straight)}
     again = {r["step"]: (r["loss"], r["lr"]) for r in metrics(resumed)}

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import losses, resolve_model_args, run_train
+from conftest import losses, resolve_model_args, train_here
 from titanlike.config import ConfigError, load_config
 from titanlike.model.decoder import Attention, Transformer, apply_rope, rope_tables
 from titanlike.model.shape import PRESETS, ModelArgs, count_params, shape_difference
@@ -120,12 +120,12 @@ RUN = ("--training.steps", "4", "--data.seq_len", "32", "--training.local_batch_
 @pytest.mark.slow
 def test_shape_trains_and_resumes_exactly(tmp_path, corpus):
     full, part = tmp_path / "full", tmp_path / "part"
-    run_train(full, *RUN, *CUSTOM, corpus=corpus)
+    train_here(full, *RUN, *CUSTOM, corpus=corpus)
     saved = json.loads((full / "checkpoint" / "step-4" / "model_args.json").read_text())
     assert saved["qk_norm"] is True
     # A second run that starts from the step-2 checkpoint continues with the same losses, bit for bit.
     shutil.copytree(full / "checkpoint" / "step-2", part / "checkpoint" / "step-2")
-    run_train(part, *RUN, *CUSTOM, corpus=corpus)
+    train_here(part, *RUN, *CUSTOM, corpus=corpus)
     assert losses(part) == {s: v for s, v in losses(full).items() if s > 2}
 
 
@@ -134,8 +134,8 @@ def test_the_124m_preset_trains(tmp_path, corpus):
     """The preset's own shape (QK-norm, its vocabulary) through the trainer, two steps. Its resume is the
     custom shape's above: saving and reloading 124M parameters with AdamW's state twice took a minute of
     CI for nothing a smaller shape does not test."""
-    proc = run_train(tmp_path, *RUN, "--model.flavor", "124m", "--training.steps", "2", "--checkpoint.enable",
-                     "false", corpus=corpus)
+    proc = train_here(tmp_path, *RUN, "--model.flavor", "124m", "--training.steps", "2", "--checkpoint.enable",
+                      "false", corpus=corpus)
     assert "model 124m" in proc.stderr
     assert sorted(losses(tmp_path)) == [1, 2] and all(math.isfinite(v) for v in losses(tmp_path).values())
 
@@ -143,9 +143,9 @@ def test_the_124m_preset_trains(tmp_path, corpus):
 @pytest.mark.slow
 def test_resume_refuses_another_shape_with_the_same_tensor_shapes(tmp_path, corpus):
     dump = tmp_path / "run"
-    run_train(dump, *RUN, *CUSTOM, "--training.steps", "2", corpus=corpus)
+    train_here(dump, *RUN, *CUSTOM, "--training.steps", "2", corpus=corpus)
     # Another rope_theta (or, without QK-norm, 6 heads × 16 against 3 × 32) has the same tensor shapes.
-    proc = run_train(dump, *RUN, *CUSTOM, "--model.rope_theta", "10000", corpus=corpus, check=False)
+    proc = train_here(dump, *RUN, *CUSTOM, "--model.rope_theta", "10000", corpus=corpus, check=False)
     assert proc.returncode != 0
     assert "was saved from a different model shape: rope_theta is 50000.0 there, 10000.0 here" in proc.stderr, \
         proc.stderr[-3000:]

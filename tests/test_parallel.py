@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import losses, metrics, run_train
+from conftest import losses, metrics, run_train, train_here
 from titanlike import parallel
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import ModelArgs
@@ -44,7 +44,7 @@ def grad_norms(dump) -> dict:
 def single(tmp_path_factory, corpus):
     """1 process, gradient accumulation over 2 micro-batches: the reference."""
     dump = tmp_path_factory.mktemp("single")
-    proc = run_train(dump, *COMMON, corpus=corpus)
+    proc = train_here(dump, *COMMON, corpus=corpus)
     assert "1 rank(s)" in proc.stdout + proc.stderr and "2 micro-batches" in proc.stdout + proc.stderr
     ref = losses(dump)
     assert ref[STEPS] < ref[1] - 0.5  # it trains, so equal losses below are not trivially equal
@@ -76,8 +76,8 @@ def test_hsdp_two_replicas_matches_single_process(tmp_path, corpus, single):
 # op:NAMES: test_selective_op_keeps_the_named_matmul_outputs holds its gradients bit for bit to none's.
 @pytest.mark.parametrize("mode,option", [("full", "op"), ("selective", "op"), ("selective", "2")])
 def test_activation_checkpointing_same_losses(tmp_path, corpus, single, mode, option):
-    run_train(tmp_path, *COMMON, "--activation_checkpoint.mode", mode,
-              "--activation_checkpoint.selective_ac_option", option, corpus=corpus)
+    train_here(tmp_path, *COMMON, "--activation_checkpoint.mode", mode,
+               "--activation_checkpoint.selective_ac_option", option, corpus=corpus)
     # Recomputation replays the same fp32 kernels on the same inputs.
     assert_same_losses(losses(tmp_path), losses(single), rtol=1e-6)
 

@@ -328,15 +328,19 @@ def test_the_preflight_refuses_an_unreachable_target_before_any_work():
 
 @pytest.mark.slow  # a CPU training step: about 18 s
 def test_a_run_with_fit_gib_trains_with_the_chosen_levers_and_records_them(tmp_path):
-    """The debug model on the CPU: 0.1 GiB is below its estimate as configured (0.137), and selective `op`
-    recompute is the cheapest lever that fits; the trainer says so in one line and config.toml records it."""
+    """The debug model on the CPU with a target below its estimate as configured: the trainer trains with
+    the levers the fit chooses for that command line, says so in one line, and config.toml records them."""
     from titanlike.train import main
 
     folder = tmp_path / "run"
-    assert main(["--training.steps", "1", "--training.fit_gib", "0.1", "--job.dump_folder", str(folder),
-                 "--validation.enable", "false", "--metrics.enable_tensorboard", "false"]) == 0
+    argv = ["--training.steps", "1", "--training.fit_gib", "0.1", "--job.dump_folder", str(folder),
+            "--validation.enable", "false", "--metrics.enable_tensorboard", "false"]
+    chosen, line = fit_to_target(load_config(argv), argv, 1)
+    assert line is not None and "; chose --" in line  # 0.1 GiB needs at least one lever
+    assert main(argv) == 0
     saved = load_config(["--job.config_file", str(folder / "config.toml")])
-    assert (saved.activation_checkpoint.mode, saved.activation_checkpoint.selective_ac_option) == ("selective", "op")
+    for section in ("training", "activation_checkpoint", "optimizer", "parallel"):
+        assert getattr(saved, section) == getattr(chosen, section), section
     # A resume from the saved file keeps every setting: the fit has nothing left to change.
     again, line = fit_to_target(saved, ["--job.config_file", str(folder / "config.toml")], 1)
     assert again == saved and line is not None and "no lever needed" in line
