@@ -37,6 +37,7 @@ from conftest import (
     run_train,
     seal,
     step_losses,
+    train_here,
 )
 
 # Single-process DCP calls (the export, the synthetic checkpoints) say that they are single-process.
@@ -245,7 +246,7 @@ def test_background_save_and_the_step_vote_never_share_a_group(ref, tmp_path, co
 def test_resume_on_one_rank_from_two_rank_checkpoint(ref, tmp_path, corpus):
     dump, _ = ref
     copy_step(dump, 8, tmp_path)
-    proc = run_train(tmp_path, *SCHEDULE, "--checkpoint.interval", "100", nproc=1, corpus=corpus)
+    proc = train_here(tmp_path, *SCHEDULE, "--checkpoint.interval", "100", corpus=corpus)
     assert "data position restored; RNG afresh: saved on 2 data-parallel ranks, now 1" in proc.stderr
     full, resumed = step_losses(dump), step_losses(tmp_path)
     assert sorted(resumed) == list(range(9, STEPS + 1))
@@ -327,7 +328,7 @@ def test_float8_and_fp32_checkpoints_load_into_each_other(ref, ref_fp8, tmp_path
     # float8 checkpoint → plain fp32 run on one rank. Its first loss is the float8 run's loss on the
     # same weights and batch, computed without float8 rounding: close, not equal.
     copy_step(dump8, 8, tmp_path / "to_fp32")
-    run_train(tmp_path / "to_fp32", *SCHEDULE, "--checkpoint.interval", "100", nproc=1, corpus=corpus)
+    train_here(tmp_path / "to_fp32", *SCHEDULE, "--checkpoint.interval", "100", corpus=corpus)
     # fp32 checkpoint → float8 run on two ranks, float8 all-gather on.
     copy_step(dump, 8, tmp_path / "to_fp8")
     run_train(tmp_path / "to_fp8", *SCHEDULE, *FP8, "--checkpoint.interval", "100", nproc=2, corpus=corpus)

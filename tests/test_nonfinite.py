@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import ROOT, metrics, nan_batches, run_python, run_train
+from conftest import ROOT, metrics, nan_batches, run_python, run_train, train_here
 from titanlike.optim import clip_and_step, lr_factor
 from titanlike.run.nonfinite import MAX_IN_A_ROW, NonFiniteLoss, NonFinitePolicy
 
@@ -271,7 +271,7 @@ def test_rollback_reloads_checkpoint_and_skips_the_batch(tmp_path, corpus, monke
     resumed = tmp_path / "resumed"
     shutil.copytree(ckpt / "step-8", resumed / "checkpoint" / "step-8")
     monkeypatch.delenv("TITANLIKE_NAN_BATCHES")
-    run_train(resumed, *COMMON, *rollback, nproc=1, corpus=corpus)
+    train_here(resumed, *COMMON, *rollback, corpus=corpus)
     after, want = {r["step"]: r["loss"] for r in metrics(resumed)}, {r["step"]: r["loss"] for r in records[6:]}
     assert sorted(after) == [9, 10]
     for s in (9, 10):
