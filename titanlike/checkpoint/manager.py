@@ -91,11 +91,10 @@ class CheckpointManager:
         step folder carries as they are (name → text: the run's tokenizer)."""
         cfg = run.cfg
         self.cfg, self.is_main, self.cuda = cfg.checkpoint, is_main, cuda
-        p = parts
         self.states: dict[str, Any] = {
-            "model": ModelState(p.model), "optimizer": OptimizerState(p.model, p.optimizer),
-            "lr_scheduler": SchedulerState(p.scheduler), "dataloader": p.loader, "train_state": p.counters,
-            "float8": p.float8}
+            "model": ModelState(parts.model), "optimizer": OptimizerState(parts.model, parts.optimizer),
+            "lr_scheduler": SchedulerState(parts.scheduler), "dataloader": parts.loader,
+            "train_state": parts.counters, "float8": parts.float8}
         self.run = RunRecord(run.global_batch, run.dims.dp, cfg.job.seed, cfg.optimizer.state_dtype,
                              resumable_settings(cfg, run.schedule, run.stages),
                              dump_folder=os.path.abspath(cfg.job.dump_folder))

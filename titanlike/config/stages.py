@@ -109,13 +109,13 @@ def check_stages(cfg: Any, max_seq_len: int | None, schedule: DataSchedule) -> N
     """The rules a stage table must keep at any world size; `max_seq_len`: the model's (None for an hf
     shape, checked once its config.json is read). ConfigError (one line) naming the stage. The one place
     that holds every stage's samples, the first's included, to the model's limit."""
-    steps = cfg.training.steps
-    for step, s in _settings(cfg, schedule):
+    steps, settings = cfg.training.steps, _settings(cfg, schedule)
+    for step, s in settings:
         if max_seq_len is not None and s["seq_len"] > max_seq_len:
             raise ConfigError(f"{_seq_len_option(step)} = {s['seq_len']} exceeds model.max_seq_len = {max_seq_len}: "
                               f"set --model.max_seq_len {s['seq_len']} or more (it is the model's limit, exported "
                               f"as max_position_embeddings, and is not raised for you)")
-    for step, s in _settings(cfg, schedule)[1:]:
+    for step, s in settings[1:]:
         where = f"data.phase: the stage from step {step}"
         if not 1 < step <= steps:
             raise ConfigError(f"{where} must start in [2, training.steps = {steps}] (the first stage applies from "

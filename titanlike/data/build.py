@@ -10,7 +10,7 @@ everything here is a function of it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -130,7 +130,7 @@ class DataSpec:
     dp_world: int = 1
     validation: bool = True
     """Open each source's held-out windows."""
-    tokenizer: tuple[int, str] | None = field(default=None)
+    tokenizer: tuple[int, str] | None = None
     """(its ids, its dataset.json), when the data has one (loader.open_dataset checks every window)."""
     pin_memory: bool = False
 

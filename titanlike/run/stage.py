@@ -85,7 +85,9 @@ class RunStages:
         switch (said in its line)."""
         self.stages, self.flops_per_token, self.cp = stages, flops_per_token, cp
         self.compiled, self.is_main = compiled, is_main
-        self.current = self._numbers(0)  # the model is built with the first stage
+        self.first = self._numbers(0)
+        """The stage the model is built with."""
+        self.current = self.first
         self._entered = False
         if is_main and len(stages) > 1:
             logger.info(f"{len(stages)} stages: {stages.describe()}")
@@ -93,11 +95,6 @@ class RunStages:
     def _numbers(self, index: int) -> RunStage:
         stage = self.stages[index]
         return RunStage(index, stage, self.flops_per_token(stage.seq_len), self.cp)
-
-    @property
-    def first(self) -> RunStage:
-        """The stage the model is built with."""
-        return self._numbers(0) if self.current.index else self.current
 
     def enter(self, batches_read: int, model: RotaryModel) -> RunStage | None:
         """Before a step: the stage of the global batch after `batches_read`. Returns it when it is another
