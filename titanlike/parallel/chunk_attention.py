@@ -122,6 +122,18 @@ class TorchKernel:
         return dq, _per_kv_head(dk, k.shape[1]), _per_kv_head(dv, k.shape[1])
 
 
+@torch.library.custom_op("titanlike::stack_in_backward", mutates_args=())
+def stack_in_backward(k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """torch.stack([k, v]) that a compiler sees as needing `grad`, the incoming gradient, and cannot see into:
+    so it, and the gather of its output, run in backward (see CausalChunks.backward)."""
+    return torch.stack([k, v])
+
+
+@stack_in_backward.register_fake
+def _(k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    return k.new_empty((2, *k.shape))
+
+
 class CausalChunks(torch.autograd.Function):
     """(batch, heads, len(chunks)·L, head_dim) queries of window chunks `chunks`, side by side, over the
     window's keys and values, from this rank's (batch, kv_heads, len(chunks)·L, head_dim) keys and values
@@ -191,7 +203,10 @@ class CausalChunks(torch.autograd.Function):
             dkeys[:, :, cols] += gk
             dvalues[:, :, cols] += gv
 
-        pending = ctx.exchange.gather_start(torch.stack([k, v]))
+        # Not torch.stack: compiled, forward and backward are traced as one graph, whose passes merged this
+        # gather with forward's (the same op on the same tensors) and kept its output, the window's keys and
+        # values, from forward to backward whatever cp (measured: tests/test_context_parallel.py).
+        pending = ctx.exchange.gather_start(stack_in_backward(k, v, grad))
         # While the gather runs: the square blocks, on this rank's own keys (their gradients are its own).
         for j, (i, start, _, causal, *_) in enumerate(ctx.meta):
             if causal:
