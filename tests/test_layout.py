@@ -11,6 +11,8 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "titanlike"
 MAX_LINES = 450
@@ -203,3 +205,20 @@ def test_the_preflight_and_the_config_import_no_torch():
             "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
+
+
+PROBES_AND_TOOLS = sorted((ROOT / "tests" / "probes").glob("*.py")) + sorted((ROOT / "scripts").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", PROBES_AND_TOOLS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_probe_and_tool_imports(path: Path, monkeypatch):
+    """The GPU tier's probes and the developer tools run where no CPU test runs them: each at least imports
+    (a probe once imported a helper that had moved, and failed only on two GPUs)."""
+    import importlib.util
+
+    name = f"_imported_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from titanlike.model.masks import document_mask, masked_attention
-from titanlike.parallel.context import ContextParallel, shard_sequence, unshard_sequence
+from titanlike.parallel.context import ContextParallel, shard_sequence, window_order
 from titanlike.parallel.mesh import destroy_process_group
 
 BATCH, HEADS, KV_HEADS, SEQ, HEAD_DIM = 2, 8, 2, 1024, 64
@@ -30,7 +30,7 @@ END = 0  # the end-of-document id of the random tokens
 def gathered(t: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, t.contiguous())
-    return unshard_sequence(parts, dim=2)
+    return window_order(torch.cat(parts), len(parts))  # (batch, heads, seq, head_dim), in window order
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
