@@ -428,6 +428,16 @@ def test_two_gpus_context_parallel_attention_matches_unsplit(tmp_path):
 
 
 @pytest.mark.two_gpus
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: context parallelism over NCCL")
+def test_two_gpus_recomputed_cp_blocks_hold_only_their_inputs(tmp_path):
+    """cp 2, compiled, full recompute: after forward a rank holds its blocks' inputs and the loss's, not
+    attention's saved tensors (tests/probes/recompute_probe.py; the trainer checkpoints around the compiled
+    body under cp, since inside the graph torch 2.11 kept them)."""
+    found = run_probe("recompute_probe.py", tmp_path / "probe.json", device="cuda")
+    assert 0 < found["outside"] <= found["must_keep"] * 1.05, found
+
+
+@pytest.mark.two_gpus
 def test_long_context_stage_switches_compiled_on_two_gpus(tmp_path):
     """A long-context stage on two GPUs, compiled, with float8 and document masks: seq_len 256 → 512 with
     a larger RoPE base and half the samples at step 11; the blocks recompile once, the loss stays finite,

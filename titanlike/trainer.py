@@ -137,7 +137,7 @@ class Trainer:
         parallel.apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option, ac.memory_budget,
                                                  ac.selective_ac_blocks)
         if cfg.compile.enable:
-            parallel.apply_compile(model, self.float8.compile_options())
+            parallel.apply_compile(model, self.float8.compile_options(), recompute_outside=self.context is not None)
         # FSDP over the mesh (bf16 compute through its mixed precision), or one rank under autocast.
         offload = cfg.parallel.cpu_offload
         self.autocast = parallel.shard_model(model, self.mesh, self.device, mixed_precision=t.mixed_precision,

@@ -64,6 +64,16 @@ def _checkpointed(body, *args, policy: str = ""):
     return checkpoint(body, *args, use_reentrant=False, context_fn=context_fn)
 
 
+def checkpointed_around_compiled(body, *args, policy: str = ""):
+    """A whole block checkpointed around its compiled body (parallel/compile.py, under context parallelism).
+    Its recompute runs the compiled graph whole: early stop, which raises out of the recompute once the
+    tensors backward needs are back, failed inside the graph's autograd Function on torch 2.11 ("returned
+    NULL without setting an exception", two H200s), and a compiled graph cannot stop part-way anyway."""
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(body, *args, use_reentrant=False, early_stop=False)
+
+
 def apply_activation_checkpointing(model: Transformer, mode: str, option: str, budget: float = 1.0,
                                    named_blocks_count: int = 0) -> None:
     """`named_blocks_count`: activation_checkpoint.selective_ac_blocks (with an op:NAMES option, how many

@@ -57,9 +57,11 @@ ALLOCATOR_SLACK = 0.04
 CONTEXT_GIB = 1.0
 NCCL_GIB = 0.5
 
-# Whole-block recompute at long windows is missed: `1b` and `8b` at 65,536 tokens a GPU (cp 2) reserved 39.8 and
-# 129.1 GiB against estimates of 19.4 and 72.3. The estimate says so from this many tokens a GPU on.
-LONG_WINDOW_TOKENS = 32768
+# A block recomputed whole holds, while its backward runs, its recomputed activations and their gradients
+# at once: this many times the bytes it would keep without recompute (`none`), measured at the first block
+# of backward on `1b` and `8b` at 65,536 tokens a GPU (cp 2, tensorwise float8; two H200s): 5.7 and 9.7 GiB
+# against 3.7 and 6.1 (docs/benchmarks/2026-11-28-cp-long-window-memory.md).
+RECOMPUTE_WORKING = 1.57
 
 # AdamW's two moments: fp32 (8 bytes a parameter), or torchao's 8-bit blockwise moments (1 byte each and an
 # fp32 scale per block of 256 values).
@@ -267,29 +269,38 @@ def estimate(s: Shape) -> Estimate:
     # (bf16, and fp32 for the reduce-scatter under FSDP) at once.
     unsharded_grad = 6 * block_params if sharded else 0.0
     end = weights + moments + grads + recompute + unsharded_grad + gathered
-    allocated = max(start, end)
+    # The first block of backward, recomputed whole: every block's input still kept, the block's recomputed
+    # activations and their gradients, the hidden states' gradient, and under FSDP the output layer's fp32
+    # gradient and its shard, whose reduce-scatter is still in flight (what the 65,536-token runs measured).
+    working = RECOMPUTE_WORKING * recompute + 2 * s.tokens * a.dim
+    output_grad = 4 * vocab_dim * (1 + 1 / shard) if sharded and not a.tie_embeddings and on_gpu else 0.0
+    first = 0.0
+    if s.ac_mode == "full":
+        first = weights + moments + held_grads + kept + embedding_out + working + output_grad + gathered
+    allocated = max(start, end, first)
     reserved = allocated * (1 + ALLOCATOR_SLACK) + ag_pool + rs_pool + offload_rs_pool
-    at_start = start >= end
-    where = "start of backward" if at_start else "end of backward"
+    at_start = start >= max(end, first)
+    at_first = not at_start and first > end
+    where = "start of backward" if at_start else "first recomputed block" if at_first else "end of backward"
     rows = [
         ("parameters (fp32" + (f", 1/{shard} each" if sharded else "") + ")", weights),
-        ("gradients (fp32)", held_grads if at_start else grads),
+        ("gradients (fp32)", held_grads if at_start or at_first else grads),
         (f"optimizer state (AdamW, {s.state_dtype} moments)", moments),
-        ("activations kept for backward" + ac_words(s), kept + embedding_out if at_start else recompute),
+        ("activations kept for backward" + ac_words(s), kept + embedding_out if at_start or at_first else recompute),
+        ("the recomputed block's activations and gradients, and the hidden states' gradient",
+         working if at_first else 0.0),
+        ("FSDP: the output layer's fp32 gradient, being reduce-scattered", output_grad if at_first else 0.0),
         ("logits and their gradient" + (f" (chunks of {s.chunk_tokens} tokens)" if s.chunk_tokens else " (whole)"),
          head + final_norm if at_start else 0.0),
         ("FSDP gathered weights" + (" (all, kept from forward to backward)" if s.reshard == "never" else
                                     " (the output layer, kept)"), gathered),
-        ("FSDP one block's unsharded gradient", 0.0 if at_start else unsharded_grad),
+        ("FSDP one block's unsharded gradient", unsharded_grad if not (at_start or at_first) else 0.0),
         ("allocator slack (reserved beyond allocated)", allocated * ALLOCATOR_SLACK),
         ("FSDP all-gather stream's pool (weights being gathered)", ag_pool),
         ("HSDP: the gradients in the reduce-scatter stream's pool", rs_pool),
         ("FSDP reduce-scatter stream's pool (offload)", offload_rs_pool),
     ]
     notes = [f"the peak comes at the {where}"]
-    if block_bytes_recomputed_whole(s) and s.tokens >= LONG_WINDOW_TOKENS:
-        notes.append(f"recomputing whole blocks at {s.tokens:,} tokens a GPU: runs at 65,536 reserved 1.8-2.0× "
-                     "this estimate (docs/memory.md, known misses)")
     if s.cpu_offload:
         host = (8 + MOMENT_BYTES[s.state_dtype]) * total / shard
         notes.append("parallel.cpu_offload: weights, gradients and AdamW's moments live in host memory "
