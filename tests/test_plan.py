@@ -28,11 +28,14 @@ FIT = f"{B}2026-11-26-cp-kernels-fit-to-target.md"
 LONG = f"{B}2026-11-26-cp-prefetch-offload-long-windows.md"
 L1B = f"{B}2026-11-26-cp-long-windows-1b-levers.md"
 UNDER = f"{B}2026-11-26-8b-under-the-peer.md"
+WALL = f"{B}2026-11-28-cp-long-window-memory.md"
 OFFLOAD = ("--parallel.cpu_offload --fp8.enable_fsdp_float8_all_gather false --activation_checkpoint.mode full "
            "--training.loss_chunk_tokens 4096 --training.local_batch_size 1")
 ONE = C + "llama3_1b.toml"
 WHOLE = "--training.loss_chunk_tokens 0"  # llama3_8b.toml's loss over whole logits, as measured before it chunked
 CAP = "--training.gpu_memory_limit_gib 31"
+LONG_CP = ("--training.local_batch_size 1 --training.global_batch_size 1 --activation_checkpoint.mode full "
+           "--training.loss_chunk_tokens 4096 --parallel.cp 2")
 
 # (config file, overrides, world, card GiB, measured peak reserved GiB from metrics.jsonl, where it is recorded).
 # One row a measurement: a new one is one more line.
@@ -112,6 +115,13 @@ MEASURED = [
     (C + "llama3_8b.toml", "--fp8.recipe none", 2, H200, 98.4, UNDER),
     (C + "llama3_8b.toml", WHOLE, 2, H200, 103.2, UNDER),
     (ONE, "", 2, H200, 45.9, UNDER),
+    # Long windows under cp 2 with full recompute, checkpointed around the compiled blocks; peak at the first
+    # recomputed block of backward.
+    (ONE, f"{LONG_CP} --data.seq_len 131072", 2, H200, 24.5, WALL),
+    (C + "llama3_8b.toml", f"{LONG_CP} --data.seq_len 131072", 2, H200, 81.1, WALL),
+    (C + "llama3_8b.toml", f"{LONG_CP} --data.seq_len 131072 --training.gpu_memory_limit_gib 78", 2, H200, 78.0,
+     WALL),
+    (ONE, f"{LONG_CP} --data.seq_len 262144 --model.max_seq_len 262144", 2, H200, 37.2, WALL),
 ]
 
 
