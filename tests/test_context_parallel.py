@@ -231,7 +231,7 @@ def _model_worker(rank: int, cp: int, attn_mask: str, ac: str, compiled: bool = 
     loss = loss_fn(model, *context.shard(inputs, targets, model.document_end))
     loss.backward()
     # The window's mean loss is the mean of the ranks' (equal token counts); so is its gradient. Compiled,
-    # inductor fuses and orders the sums its own way (measured ~1e-6 relative).
+    # inductor fuses and orders the sums its own way: a looser tolerance, still far below a wrong gradient's.
     atol, rtol = (1e-5, 1e-4) if compiled else (1e-6, 1e-5)
     mean = loss.detach().clone()
     dist.all_reduce(mean)

@@ -5,7 +5,7 @@ Run as `torchrun --nproc_per_node=2 tests/probes/recompute_probe.py OUT.json DEV
 bf16 over a cp 2 group, activation checkpointing `full`, compiled two ways: checkpointed around the compiled
 body (`recompute_outside`, what the trainer does under cp) and inside the compiled graph. For each, rank 0
 writes the memory the autograd graph holds after forward (allocated after forward less before), and the
-bytes of what a fully recomputed model must keep: every block's input and the loss's.
+bytes a fully recomputed model must keep (`must_keep`: every block's input, the rotary tables, the loss's).
 """
 
 from __future__ import annotations
