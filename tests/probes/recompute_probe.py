@@ -39,9 +39,9 @@ def held_after_forward(device: torch.device, outside: bool) -> int:
     loss_fn = build_loss(0, compile=False)
     held = 0
     for _ in range(2):  # the first compiles
-        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        before = torch.cuda.memory_allocated(device)
         loss = loss_fn(model, *context.shard(tokens[:, :-1], tokens[:, 1:], None))
-        held = (torch.cuda.memory_allocated(device) if device.type == "cuda" else 0) - before
+        held = torch.cuda.memory_allocated(device) - before
         loss.backward()
         model.zero_grad(set_to_none=True)
     return held
@@ -49,12 +49,12 @@ def held_after_forward(device: torch.device, outside: bool) -> int:
 
 def main() -> None:
     out_path, device_type = sys.argv[1], sys.argv[2]
-    cuda = device_type == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo")
+    if device_type != "cuda":  # it reads the CUDA allocator: there is nothing to measure on a CPU
+        sys.exit(f"error: recompute_probe.py measures GPU memory: DEVICE must be cuda (got {device_type})")
+    dist.init_process_group("nccl")
     rank = dist.get_rank()
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
     try:
         found = {"outside": held_after_forward(device, True), "inside": held_after_forward(device, False)}
         local = SEQ // dist.get_world_size()
