@@ -26,10 +26,10 @@ gradients back to the ranks that made them.
   `document_mask_at`): query i is the local token's window position, keys are the gathered ones;
   document ids come from the whole window, which every rank of the group reads anyway. A flex
   BlockMask on a GPU, a dense mask for SDPA on a CPU. Flex runs here with torch's default kernel
-  options on contiguous inputs, kv heads repeated to the query heads: the configuration the two-GPU
-  tests measured right against unsplit attention (H200, torch 2.11). Its wrong key and value gradients
-  before were the BlockMask's transposed index lists (model/masks.py `_block_lists`, docs/benchmarks);
-  the tuned options and grouped kv heads left to flex were not measured again after that fix. Its
+  options on contiguous inputs and the kv heads as they are (its grouped-query support: no copies
+  repeated to the query heads, which were kept for backward, 4× the window's keys and values on `8b`);
+  the two-GPU tests measured it right against unsplit attention (H200, torch 2.11). Its wrong key and
+  value gradients before were the BlockMask's transposed index lists (model/masks.py `_block_lists`). Its
   keys and values come from `gather`, DTensor's public redistribute (the backward is the
   reduce-scatter); autograd keeps them for backward, unless activation checkpointing recomputes the
   block (the selective policy never keeps them: its backward gathers again).
@@ -188,10 +188,7 @@ class ContextParallel:
         if isinstance(mask, str):  # CAUSAL, on the fused kernels
             return CausalChunks.apply(q, k, v, chunks_of(self.rank, self.cp), kernel_for(q), self.exchange)
         k, v = self.gather(k, v)
-        if not isinstance(mask, torch.Tensor):  # a flex BlockMask: kv heads repeated, all contiguous
-            if gqa:
-                repeats = q.shape[1] // k.shape[1]
-                k, v, gqa = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1), False
+        if not isinstance(mask, torch.Tensor):  # a flex BlockMask: grouped kv heads as they are, all contiguous
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         return masked_attention(q, k, v, mask, gqa, tuned=False)
 

@@ -101,6 +101,7 @@ class Shape:
     cpu_offload: bool = False
     document_masks: bool = False  # model.attn_mask = block_causal
     ac_blocks: int = 0  # activation_checkpoint.selective_ac_blocks: blocks that follow op:NAMES (0: all)
+    cp_kernels: bool = True  # causal attention under cp on the override cp_attention_kernels (parallel.overrides)
 
 
 def shape_of(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, card_gib: float | None) -> Shape:
@@ -116,7 +117,15 @@ def shape_of(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, card_gib: floa
     return Shape(args, dims, t.local_batch_size * cfg.data.seq_len // dims.cp, ac.mode, ac.selective_ac_option,
                  ac.memory_budget, float8, float8_ag, cfg.compile.enable, t.loss_chunk_tokens,
                  cfg.optimizer.state_dtype, reshard, bool(getattr(cfg.parallel, "cpu_offload", False)),
-                 cfg.model.attn_mask == "block_causal", ac.selective_ac_blocks)
+                 cfg.model.attn_mask == "block_causal", ac.selective_ac_blocks,
+                 cp_kernels_chosen(cfg.parallel.overrides))
+
+
+def cp_kernels_chosen(overrides: str) -> bool:
+    """Whether parallel.overrides keeps cp_attention_kernels (its probe assumed to pass: the plan runs
+    where the run will not)."""
+    names = {n.strip() for n in overrides.split(",")}
+    return "off" not in names and ("on" in names or "cp_attention_kernels" in names)
 
 
 # ---- activations ------------------------------------------------------------------------------------
@@ -167,17 +176,21 @@ def block_bytes(s: Shape) -> tuple[float, float]:
     block_input = 2 * a.dim  # a fully recomputed block keeps its input only
     if s.dims.cp > 1:
         # Context parallelism (parallel/context.py): attention's backward reads the keys and values of the
-        # whole window, gathered (kv heads); not recomputed, and under document masks also the copies repeated
-        # to the query heads that flex is handed. Per local token: cp window tokens' worth each. The 1b rows
-        # at 16,384 tokens with cp 2 measured this (causal).
-        gathered = 2 * 2 * a.n_kv_heads * a.head_dim * s.dims.cp
-        repeated = (2 * 2 * a.n_heads * a.head_dim * s.dims.cp
-                    if a.n_kv_heads < a.n_heads and s.document_masks else 0)
+        # whole window (kv heads), cp window tokens' worth per local token. Causal attention on the cp kernels
+        # (the override cp_attention_kernels) keeps only the rank's own and gathers the window again in
+        # backward; flex under document masks, and causal on stock torch, keep the gathered window.
+        window = 2 * 2 * a.n_kv_heads * a.head_dim * s.dims.cp
+        kept_window = window if s.document_masks or not s.cp_kernels else 0
         # Causal: parallel/chunk_attention.py keeps its merged output for backward, beside the copy the
         # output projection reads (bf16, the query heads' width).
-        merged = 0 if s.document_masks else 2 * a.n_heads * a.head_dim
-        none += gathered + repeated + merged
-        op += gathered + merged
+        merged = 0 if s.document_masks or not s.cp_kernels else 2 * a.n_heads * a.head_dim
+        # A block being recomputed and differentiated holds the gathered window whichever way (forward's
+        # gather, then backward's): its working set counts it.
+        working = none + window + merged
+        none += kept_window + merged
+        op += kept_window + merged
+    else:
+        working = none
     if s.ac_mode == "none":
         return layers * none * n, 0.0
     if s.ac_mode == "budget":
@@ -187,7 +200,7 @@ def block_bytes(s: Shape) -> tuple[float, float]:
     every = 1 if s.ac_mode == "full" else int(s.ac_option)
     recomputed = math.ceil(layers / every)
     kept = (layers - recomputed) * none + recomputed * block_input
-    return kept * n, none * n
+    return kept * n, working * n
 
 
 def block_bytes_recomputed_whole(s: Shape) -> int:
