@@ -11,6 +11,7 @@ import pytest
 from conftest import ROOT
 from titanlike.config import load_config, to_toml
 from titanlike.errors import UserError
+from titanlike.model.shape import model_args
 from titanlike.plan import cli
 from titanlike.plan.estimate import estimate_run
 from titanlike.plan.fit import fit_to_target, given_keys
@@ -171,6 +172,25 @@ def test_selective_ac_blocks_moves_the_estimate_a_block_at_a_time():
     assert flags(load_config(eight_b), (quarter,), 4) == [
         "--activation_checkpoint.mode selective", "--activation_checkpoint.selective_ac_option op:wqkv,wo,w1",
         "--activation_checkpoint.selective_ac_blocks 8"]
+
+
+def test_under_cp_only_attention_that_keeps_the_gathered_window_is_charged_for_it():
+    """Causal attention on the cp kernels keeps a rank's own keys and values; on stock torch
+    (`--parallel.overrides off`) and under document masks the gathered window stays for backward: cp window
+    tokens' keys and values (kv heads, bf16) per local token in every layer, and no more under document masks
+    (flex takes the kv heads as they are)."""
+    one_b = ["--job.config_file", str(ROOT / C / "llama3_1b.toml"), "--data.seq_len", "32768", "--parallel.cp",
+             "2", "--training.local_batch_size", "1", "--training.global_batch_size", "1"]
+
+    def kept(*extra: str) -> float:
+        return estimate_run(load_config(one_b + list(extra)), 2, H200).row("activations")
+
+    a = model_args("1b")
+    local = 32768 // 2
+    window_gib = a.n_layers * local * 2 * 2 * a.n_kv_heads * a.head_dim * 2 / 2**30  # k and v of 2 ranks, bf16
+    merged_gib = a.n_layers * local * 2 * a.n_heads * a.head_dim / 2**30  # the kernels' merged output, bf16
+    assert kept("--parallel.overrides", "off") - kept() == pytest.approx(window_gib - merged_gib, rel=1e-6)
+    assert kept("--model.attn_mask", "block_causal") == pytest.approx(kept("--parallel.overrides", "off"), rel=1e-6)
 
 
 def test_levers_lower_the_estimate():
