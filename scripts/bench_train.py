@@ -6,7 +6,9 @@
 
 Each variant is `name=overrides` (overrides split like a shell would); arguments after `--` apply
 to every variant. Leading `NAME=value` words set environment variables for that variant only, as
-in a shell: `--variant "ctas16=NCCL_MAX_CTAS=16 --fp8.recipe tensorwise"`. Each run is
+in a shell: `--variant "ctas16=NCCL_MAX_CTAS=16 --fp8.recipe tensorwise"`; `TITANLIKE_TREE=DIR` runs that
+variant on another checkout's code (its run_train.sh and package), to set two commits side by side on one
+machine: `git archive COMMIT | tar -x -C DIR`, then `--variant "before=TITANLIKE_TREE=DIR"`. Each run is
 `torchrun --nproc_per_node=N run_train.sh ...`, one after the other on the same machine. Tokens/s
 is the median over the logged windows after the first window (the first step, with compilation,
 is reported separately as "first step").
@@ -64,13 +66,14 @@ def split_env(words: list[str]) -> tuple[dict[str, str], list[str]]:
 
 def run_variant(name: str, overrides: list[str], args, workdir: Path, extra_env: dict[str, str]) -> dict:
     dump = workdir / name
+    tree = Path(extra_env.get("TITANLIKE_TREE", ROOT)).resolve()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ngpu}",
-           str(ROOT / "run_train.sh"), "--job.config_file", args.config, "--job.dump_folder", str(dump),
+           str(tree / "run_train.sh"), "--job.config_file", args.config, "--job.dump_folder", str(dump),
            "--training.steps", str(args.steps), "--metrics.log_freq", str(args.log_freq),
            "--validation.enable", "false", "--checkpoint.enable", "false", *args.common, *overrides]
-    # A variant may set PYTHONPATH itself; this tree's root goes first either way.
+    # A variant may set PYTHONPATH itself; the tree's root goes first either way.
     env = {**os.environ, **extra_env}
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env["PYTHONPATH"] = f"{tree}{os.pathsep}{env.get('PYTHONPATH', '')}"
     if args.corpus:  # the folder that holds an already-built corpus is the cache the runs read
         env["TITANLIKE_CACHE"] = str(Path(args.corpus).resolve())
     start = time.perf_counter()
@@ -151,12 +154,18 @@ def main() -> None:
         args.variant += [f"{name}={levers[name]}" for name in names]
     if not args.variant:
         p.error("name at least one --variant, or --levers")
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_train_"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    results = []
+    variants = []
     for spec in args.variant:
         name, _, overrides = spec.partition("=")
         env, words = split_env(shlex.split(overrides))
+        tree = env.get("TITANLIKE_TREE")
+        if tree is not None and not (Path(tree) / "run_train.sh").is_file():
+            p.error(f"--variant {name}: TITANLIKE_TREE={tree} holds no run_train.sh (not a titanlike checkout)")
+        variants.append((name, words, env))
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_train_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name, words, env in variants:
         results.append(run_variant(name, words, args, workdir, env))
         print(table(results[-1:]).splitlines()[-1], flush=True)
     if args.out:
