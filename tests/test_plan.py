@@ -3,6 +3,7 @@ training.fit_gib's choices and refusals."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -412,6 +413,41 @@ def test_a_gpu_config_on_a_machine_without_a_gpu_is_refused_in_the_preflight(mon
     assert "each of the 2 process(es) of this host needs at least" in err and "24.0 GiB available" in err
     monkeypatch.setattr(host, "gpu_visible", lambda: True)  # the same config where a GPU is: the GPUs' business
     assert preflight.main(["--job.config_file", str(ROOT / C / "llama3_8b.toml")]) == 0
+
+
+def test_a_window_no_lever_fits_is_refused_before_any_work(monkeypatch, capsys, tmp_path):
+    """`8b` with cp 2 at 2,097,152 tokens fits no 80 GB card whatever the levers: the preflight says so in one
+    line with the smallest estimate, against the cap the user set or the smallest card nvidia-smi shows; the
+    same at 131,072 tokens fits with levers (measured: 78.0 GiB under a 78 GiB cap) and goes on."""
+    from titanlike import preflight
+    from titanlike.config import host
+
+    monkeypatch.setattr(host, "gpu_visible", lambda: True)
+    monkeypatch.setenv(preflight.WORLD_ENV, "2")
+    monkeypatch.setenv(preflight.LOCAL_ENV, "2")
+    eight_b = ["--job.config_file", str(ROOT / C / "llama3_8b.toml"), "--parallel.cp", "2"]
+    far = ["--data.seq_len", "2097152", "--model.max_seq_len", "2097152"]
+    cap = ["--training.gpu_memory_limit_gib", "78"]
+    assert preflight.main(eight_b + far + cap) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: this run does not fit in training.gpu_memory_limit_gib = 78")
+    assert "the smallest estimate is" in err and "--activation_checkpoint.mode full" in err
+    assert preflight.main(eight_b + ["--data.seq_len", "131072"] + cap) == 0
+    assert preflight.main(eight_b + far + ["--training.fit_gib", "70"]) == 2  # fit_gib's own refusal
+    assert "training.fit_gib = 70: no combination of levers fits" in capsys.readouterr().err
+
+    # No cap: the smallest card this process may use, as nvidia-smi reports it.
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho '0, NVIDIA H200, 143771'\necho '1, NVIDIA H100 80GB HBM3, 81559'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert host.smallest_gpu() == ("NVIDIA H100 80GB HBM3", 81559 / 1024)
+    assert preflight.main(eight_b + far) == 2
+    assert "on this host's NVIDIA H100 80GB HBM3 (79.6 GiB)" in capsys.readouterr().err
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert host.smallest_gpu() == ("NVIDIA H200", 143771 / 1024)
+    assert preflight.main(eight_b + ["--data.seq_len", "131072"]) == 0
 
 
 def test_fit_on_a_cpu_never_picks_cpu_offload(monkeypatch):

@@ -69,6 +69,25 @@ def check(cfg: JobConfig, world_size: int) -> ResolvedRun:
     return run
 
 
+def beyond_the_gpu(cfg: JobConfig, world: int) -> str | None:
+    """Why no combination of levers fits this GPU run in the memory it has (training.gpu_memory_limit_gib,
+    else the smallest card nvidia-smi shows), or None: also when that memory is unknown, when fit_gib
+    chooses the levers (it has its own refusal), and for a CPU run."""
+    from titanlike.config.host import runs_on_cpu, smallest_gpu
+    from titanlike.plan.fit import out_of_reach, usable_gib
+
+    if cfg.training.fit_gib or runs_on_cpu(cfg):
+        return None
+    cap = cfg.training.gpu_memory_limit_gib
+    if cap:
+        return out_of_reach(cfg, world, cap, f"in training.gpu_memory_limit_gib = {cap:g} GiB")
+    card = smallest_gpu()
+    if card is None:
+        return None
+    name, gib = card
+    return out_of_reach(cfg, world, usable_gib(gib, world), f"on this host's {name} ({gib:.1f} GiB)")
+
+
 def printed(text: str) -> int:
     """Print `text` and return PRINTED, also when the reader went away first (`--help | head -3`)."""
     try:
@@ -111,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         world = world_size()
         cfg = fitted(cfg, argv, world)  # training.fit_gib: a target nothing reaches stops here
         run = check(cfg, world)
+        problem = beyond_the_gpu(cfg, world)  # a window no lever fits stops here, not at its first step
+        if problem:
+            raise UserError(problem)
         from titanlike.records.folder import check_not_in_use
 
         check_not_in_use(run.dump_folder, run.checkpoint_folder)  # a second run into a folder in use

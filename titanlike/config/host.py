@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
+import subprocess
 from typing import Any
 
 
@@ -35,6 +37,28 @@ def gpu_visible() -> bool:
     if hidden is not None and hidden.strip() in ("", "-1"):
         return False
     return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def smallest_gpu(timeout_s: float = 10.0) -> tuple[str, float] | None:
+    """(name, memory in GiB) of the smallest GPU this process may use, from nvidia-smi (torch would start
+    CUDA in the launcher), or None where it cannot say."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None or not gpu_visible():
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=timeout_s, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    wanted = {i.strip() for i in visible.split(",")} if visible else None
+    cards = []
+    for line in out.strip().splitlines():
+        parts = [part.strip() for part in line.split(",")]
+        if len(parts) != 3 or not parts[2].isdigit() or (wanted is not None and parts[0] not in wanted):
+            continue
+        cards.append((parts[1], int(parts[2]) / 1024))
+    return min(cards, key=lambda card: card[1]) if cards else None
 
 
 def runs_on_cpu(cfg: Any) -> bool:

@@ -160,3 +160,17 @@ def fitted(cfg: JobConfig, argv: list[str], world: int, say=None) -> JobConfig:
     if line and say is not None:
         say(line)
     return cfg
+
+
+def out_of_reach(cfg: JobConfig, world: int, usable: float, where: str) -> str | None:
+    """The one line that refuses a run no combination of levers fits in `usable` GiB a GPU (what torch can
+    allocate: a cap, or a card less its context; `where` names it), or None. Every lever counts here, those
+    the user set too, and the estimate may be high by MARGIN: only a run beyond that is refused."""
+    every = combinations(cfg, world, set(), usable)
+    smallest = min(every, key=lambda f: f.reserved_gib)
+    if smallest.reserved_gib * (1 - MARGIN) <= usable:
+        return None
+    return (f"this run does not fit {where} with any combination of levers: the smallest estimate is "
+            f"{smallest.reserved_gib:.3g} GiB per GPU (with {' '.join(smallest.flags) or 'every lever as set'}), "
+            f"more than {MARGIN:.0%} over the {usable:.3g} GiB torch can allocate there: shorten data.seq_len, raise "
+            f"parallel.cp or add GPUs (titanlike-plan shows where the memory goes)")
