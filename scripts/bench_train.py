@@ -6,9 +6,10 @@
 
 Each variant is `name=overrides` (overrides split like a shell would); arguments after `--` apply
 to every variant. Leading `NAME=value` words set environment variables for that variant only, as
-in a shell: `--variant "ctas16=NCCL_MAX_CTAS=16 --fp8.recipe tensorwise"`; `TITANLIKE_TREE=DIR` runs that
-variant on another checkout's code (its run_train.sh and package), to set two commits side by side on one
-machine: `git archive COMMIT | tar -x -C DIR`, then `--variant "before=TITANLIKE_TREE=DIR"`. Each run is
+in a shell: `--variant "ctas16=NCCL_MAX_CTAS=16 --fp8.recipe tensorwise"`. `TITANLIKE_TREE=DIR` runs that
+variant on another checkout's code (its run_train.sh, package and copy of the config), to set two commits
+side by side on one machine: `git archive COMMIT | tar -x -C DIR`, then `--variant "before=TITANLIKE_TREE=DIR"`.
+Each run is
 `torchrun --nproc_per_node=N run_train.sh ...`, one after the other on the same machine. Tokens/s
 is the median over the logged windows after the first window (the first step, with compilation,
 is reported separately as "first step").
@@ -67,8 +68,11 @@ def split_env(words: list[str]) -> tuple[dict[str, str], list[str]]:
 def run_variant(name: str, overrides: list[str], args, workdir: Path, extra_env: dict[str, str]) -> dict:
     dump = workdir / name
     tree = Path(extra_env.get("TITANLIKE_TREE", ROOT)).resolve()
+    config = Path(args.config).resolve()
+    if tree != ROOT and config.is_relative_to(ROOT) and (tree / config.relative_to(ROOT)).is_file():
+        config = tree / config.relative_to(ROOT)  # that checkout's own copy of the config, in its own keys
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ngpu}",
-           str(tree / "run_train.sh"), "--job.config_file", args.config, "--job.dump_folder", str(dump),
+           str(tree / "run_train.sh"), "--job.config_file", str(config), "--job.dump_folder", str(dump),
            "--training.steps", str(args.steps), "--metrics.log_freq", str(args.log_freq),
            "--validation.enable", "false", "--checkpoint.enable", "false", *args.common, *overrides]
     # A variant may set PYTHONPATH itself; the tree's root goes first either way.
