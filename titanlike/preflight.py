@@ -21,7 +21,7 @@ from titanlike.config import JobConfig, help_text, load_config, to_toml
 from titanlike.config.resolve import resolve_model, with_resolved_shape
 from titanlike.config.run import ResolvedRun, resolve_run
 from titanlike.errors import UserError, error_exit
-from titanlike.plan.fit import fitted
+from titanlike.plan.fit import fitted, out_of_reach, usable_gib
 
 PRINTED = 3
 WORLD_ENV = "TITANLIKE_PREFLIGHT_WORLD"
@@ -74,7 +74,6 @@ def beyond_the_gpu(cfg: JobConfig, world: int) -> str | None:
     else the smallest card nvidia-smi shows), or None: also when that memory is unknown, when fit_gib
     chooses the levers (it has its own refusal), and for a CPU run."""
     from titanlike.config.host import runs_on_cpu, smallest_gpu
-    from titanlike.plan.fit import out_of_reach, usable_gib
 
     if cfg.training.fit_gib or runs_on_cpu(cfg):
         return None

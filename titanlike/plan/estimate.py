@@ -58,7 +58,8 @@ CONTEXT_GIB = 1.0
 NCCL_GIB = 0.5
 
 # A block recomputed whole holds, while its backward runs, its recomputed activations and their gradients
-# at once: this many times the bytes it would keep without recompute (`none`), measured at the first block
+# at once: this many times what it holds in flight without recompute (`none`, and under cp one layer's
+# gathered window: block_bytes), measured at the first block
 # of backward on `1b` and `8b` at 65,536 tokens a GPU (cp 2, tensorwise float8; two H200s): 5.7 and 9.7 GiB
 # against 3.7 and 6.1 (docs/benchmarks/2026-11-28-cp-long-window-memory.md).
 RECOMPUTE_WORKING = 1.57
@@ -180,17 +181,17 @@ def block_bytes(s: Shape) -> tuple[float, float]:
         # (the override cp_attention_kernels) keeps only the rank's own and gathers the window again in
         # backward; flex under document masks, and causal on stock torch, keep the gathered window.
         window = 2 * 2 * a.n_kv_heads * a.head_dim * s.dims.cp
-        kept_window = window if s.document_masks or not s.cp_kernels else 0
-        # Causal: parallel/chunk_attention.py keeps its merged output for backward, beside the copy the
-        # output projection reads (bf16, the query heads' width).
-        merged = 0 if s.document_masks or not s.cp_kernels else 2 * a.n_heads * a.head_dim
+        keeps_window = s.document_masks or not s.cp_kernels
+        # Causal on the kernels: parallel/chunk_attention.py keeps its merged output for backward, beside the
+        # copy the output projection reads (bf16, the query heads' width).
+        merged = 0 if keeps_window else 2 * a.n_heads * a.head_dim
         # A block being recomputed and differentiated holds the gathered window whichever way (forward's
-        # gather, then backward's): its working set counts it.
-        working = none + window + merged
-        none += kept_window + merged
-        op += kept_window + merged
+        # gather, then backward's): what it holds in flight counts it.
+        in_flight = none + window + merged
+        none += (window if keeps_window else 0) + merged
+        op += (window if keeps_window else 0) + merged
     else:
-        working = none
+        in_flight = none
     if s.ac_mode == "none":
         return layers * none * n, 0.0
     if s.ac_mode == "budget":
@@ -200,7 +201,7 @@ def block_bytes(s: Shape) -> tuple[float, float]:
     every = 1 if s.ac_mode == "full" else int(s.ac_option)
     recomputed = math.ceil(layers / every)
     kept = (layers - recomputed) * none + recomputed * block_input
-    return kept * n, working * n
+    return kept * n, in_flight * n
 
 
 def block_bytes_recomputed_whole(s: Shape) -> int:
