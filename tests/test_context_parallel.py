@@ -24,7 +24,6 @@ from titanlike.model.shape import ModelArgs
 from titanlike.parallel.context import (
     ContextParallel,
     apply_context_parallel,
-    rank_order,
     shard_sequence,
     window_order,
 )
@@ -48,13 +47,12 @@ class WholeWindow:
     def gather_finish(self, pending):
         return self.k.detach(), self.v.detach()
 
-    def scatter_start(self, whole_dkv):
-        self.sent = whole_dkv
-        return whole_dkv
+    def scatter_start(self, send):
+        self.sent = send.clone()
+        return send
 
     def scatter_finish(self, pending):
-        local = pending.shape[-2] // self.cp
-        return torch.zeros((*pending.shape[:-2], local, pending.shape[-1]), dtype=pending.dtype)
+        return torch.zeros((2, *pending.shape[1:]), dtype=pending.dtype)
 
 
 def unshard_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
@@ -74,7 +72,6 @@ def test_causal_chunks_match_whole_window_attention(cp, kernel):
     and value gradients each rank keeps plus what it sends to be summed, are whole-window causal
     attention's."""
     from titanlike.parallel import chunk_attention
-    from titanlike.parallel.chunk_attention import CausalChunks
     from titanlike.parallel.context import chunks_of
 
     torch.manual_seed(0)
@@ -88,18 +85,35 @@ def test_causal_chunks_match_whole_window_attention(cp, kernel):
         exchange = WholeWindow(k, v, cp)
         exchanges.append(exchange)
         local_k, local_v = (shard_sequence(t.detach(), r, cp, dim=2).requires_grad_() for t in (k, v))
-        outs.append((CausalChunks.apply(shard_sequence(q, r, cp, dim=2), local_k, local_v, chunks_of(r, cp),
-                                        getattr(chunk_attention, kernel), exchange), local_k, local_v))
+        plan = chunk_attention.make_plan(chunks_of(r, cp), getattr(chunk_attention, kernel), exchange)
+        outs.append((chunk_attention.causal_chunks(shard_sequence(q, r, cp, dim=2), local_k, local_v, plan),
+                     local_k, local_v))
     got = unshard_sequence([out for out, _, _ in outs], dim=2)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
     (got * g).sum().backward()
     torch.testing.assert_close(q.grad, want_grads[0], atol=ATOL, rtol=RTOL)
+    # What rank r receives: the sum over ranks of what each sent to r (keys, then values, at 2r and 2r + 1).
     sent = sum(exchange.sent for exchange in exchanges)
     for r, (_, local_k, local_v) in enumerate(outs):
         for mine, summed, theirs in ((local_k, 0, want_grads[1]), (local_v, 1, want_grads[2])):
-            received = shard_sequence(sent[summed], r, cp, dim=2)
-            torch.testing.assert_close(mine.grad + received, shard_sequence(theirs, r, cp, dim=2),
+            torch.testing.assert_close(mine.grad + sent[2 * r + summed], shard_sequence(theirs, r, cp, dim=2),
                                        atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_causal_chunk_ops_declare_what_they_return(cp):
+    """torch.library's own checks of the two ops compile sees (titanlike::cp_causal_attention_<digest> and
+    its backward): the shapes and strides their fake kernels declare are the real ones', and autograd is
+    registered, as a compiled graph relies on."""
+    from titanlike.parallel import chunk_attention
+    from titanlike.parallel.context import chunks_of
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, h, 16 * 2 * cp, 8) for h in (4, 2, 2))
+    for r in range(cp):
+        plan = chunk_attention.make_plan(chunks_of(r, cp), chunk_attention.CpuKernel, WholeWindow(k, v, cp))
+        local = [shard_sequence(t, r, cp, dim=2).requires_grad_() for t in (q, k, v)]
+        torch.library.opcheck(chunk_attention.ATTENTION_OP, (*local, plan))
 
 
 def test_split_then_unsplit_is_identity():
@@ -111,10 +125,10 @@ def test_split_then_unsplit_is_identity():
         # Head-tail balance: rank r holds chunks r and 2cp-1-r, so the positions it holds sum alike.
         positions = [shard_sequence(torch.arange(48), r, cp, dim=0) for r in range(cp)]
         assert len({int(p.sum()) for p in positions}) == 1
-        # What the collectives hand over: ranks' parts stacked along dim 0, to window order and back.
+        # What the all-gather hands over: ranks' parts stacked along dim 0, to window order.
         kv = torch.arange(2 * 5 * 48 * 4).view(2, 5, 48, 4)  # (keys and values, heads, window, head_dim)
         stacked = torch.cat([shard_sequence(kv, r, cp, dim=2) for r in range(cp)])
-        assert torch.equal(window_order(stacked, cp), kv) and torch.equal(rank_order(kv, cp), stacked)
+        assert torch.equal(window_order(stacked, cp), kv)
     assert torch.equal(shard_sequence(torch.arange(8), 0, 2, dim=0), torch.tensor([0, 1, 6, 7]))
     assert torch.equal(shard_sequence(torch.arange(8), 1, 2, dim=0), torch.tensor([2, 3, 4, 5]))
 

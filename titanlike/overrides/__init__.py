@@ -56,10 +56,10 @@ OVERRIDES = (
         "context parallelism's causal attention as the window under one document's mask (flex attention on a GPU, "
         "SDPA on a CPU, over keys gathered by DTensor, which autograd keeps for backward); instead cuDNN's fused "
         "attention (GPU) or "
-        "torch's fused CPU attention per chunk part, merged by log-sum-exp, the gather overlapped with the rank's "
-        "own block and the keys and values of other ranks gathered again in backward, not kept "
-        "(aten._scaled_dot_product_cudnn_attention, _scaled_dot_product_flash_attention_for_cpu and their "
-        "backwards, torch.ops._c10d_functional, all by keyword)",
+        "torch's fused CPU attention per chunk part, merged by log-sum-exp, in one custom op each way whose "
+        "collectives run beside the parts that do not need them, the keys and values of other ranks gathered "
+        "again in backward, not kept (aten._scaled_dot_product_cudnn_attention, "
+        "_scaled_dot_product_flash_attention_for_cpu and their backwards, by keyword)",
         "torch 2.11 (GPU runs), 2.13, 2.14 (CPU runs)",
         "1b, cp 2 at 16,384 tokens: 0.81x one GPU's speed on cuDNN's parts; flex's causal kernel took 2.4x "
         "cuDNN's time (docs/benchmarks/2026-11-26-cp-kernels-fit-to-target.md); a rank keeps 1/cp of the "

@@ -1,9 +1,7 @@
-"""Private attention ops and functional collectives titanlike calls (the package docstring says how
-overrides are chosen and probed).
+"""Private attention ops titanlike calls (the package docstring says how overrides are chosen and probed).
 
 Context parallelism's causal attention (parallel/chunk_attention.py) runs on fused kernels that
-return the log-sum-exp SDPA keeps to itself, and on collectives split into a start and a wait so that
-attention runs between them. Every call is by keyword, so that a reordered signature fails loudly in
+return the log-sum-exp SDPA keeps to itself. Every call is by keyword, so that a reordered signature fails loudly in
 the probe (and in tests/test_overrides.py), not silently here. The op names a selective-AC policy keys
 on are here too: that is how a policy names SDPA's kernels.
 """
@@ -43,26 +41,9 @@ def cpu_attention_backward(grad, q, k, v, out, lse, causal: bool):
         grad_out=grad, query=q, key=k, value=v, out=out, logsumexp=lse, dropout_p=0.0, is_causal=causal)
 
 
-# ---- collectives split into start and wait (torch's functional collectives) ------------------------
-
-
-def all_gather_start(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
-    """Every rank's `x` stacked along dim 0 in rank order, once waited for."""
-    return torch.ops._c10d_functional.all_gather_into_tensor(input=x, group_size=group_size, group_name=group_name)
-
-
-def reduce_scatter_start(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
-    """This rank's part (along dim 0) of the sum of every rank's `x`, once waited for."""
-    return torch.ops._c10d_functional.reduce_scatter_tensor(input=x, reduce_op="sum", group_size=group_size,
-                                                            group_name=group_name)
-
-
-def wait(x: torch.Tensor) -> torch.Tensor:
-    return torch.ops._c10d_functional.wait_tensor(tensor=x)
-
-
 def probe_cp_attention_kernels() -> str | None:
-    """Each op, called by keyword on meta tensors (shapes only, nothing runs), and the collectives' schemas."""
+    """Each op, called by keyword on meta tensors (shapes only, nothing runs), and what chunk_attention takes
+    from cuDNN's forward to hand its backward: the random-number seed and offset, as tensors."""
     q = torch.empty(1, 2, 8, 16, device="meta", dtype=torch.bfloat16)
     try:
         o, lse, cum_q, cum_k, max_q, max_k, seed, offset = cudnn_attention(q, q, q, True)
@@ -72,13 +53,8 @@ def probe_cp_attention_kernels() -> str | None:
         cpu_attention_backward(o, q32, q32, q32, o, lse, True)
     except (TypeError, RuntimeError, AttributeError) as e:
         return f"an attention op moved ({str(e).splitlines()[0][:100]})"
-    functional = getattr(torch.ops, "_c10d_functional", None)
-    for name, args in (("all_gather_into_tensor", ["input", "group_size", "group_name"]),
-                       ("reduce_scatter_tensor", ["input", "reduce_op", "group_size", "group_name"]),
-                       ("wait_tensor", ["tensor"])):
-        op = getattr(functional, name, None)
-        if op is None or [a.name for a in op.default._schema.arguments] != args:
-            return f"torch's functional collective {name} moved"
+    if not all(isinstance(t, torch.Tensor) and t.dtype == torch.int64 for t in (seed, offset)):
+        return "cuDNN attention's seed and offset are no longer int64 tensors"
     return version_outside(torch.__version__, (2, 11), (2, 14))
 
 

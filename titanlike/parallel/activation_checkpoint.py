@@ -11,6 +11,7 @@ from titanlike.model.decoder import Transformer
 from titanlike.model.shape import BLOCK_MATMULS
 from titanlike.overrides.attention import attention_ops, matmul_ops
 from titanlike.overrides.compile import set_activation_memory_budget
+from titanlike.parallel.chunk_attention import ATTENTION_OP as CP_CAUSAL_ATTENTION
 
 
 def _save_policy_context(keep: frozenset[int] | None):
@@ -26,10 +27,11 @@ def _save_policy_context(keep: frozenset[int] | None):
     """
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    # Attention's and float8's amax outputs (the op names are SDPA's private kernels: overrides/attention.py).
-    # Context parallelism's gathered keys and values are not among them: backward gathers them again,
-    # so that what a rank keeps for backward shrinks with cp (docs/parallelism.md).
-    save = attention_ops()
+    # Attention's and float8's amax outputs (the op names are SDPA's private kernels: overrides/attention.py),
+    # and context parallelism's causal attention (recomputed, its collectives would run again). The keys and
+    # values it gathers are not among them: its backward gathers them again, so that what a rank keeps for
+    # backward shrinks with cp (docs/parallelism.md).
+    save = attention_ops() | {CP_CAUSAL_ATTENTION}
     matmuls = matmul_ops()
 
     def context():

@@ -16,8 +16,9 @@ gradients back to the ranks that made them.
   square causal block on the rank's own keys, merged by log-sum-exp (parallel/chunk_attention.py), on
   cuDNN's fused attention on a GPU in bf16/fp16 (the one SDPA runs for a whole window on Hopper),
   torch's fused CPU attention on a CPU, attention written out in torch on a GPU in fp32 (`kernel_for`).
-  The gather starts before the square blocks; only the rank's own keys and values are kept for
-  backward, which gathers the rest again: what a rank keeps shrinks with cp. Not FlashAttention's own
+  One custom op each way (chunk_attention.py says why): the gather starts before the square blocks;
+  only the rank's own keys and values are kept for backward, which gathers the rest again: what a rank
+  keeps shrinks with cp. Not FlashAttention's own
   bottom-right mask through SDPA's flash op, which is one call a chunk but a slower kernel: a cp 2 rank
   of `1b` at 16,384 tokens ran at 0.67× one GPU's speed on it, 0.81× on cuDNN's (H200, docs/benchmarks).
   Not flex attention either: on an H200 its causal kernel took 2.4 times cuDNN's time at 16,384 tokens.
@@ -59,8 +60,7 @@ from titanlike import overrides
 from titanlike.model.decoder import Transformer
 from titanlike.model.masks import BLOCK_SIZE as FLEX_BLOCK
 from titanlike.model.masks import document_ids, document_mask_at, masked_attention
-from titanlike.overrides import attention as private
-from titanlike.parallel.chunk_attention import CausalChunks, CpuKernel, CudnnKernel, TorchKernel
+from titanlike.parallel.chunk_attention import CpuKernel, CudnnKernel, TorchKernel, causal_chunks, make_plan
 
 CAUSAL = "causal"  # the causal mask of a context-parallel micro-batch: each rank's chunks know their keys
 
@@ -79,46 +79,53 @@ def shard_sequence(x: torch.Tensor, rank: int, cp: int, dim: int = 1) -> torch.T
 
 def window_order(gathered: torch.Tensor, cp: int) -> torch.Tensor:
     """(cp · n, ..., 2L, d), every rank's (n, ..., 2L, d) part stacked in rank order (what an all-gather
-    along dim 0 makes), as (n, ..., cp · 2L, d) in window order: the inverse of rank_order."""
+    along dim 0 makes), as (n, ..., cp · 2L, d) in window order, in one copy."""
     n, *middle, local, dim = gathered.shape
     n //= cp
     parts = gathered.view(cp, n, *middle, 2, local // 2, dim)
-    # Every rank's head chunk in rank order, then the tail chunks in reverse.
-    ordered = torch.stack([*parts.select(-3, 0), *parts.flip(0).select(-3, 1)], dim=-3)  # (n, ..., 2cp, L, d)
+    # Every rank's head chunk in rank order, then the tail chunks in reverse (views: flip would copy).
+    tails = [parts[r].select(-3, 1) for r in reversed(range(cp))]
+    ordered = torch.stack([*parts.select(-3, 0), *tails], dim=-3)  # (n, ..., 2cp, L, d)
     return ordered.reshape(n, *middle, cp * local, dim)
-
-
-def rank_order(whole: torch.Tensor, cp: int) -> torch.Tensor:
-    """(n, ..., S, d) in window order as every rank's (n, ..., S / cp, d) part stacked in rank order along
-    dim 0: (cp · n, ..., S / cp, d), what a reduce-scatter along dim 0 hands back rank by rank."""
-    return torch.cat([shard_sequence(whole, r, cp, dim=-2) for r in range(cp)])
 
 
 class KeyValueExchange:
     """The collectives of causal attention under cp (parallel/chunk_attention.py), each split into a start
-    and a finish so that attention runs between them: torch's functional collectives
-    (overrides/attention.py), which trace under torch.compile and run over gloo."""
+    and a finish so that attention runs between them: c10d's all-gather and reduce-scatter, async (on a
+    GPU, NCCL's stream runs them beside the compute stream; a finish makes the compute stream wait)."""
 
     def __init__(self, group):
-        self.cp, self.group_name = dist.get_world_size(group), group.group_name
+        self.group, self.cp = group, dist.get_world_size(group)
 
-    def gather_start(self, kv: torch.Tensor) -> torch.Tensor:
+    def gather_start(self, kv: torch.Tensor):
         """Start gathering every rank's (2, batch, kv_heads, 2L, head_dim) stacked keys and values."""
-        return private.all_gather_start(kv.contiguous(), self.cp, self.group_name)
+        kv = kv.contiguous()
+        whole = kv.new_empty((self.cp * kv.shape[0], *kv.shape[1:]))
+        return whole, _all_gather(whole, kv, group=self.group, async_op=True)
 
-    def gather_finish(self, pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_finish(self, pending) -> tuple[torch.Tensor, torch.Tensor]:
         """The window's keys and values, in window order."""
-        whole = window_order(private.wait(pending), self.cp)
+        whole, work = pending
+        work.wait()
+        whole = window_order(whole, self.cp)
         return whole[0], whole[1]
 
-    def scatter_start(self, whole_dkv: torch.Tensor) -> torch.Tensor:
-        """Start summing the (2, batch, kv_heads, window, head_dim) key and value gradients over the group,
-        each rank receiving its own chunks' sums."""
-        return private.reduce_scatter_start(rank_order(whole_dkv, self.cp).contiguous(), self.cp, self.group_name)
+    def scatter_start(self, send: torch.Tensor):
+        """Start summing (2·cp, ...) key and value gradients over the group, rank r's at [2r, 2r + 2) (keys,
+        then values, of its chunks); each rank receives its own two."""
+        mine = send.new_empty((2, *send.shape[1:]))
+        return mine, _reduce_scatter(mine, send, group=self.group, async_op=True)
 
-    def scatter_finish(self, pending: torch.Tensor) -> torch.Tensor:
+    def scatter_finish(self, pending) -> torch.Tensor:
         """This rank's (2, batch, kv_heads, 2L, head_dim) summed key and value gradients."""
-        return private.wait(pending)
+        mine, work = pending
+        work.wait()
+        return mine
+
+
+# c10d's names for them from torch 2.13 on (the older ones warn there); torch 2.11 has only the older.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -145,6 +152,10 @@ class ContextParallel:
         # override of torch's internals), or stock: SDPA's public front door over the gathered keys.
         self.kernels = overrides.active("cp_attention_kernels")
         self.exchange = KeyValueExchange(group)
+        # Each kernel's chunk_attention plan, by the number the ops know it by: made here, never while
+        # torch.compile traces attend (it would trace the registration as a side effect, done after).
+        self._plans = {kernel: make_plan(chunks_of(self.rank, self.cp), kernel, self.exchange)
+                       for kernel in (CudnnKernel, CpuKernel, TorchKernel)}
 
     def positions(self, seq: int, device: torch.device) -> torch.Tensor:
         """Window positions of this rank's tokens of a `seq`-token window."""
@@ -186,7 +197,7 @@ class ContextParallel:
             raise RuntimeError("context-parallel attention needs the micro-batch's mask: call the model with "
                                "the SequenceShard that ContextParallel.shard made")
         if isinstance(mask, str):  # CAUSAL, on the fused kernels
-            return CausalChunks.apply(q, k, v, chunks_of(self.rank, self.cp), kernel_for(q), self.exchange)
+            return causal_chunks(q, k, v, self._plans[kernel_for(q)])
         k, v = self.gather(k, v)
         if not isinstance(mask, torch.Tensor):  # a flex BlockMask: grouped kv heads as they are, all contiguous
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

@@ -183,13 +183,22 @@ def block_bytes(s: Shape) -> tuple[float, float]:
         window = 2 * 2 * a.n_kv_heads * a.head_dim * s.dims.cp
         keeps_window = s.document_masks or not s.cp_kernels
         # Causal on the kernels: parallel/chunk_attention.py keeps its merged output for backward, beside the
-        # copy the output projection reads (bf16, the query heads' width).
+        # copy the output projection reads (bf16, the query heads' width), and the rank's keys and values as it
+        # stacked them for its gather, in place of the rotated keys. With no recompute nothing then holds the
+        # stacked q/k/v projection's output (the values were a view of it): 2·(dim + kv width) bytes a token
+        # less, 1.5 GiB of 1b at 32,768 tokens with cp 2, where 2.1 was measured
+        # (docs/benchmarks/2026-11-28-cp-attention-as-one-op.md).
         merged = 0 if keeps_window else 2 * a.n_heads * a.head_dim
+        own_kv = 2 * 2 * a.n_kv_heads * a.head_dim
+        unpinned = 0 if keeps_window else 2 * (a.dim + a.n_kv_heads * a.head_dim)
         # A block being recomputed and differentiated holds the gathered window whichever way (forward's
-        # gather, then backward's): what it holds in flight counts it.
+        # gather, then backward's): what it holds in flight counts it. Not less the projection's output: with
+        # full recompute `1b` at 262,144 tokens reserved 0.8 GiB less as one op, while in_flight is scaled up
+        # (RECOMPUTE_WORKING) from the same count, which it would have lowered by 1.2.
         in_flight = none + window + merged
-        none += (window if keeps_window else 0) + merged
-        op += (window if keeps_window else 0) + merged
+        none += (window if keeps_window else 0) + merged - unpinned
+        # Selective `op` keeps the projection's output anyway; the op's stacked keys and values come on top.
+        op += (window if keeps_window else own_kv + merged)
     else:
         in_flight = none
     if s.ac_mode == "none":
