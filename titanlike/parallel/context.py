@@ -123,7 +123,7 @@ class KeyValueExchange:
         return mine
 
 
-# c10d's names for them from torch 2.13 on (the older ones warn there); torch 2.11 has only the older.
+# c10d's newer names where this torch has them (torch 2.13 warns that the older ones are deprecated).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
