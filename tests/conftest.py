@@ -131,6 +131,7 @@ GPU_TEST_COST = {
     "test_mixture_token_loss_is_the_compiled_loss_on_the_gpu[0-True]": 3.1,
     "test_mixture_token_loss_is_the_compiled_loss_on_the_gpu[0-False]": 2.6,
     "test_step_fence_holds_the_cpu_until_the_backward_is_done": 1.3,
+    "test_step_fence_under_cp_holds_the_cpu_in_the_forward": 0.5,
     "test_memory_snapshot_and_oom_snapshot_on_cuda": 0.5,
     "test_clip_and_step_never_syncs_on_cuda": 0.1,
     "test_real_cuda_oom_is_reported_with_its_peak": 0.0,

@@ -525,6 +525,36 @@ def test_mixture_token_loss_is_the_compiled_loss_on_the_gpu(chunk_tokens, compil
     torch.testing.assert_close(per_token.mean(), want.detach().float(), rtol=1e-5, atol=1e-5)
 
 
+def test_step_fence_under_cp_holds_the_cpu_in_the_forward():
+    """With `hold_in` (context parallelism), the step's start does not wait: the forward's first quarter of
+    blocks is queued behind the previous backward, and the block after it (compiled, as the trainer's are)
+    waits for that backward."""
+    import time
+
+    from titanlike import parallel
+
+    device = torch.device("cuda")
+    blocks = [torch.nn.Linear(8, 8, device=device) for _ in range(4)]
+    for block in blocks:
+        block.compile(fullgraph=True)
+    fence = parallel.StepFence(device, hold_in=blocks)
+    x = torch.randn(2, 8, device=device)
+    for block in blocks:  # compiled before the clock starts
+        x = block(x)
+    torch.cuda.synchronize()
+    backward = torch.cuda.Event()
+    torch.cuda._sleep(1_000_000_000)  # a stand-in backward
+    backward.record()
+    fence.backward_queued()
+    start = time.perf_counter()
+    fence.step_start()
+    x = blocks[0](x)
+    assert not backward.query() and time.perf_counter() - start < 0.1, "held before the forward's first quarter"
+    x = blocks[1](x)
+    assert backward.query(), "the block a quarter of the way down did not wait for the backward"
+    torch.cuda.synchronize()
+
+
 def test_step_fence_holds_the_cpu_until_the_backward_is_done():
     """parallel.StepFence: the step's start waits for the GPU to finish what was queued before
     `backward_queued`, and no longer (the update queued after it may still run)."""

@@ -206,7 +206,8 @@ class Trainer:
         self.guard = NonFiniteGuard(t.nonfinite, complete_steps=self.checkpoint.complete_steps,
                                     step_dir=self.checkpoint.step_dir, counters=self.state, is_main=self.is_main)
         self.window: list[torch.Tensor] = []  # (loss, grad norm, skipped) of those steps, on the device
-        self.fence = parallel.StepFence(self.device)  # the CPU no more than one update ahead of the GPU
+        # The CPU no more than one update ahead of the GPU; with cp, and a quarter of the forward.
+        self.fence = parallel.StepFence(self.device, hold_in=self.model.blocks() if self.dims.cp > 1 else ())
         # A mixture also logs each source's training loss: the same loss, with each token's loss read
         # beside it (detached) and summed by source (run/source_losses.py). One source: loss_fn alone.
         self.source_losses = SourceLosses(
@@ -231,7 +232,7 @@ class Trainer:
 
     def train_step(self) -> torch.Tensor:
         """Forward and backward over the micro-batches of one global batch, then one update."""
-        self.fence.wait()
+        self.fence.step_start()
         self.optimizer.zero_grad(set_to_none=True)
         step_loss = torch.zeros((), device=self.device)
         data_wait = 0.0

@@ -5,8 +5,10 @@ the GPU memory a run may use (training.gpu_memory_limit_gib), and deterministic 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 from titanlike.config import ConfigError
 
@@ -65,8 +67,9 @@ def device_memory_bytes(device: torch.device, cap_gib: float) -> int | None:
 
 
 class StepFence:
-    """Holds the CPU back, at the start of a step, until the GPU has finished the previous step's
-    backward: the CPU may queue no more than the clipping and update of one step ahead of the GPU.
+    """Holds the CPU back, once a step, until the GPU has finished the previous step's backward: the CPU
+    may queue no more than the update of one step (with cp, and the first quarter of the next forward)
+    ahead of the GPU.
 
     The caching allocator decides in the CPU's time. Left alone, the CPU runs the better part of a
     step ahead (0.4 s on `8b` over two GPUs) wherever nothing synchronises it, and a block freed while
@@ -74,13 +77,28 @@ class StepFence:
     has caught up; the next step's forward then takes fresh memory around it. On `8b` over two H200s
     a run that synchronised at every step (logging every step) reserved 97.7 GiB, one logging every
     10 steps 99.0 to 99.5; with this wait, 97.7 either way, at the same speed
-    (docs/benchmarks/2026-11-26-8b-step-fence-and-copy-in.md). Waiting here costs no GPU time: the
-    update (45 ms on that shape) is still queued when the wait ends, and the next forward's first
-    kernels are queued before it is done."""
+    (docs/benchmarks/2026-11-26-8b-step-fence-and-copy-in.md).
 
-    def __init__(self, device: torch.device):
+    Where it waits: at the step's start, or with context parallelism (`hold_in` the model's blocks) in the
+    forward, before the block a quarter of the way down. Under cp a block's forward costs the CPU more than
+    the GPU (FSDP's gathers, the cp attention's parts): held at the step's start, the CPU began each forward
+    with only the update queued ahead, and on two H200s the GPU waited for it about 1 ms before every block.
+    The quarter of the forward queued before the wait is GPU time the rest of the forward draws on: `1b`,
+    cp 2, 16,384 tokens, 1.09x (docs/benchmarks/2026-11-28-cp-step-fence-in-the-forward.md). Not without
+    cp: there the forward is the GPU's, and `8b` on two H200s reserved 99.6 GiB held in the forward."""
+
+    def __init__(self, device: torch.device, hold_in: Sequence[nn.Module] = ()):
         self.device = device if device.type == "cuda" else None
         self._backward_done: torch.cuda.Event | None = None
+        self.in_forward = self.device is not None and bool(hold_in)
+        if self.in_forward:
+            hold = torch._dynamo.disable(lambda module, args: self.wait())  # outside a compiled block's graph
+            hold_in[len(hold_in) // 4].register_forward_pre_hook(hold)
+
+    def step_start(self) -> None:
+        """At the start of a step: the wait, unless a block holds it in the forward."""
+        if not self.in_forward:
+            self.wait()
 
     def backward_queued(self) -> None:
         """After the step's last backward is queued, before the update."""
@@ -89,7 +107,7 @@ class StepFence:
             self._backward_done.record(torch.cuda.current_stream(self.device))
 
     def wait(self) -> None:
-        """At the start of a step: until the GPU has done the previous step's backward."""
+        """Until the GPU has done the previous step's backward."""
         if self._backward_done is not None:
             self._backward_done.synchronize()
             self._backward_done = None
