@@ -361,6 +361,26 @@ def test_step_fence_is_inert_off_the_gpu():
     assert fence.device is None
 
 
+def test_step_fence_under_cp_waits_before_the_block_a_quarter_of_the_way_down():
+    """With `hold_in` (context parallelism) the step's start does not wait; the forward does, once, as the block
+    a quarter of the way down starts (the GPU test checks the wait itself, with compiled blocks)."""
+    order: list[str] = []
+    blocks = [torch.nn.Linear(2, 2) for _ in range(8)]
+    for i, block in enumerate(blocks):
+        block.register_forward_hook(lambda module, args, out, i=i: order.append(f"block {i}"))
+    fence = parallel.StepFence(torch.device("cuda"), hold_in=blocks)  # no CUDA call until a wait
+    fence.wait = lambda: order.append("wait")
+    fence.step_start()
+    x = torch.zeros(1, 2)
+    for block in blocks:
+        x = block(x)
+    assert order[:4] == ["block 0", "block 1", "wait", "block 2"] and order.count("wait") == 1
+    without_cp = parallel.StepFence(torch.device("cuda"))
+    without_cp.wait = lambda: order.append("wait at the start")
+    without_cp.step_start()
+    assert order[-1] == "wait at the start"
+
+
 def test_default_reshard_keeps_small_models_gathered():
     from titanlike.model.shape import PRESETS, count_params
 

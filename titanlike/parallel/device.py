@@ -92,7 +92,7 @@ class StepFence:
         self._backward_done: torch.cuda.Event | None = None
         self.in_forward = self.device is not None and bool(hold_in)
         if self.in_forward:
-            hold = torch._dynamo.disable(lambda module, args: self.wait())  # outside a compiled block's graph
+            hold = torch.compiler.disable(lambda module, args: self.wait())  # outside a compiled block's graph
             hold_in[len(hold_in) // 4].register_forward_pre_hook(hold)
 
     def step_start(self) -> None:
