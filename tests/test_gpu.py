@@ -526,21 +526,32 @@ def test_mixture_token_loss_is_the_compiled_loss_on_the_gpu(chunk_tokens, compil
 
 
 def test_step_fence_under_cp_holds_the_cpu_in_the_forward():
-    """With `hold_in` (context parallelism), the step's start does not wait: the forward's first quarter of
-    blocks is queued behind the previous backward, and the block after it (compiled, as the trainer's are)
-    waits for that backward."""
+    """With `hold_in` (context parallelism) the step's start does not wait for the previous backward; the
+    model's forward does, between its compiled blocks, and returns once that backward is done (where: the
+    CPU test in test_parallel.py)."""
     import time
 
     from titanlike import parallel
+    from titanlike.model.decoder import Transformer
+    from titanlike.model.shape import model_args
 
     device = torch.device("cuda")
-    blocks = [torch.nn.Linear(8, 8, device=device) for _ in range(4)]
-    for block in blocks:
-        block.compile(fullgraph=True)
-    fence = parallel.StepFence(device, hold_in=blocks)
-    x = torch.randn(2, 8, device=device)
-    for block in blocks:  # compiled before the clock starts
-        x = block(x)
+    with device:
+        model = Transformer(model_args("debug", n_layers=8))
+    model.init_weights(0, 16)
+    parallel.apply_compile(model)
+    tokens = torch.randint(0, 64, (1, 16), device=device)
+    model(tokens)  # compiled before the clock starts
+    fence = parallel.StepFence(device, hold_in=model)
+    done_around_the_wait: list[bool] = []
+    wait = fence.wait
+
+    def recorded_wait():
+        done_around_the_wait.append(backward.query())
+        wait()
+        done_around_the_wait.append(backward.query())
+
+    fence.wait = recorded_wait
     torch.cuda.synchronize()
     backward = torch.cuda.Event()
     torch.cuda._sleep(1_000_000_000)  # a stand-in backward
@@ -548,10 +559,9 @@ def test_step_fence_under_cp_holds_the_cpu_in_the_forward():
     fence.backward_queued()
     start = time.perf_counter()
     fence.step_start()
-    x = blocks[0](x)
-    assert not backward.query() and time.perf_counter() - start < 0.1, "held before the forward's first quarter"
-    x = blocks[1](x)
-    assert backward.query(), "the block a quarter of the way down did not wait for the backward"
+    assert time.perf_counter() - start < 0.1, "the step's start waited"
+    model(tokens)
+    assert done_around_the_wait == [False, True], "the forward did not wait for the backward, once"
     torch.cuda.synchronize()
 
 

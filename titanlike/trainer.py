@@ -207,7 +207,7 @@ class Trainer:
                                     step_dir=self.checkpoint.step_dir, counters=self.state, is_main=self.is_main)
         self.window: list[torch.Tensor] = []  # (loss, grad norm, skipped) of those steps, on the device
         # The CPU no more than one update ahead of the GPU; with cp, and a quarter of the forward.
-        self.fence = parallel.StepFence(self.device, hold_in=self.model.blocks() if self.dims.cp > 1 else ())
+        self.fence = parallel.StepFence(self.device, hold_in=self.model if self.dims.cp > 1 else None)
         # A mixture also logs each source's training loss: the same loss, with each token's loss read
         # beside it (detached) and summed by source (run/source_losses.py). One source: loss_fn alone.
         self.source_losses = SourceLosses(

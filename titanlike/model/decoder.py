@@ -181,6 +181,9 @@ class Transformer(nn.Module):
         # Rotary tables are derived state: rebuilt by init_weights(), never checkpointed.
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        # Called, by block index, before that block's forward: between blocks, outside their compiled graphs
+        # (a hook on a compiled block is traced into it). parallel.StepFence holds the CPU there.
+        self.before_block: dict[int, Callable[[], None]] = {}
 
     def sample_block(self, batch: int, seq: int, device: torch.device) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
         """A fresh block of this model's shape on `device` (random weights, norm gains 1) and the
@@ -229,7 +232,9 @@ class Transformer(nn.Module):
             mask = context.mask
         elif self.document_end is not None:  # one mask for every layer, from this micro-batch's tokens
             mask = document_mask(tokens, self.document_end, self.flex_attention)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if i in self.before_block:
+                self.before_block[i]()
             h = layer(h, cos, sin, mask)
         return self.output(self.norm(h)) if head is None else head(self.norm, self.output, h)
 

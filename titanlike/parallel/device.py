@@ -5,12 +5,14 @@ the GPU memory a run may use (training.gpu_memory_limit_gib), and deterministic 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from titanlike.config import ConfigError
+
+if TYPE_CHECKING:
+    from titanlike.model.decoder import Transformer
 
 # The CUDA caching allocator's settings, unless the user chose their own. Expandable segments let
 # a block grow in place instead of reserving a new one, so activations of changing sizes (compile's
@@ -79,21 +81,21 @@ class StepFence:
     10 steps 99.0 to 99.5; with this wait, 97.7 either way, at the same speed
     (docs/benchmarks/2026-11-26-8b-step-fence-and-copy-in.md).
 
-    Where it waits: at the step's start, or with context parallelism (`hold_in` the model's blocks) in the
-    forward, before the block a quarter of the way down. Under cp a block's forward costs the CPU more than
-    the GPU (FSDP's gathers, the cp attention's parts): held at the step's start, the CPU began each forward
-    with only the update queued ahead, and on two H200s the GPU waited for it about 1 ms before every block.
+    Where it waits: at the step's start, or with context parallelism (`hold_in` the model) in the forward,
+    before the block a quarter of the way down (the model's `before_block`: between compiled blocks, not in
+    one). Under cp a block's forward costs the CPU more than the GPU (FSDP's gathers, the cp attention's
+    parts): held at the step's start, the CPU began each forward with only the update queued ahead, and on
+    two H200s the GPU waited for it about 1 ms before every block.
     The quarter of the forward queued before the wait is GPU time the rest of the forward draws on: `1b`,
     cp 2, 16,384 tokens, 1.09x (docs/benchmarks/2026-11-28-cp-step-fence-in-the-forward.md). Not without
     cp: there the forward is the GPU's, and `8b` on two H200s reserved 99.6 GiB held in the forward."""
 
-    def __init__(self, device: torch.device, hold_in: Sequence[nn.Module] = ()):
+    def __init__(self, device: torch.device, hold_in: Transformer | None = None):
         self.device = device if device.type == "cuda" else None
         self._backward_done: torch.cuda.Event | None = None
-        self.in_forward = self.device is not None and bool(hold_in)
-        if self.in_forward:
-            hold = torch.compiler.disable(lambda module, args: self.wait())  # outside a compiled block's graph
-            hold_in[len(hold_in) // 4].register_forward_pre_hook(hold)
+        self.in_forward = self.device is not None and hold_in is not None
+        if hold_in is not None and self.in_forward:
+            hold_in.before_block[len(hold_in.layers) // 4] = lambda: self.wait()
 
     def step_start(self) -> None:
         """At the start of a step: the wait, unless a block holds it in the forward."""
