@@ -79,7 +79,9 @@ class StepFence:
     has caught up; the next step's forward then takes fresh memory around it. On `8b` over two H200s
     a run that synchronised at every step (logging every step) reserved 97.7 GiB, one logging every
     10 steps 99.0 to 99.5; with this wait, 97.7 either way, at the same speed
-    (docs/benchmarks/2026-11-26-8b-step-fence-and-copy-in.md).
+    (docs/benchmarks/2026-11-26-8b-step-fence-and-copy-in.md). Waiting costs no GPU time: the update
+    (45 ms on that shape) is still queued when the wait ends, and the next forward's first kernels are
+    queued before it is done.
 
     Where it waits: at the step's start, or with context parallelism (`hold_in` the model) in the forward,
     before the block a quarter of the way down (the model's `before_block`: between compiled blocks, not in
@@ -98,7 +100,7 @@ class StepFence:
             hold_in.before_block[len(hold_in.layers) // 4] = lambda: self.wait()
 
     def step_start(self) -> None:
-        """At the start of a step: the wait, unless a block holds it in the forward."""
+        """At the start of a step: the wait, unless the model's forward holds it."""
         if not self.in_forward:
             self.wait()
 
