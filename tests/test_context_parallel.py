@@ -36,7 +36,8 @@ ATOL, RTOL = 1e-5, 1e-5
 
 class WholeWindow:
     """The exchange of one cp rank, in one process: the "gather" hands back the whole window's keys and
-    values, and the "reduce-scatter" keeps what this rank sends (its sum over ranks is the test's)."""
+    values (in the order the real one lays them out), and the "reduce-scatter" keeps what this rank sends
+    (its sum over ranks is the test's)."""
 
     def __init__(self, k, v, cp):
         self.k, self.v, self.cp, self.sent = k, v, cp, None
@@ -45,7 +46,9 @@ class WholeWindow:
         return kv
 
     def gather_finish(self, pending):
-        return self.k.detach(), self.v.detach()
+        from titanlike.parallel.chunk_attention import prefix_order, token_major_kv
+
+        return token_major_kv(self.k.detach(), self.v.detach(), 2 * self.cp)[prefix_order(self.cp)]
 
     def scatter_start(self, send):
         self.sent = send.clone()
@@ -92,12 +95,13 @@ def test_causal_chunks_match_whole_window_attention(cp, kernel):
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
     (got * g).sum().backward()
     torch.testing.assert_close(q.grad, want_grads[0], atol=ATOL, rtol=RTOL)
-    # What rank r receives: the sum over ranks of what each sent to r (keys, then values, at 2r and 2r + 1).
+    # What rank r receives: the sum over ranks of what each sent for r's two chunks (sent in prefix order).
     sent = sum(exchange.sent for exchange in exchanges)
+    order = chunk_attention.prefix_order(cp)
     for r, (_, local_k, local_v) in enumerate(outs):
-        for mine, summed, theirs in ((local_k, 0, want_grads[1]), (local_v, 1, want_grads[2])):
-            torch.testing.assert_close(mine.grad + sent[2 * r + summed], shard_sequence(theirs, r, cp, dim=2),
-                                       atol=ATOL, rtol=RTOL)
+        summed_k, summed_v = chunk_attention.kv_views(sent[[order.index(c) for c in chunks_of(r, cp)]])
+        for mine, summed, theirs in ((local_k, summed_k, want_grads[1]), (local_v, summed_v, want_grads[2])):
+            torch.testing.assert_close(mine.grad + summed, shard_sequence(theirs, r, cp, dim=2), atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("cp", [2])
@@ -172,6 +176,8 @@ def test_collectives_start_before_the_attention_that_does_not_need_them_compiled
 
 
 def test_split_then_unsplit_is_identity():
+    from titanlike.parallel import chunk_attention
+
     x = torch.arange(2 * 48 * 3).view(2, 48, 3)
     for cp in (1, 2, 3, 4, 6):
         parts = [shard_sequence(x, r, cp) for r in range(cp)]
@@ -184,6 +190,11 @@ def test_split_then_unsplit_is_identity():
         kv = torch.arange(2 * 5 * 48 * 4).view(2, 5, 48, 4)  # (keys and values, heads, window, head_dim)
         stacked = torch.cat([shard_sequence(kv, r, cp, dim=2) for r in range(cp)])
         assert torch.equal(window_order(stacked, cp), kv)
+        # The fused kernels' gather: chunks in prefix order, each prefix of the window one run of it.
+        order = chunk_attention.prefix_order(cp)
+        assert sorted(order) == list(range(2 * cp))
+        for c in range(2 * cp):
+            assert sorted(order[chunk_attention.prefix_run(c, cp)]) == list(range(c))
     assert torch.equal(shard_sequence(torch.arange(8), 0, 2, dim=0), torch.tensor([0, 1, 6, 7]))
     assert torch.equal(shard_sequence(torch.arange(8), 1, 2, dim=0), torch.tensor([2, 3, 4, 5]))
 

@@ -23,6 +23,15 @@ The order of the work, the point of this module:
   key and value gradients belong to the ranks that hold those keys; start the reduce-scatter that sums
   them there; the other chunks' squares while it runs; wait.
 
+The layouts, the other point (each saves a copy of the window's keys and values, or of the output, by
+layer): the gather lays the chunks out in `prefix_order`, where every prefix is one run of chunks, so
+no rank reorders what it gathered into window order (an unmasked prefix takes its keys in any order);
+keys and values travel token by token (`token_major_kv`), so a run of chunks is a strided view the
+kernel reads as it lies; and the output is laid out as the block's queries are (`_token_major`), so its
+gradient comes back in the output's own layout and the kernel's backward reads it without a copy. At
+16,384 tokens, `1b` with cp 2 ran 1.034x faster for them; at 32,768 they changed nothing (2x H200,
+docs/benchmarks/2026-11-28-cp-gather-in-prefix-order.md).
+
 Both directions are one custom op each (torch.library, public): torch.compile sees an opaque call, as it
 sees SDPA's kernels, and the order above is the order on the GPU. Traced by compile as ops of the block
 instead, inductor placed both gathers after the square parts and the reduce-scatter where nothing ran
@@ -165,11 +174,57 @@ def causal_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: int) 
 
 
 def _side_by_side(stacked: torch.Tensor) -> torch.Tensor:
-    """(chunks, b, h, L, d) as (b, h, chunks·L, d). The ops keep each chunk's rows apart, contiguous, as the
-    kernels take them; compiled, this copy fuses into the block's next one (attention's output is
-    transposed into the output projection's input anyway)."""
+    """(chunks, b, h, L, d) as (b, h, chunks·L, d): a view of the ops' outputs, whose rows lie in memory as
+    (b, chunks·L, h, d), the layout a block's queries and SDPA's output have (`_token_major`)."""
     n, b, h, length, d = stacked.shape
     return stacked.permute(1, 2, 0, 3, 4).reshape(b, h, n * length, d)
+
+
+def _token_major(per_chunk: list[torch.Tensor]) -> torch.Tensor:
+    """Chunks' (b, h, L, d) as (chunks, b, h, L, d) laid out in memory as (b, chunks, L, h, d). That is the
+    layout of the block around the op: its queries come so, `_side_by_side` of this is a view, and the
+    output gradient comes back the same way, which cuDNN's backward then reads without a copy (it makes
+    an output gradient laid out unlike the output match it first, a copy per chunk)."""
+    return torch.stack(per_chunk, dim=1).transpose(2, 3).contiguous().permute(1, 0, 3, 2, 4)
+
+
+def _token_major_like(b: int, n: int, h: int, length: int, d: int, like: torch.Tensor) -> torch.Tensor:
+    """An empty (n, b, h, L, d) tensor laid out as `_token_major` makes it (for the ops' fake kernels)."""
+    return like.new_empty((b, n, length, h, d)).permute(1, 0, 3, 2, 4)
+
+
+def prefix_order(cp: int) -> list[int]:
+    """The window chunks in the order the gather lays them out: the ranks' tail chunks in rank order
+    (2cp-1 down to cp), then their head chunks (0 up to cp-1). Every prefix [0, c) of the window is then
+    one contiguous run of it, `prefix_run(c)`, and a prefix is attended unmasked, where keys may come in any
+    order: so no rank reorders the gathered keys and values into window order (a copy of the window's, by
+    layer, in forward and again in backward)."""
+    return [2 * cp - 1 - r for r in range(cp)] + list(range(cp))
+
+
+def prefix_run(chunk: int, cp: int) -> slice:
+    """Where the keys before window chunk `chunk` lie in `prefix_order(cp)`, in chunks: the first `chunk` head
+    chunks, or for a tail chunk all the head chunks and the tail chunks just before them."""
+    start = cp if chunk <= cp else 2 * cp - chunk
+    return slice(start, start + chunk)
+
+
+def token_major_kv(k: torch.Tensor, v: torch.Tensor, n: int) -> torch.Tensor:
+    """(n, L, b, 2, kv_heads, d): keys and values of (b, kv_heads, n·L, d) each, a chunk at a time, a token's
+    keys and values side by side. What the exchange moves: a run of chunks of it is a run of tokens, which
+    `kv_views` reads as keys and values without a copy."""
+    b, h, seq, d = k.shape
+    buf = k.new_empty((n, seq // n, b, 2, h, d))
+    as_kv = buf.permute(3, 2, 4, 0, 1, 5)  # (2, b, h, n, L, d)
+    as_kv[0].copy_(k.unflatten(2, (n, seq // n)))
+    as_kv[1].copy_(v.unflatten(2, (n, seq // n)))
+    return buf
+
+
+def kv_views(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values (b, kv_heads, chunks·L, d), views of a `token_major_kv` buffer (chunks, L, b, 2, kv_heads, d)."""
+    tokens = buf.flatten(0, 1)
+    return tokens[:, :, 0].permute(1, 2, 0, 3), tokens[:, :, 1].permute(1, 2, 0, 3)
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lse_o: torch.Tensor):
@@ -181,35 +236,38 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lse_o: torch.T
 
 
 def _outputs(squares: list, prefixes: list):
-    """Each chunk's square part merged with its prefix (None for chunk 0), stacked: (out as (chunks, b, h, L,
-    d), lse as (chunks, b, h, L, 1) fp32), contiguous, the layout the op declares."""
+    """Each chunk's square part merged with its prefix (None for chunk 0): (out as (chunks, b, h, L, d) laid
+    out as `_token_major` makes it, lse as (chunks, b, h, L, 1) fp32, contiguous), the layouts the op
+    declares."""
     merged = [_merge(*square, *prefix) if prefix is not None else square for square, prefix in zip(squares, prefixes)]
-    return torch.stack([o for o, _ in merged]), torch.stack([lse.float() for _, lse in merged])
+    return _token_major([o for o, _ in merged]), torch.stack([lse.float() for _, lse in merged])
 
 
 def _to_send(cp: int, contributions: list[list[tuple[torch.Tensor, torch.Tensor]]], like: torch.Tensor):
-    """(2·cp, *like.shape): the key and value gradients each rank sends, rank r's at [2r, 2r + 2), its chunks r
-    and 2cp-1-r side by side (context.py's shard_sequence), from `contributions`, per window chunk c the
-    (key, value) gradients this rank has for its keys (summed; zeros where none)."""
-    half = like.shape[2] // 2
-    zeros = like.new_zeros((*like.shape[:2], half, like.shape[3]))
+    """(2·cp, L, b, 2, kv_heads, d): the key and value gradients this rank has for every window chunk, in
+    `prefix_order(cp)` and laid out as `token_major_kv`, from `contributions`: per window chunk c the (key,
+    value) gradients this rank has for its keys (summed; zeros where none)."""
+    zeros = like.new_zeros((*like.shape[:2], like.shape[2] // 2, like.shape[3]))
 
     def total(c: int, which: int) -> torch.Tensor:
         parts = [pair[which] for pair in contributions[c]]
         return sum(parts[1:], parts[0]) if parts else zeros
 
-    return torch.stack([torch.cat([total(c, which) for c in (r, 2 * cp - 1 - r)], dim=2)
-                        for r in range(cp) for which in (0, 1)])
+    # (2cp, 2, b, h, L, d) as (2cp, L, b, 2, h, d)
+    return torch.stack([torch.stack([total(c, 0), total(c, 1)]) for c in prefix_order(cp)]).permute(
+        0, 4, 2, 1, 3, 5).contiguous()
 
 
 def _gradients(dq_parts: list[list[torch.Tensor]], received: torch.Tensor, late: list):
-    """(dq as (chunks, b, h, L, d), the key and value gradients (2, b, kv_heads, chunks·L, d)): each chunk's
-    query gradients summed, and `late` (per chunk: its square's (key, value) gradients, or None where
-    they went out with the reduce-scatter) added to what the reduce-scatter brought."""
-    dq = torch.stack([sum(parts[1:], parts[0]) for parts in dq_parts])
-    length = dq.shape[3]
-    rows = [received[:, :, :, i * length:(i + 1) * length] for i in range(len(late))]
-    dkv = torch.cat([mine if pair is None else mine + torch.stack(pair) for mine, pair in zip(rows, late)], dim=3)
+    """(dq as (chunks, b, h, L, d) laid out as `_token_major` makes it, the key and value gradients
+    (2, b, kv_heads, chunks·L, d)): each chunk's query gradients summed, and `late` (per chunk: its
+    square's (key, value) gradients, or None where they went out with the reduce-scatter) added to
+    what the reduce-scatter brought (`received`, (chunks, L, b, 2, kv_heads, d) as `token_major_kv`)."""
+    dq = _token_major([sum(parts[1:], parts[0]) for parts in dq_parts])
+    n, length, b, _, h, d = received.shape
+    mine = received.permute(3, 2, 4, 0, 1, 5)  # (2, b, h, n, L, d)
+    dkv = torch.cat([mine[:, :, :, i] if pair is None else mine[:, :, :, i] + torch.stack(pair)
+                     for i, pair in enumerate(late)], dim=3)
     return dq, dkv
 
 
@@ -234,11 +292,20 @@ def _fast(fn):
 outputs, to_send, gradients = _fast(_outputs), _fast(_to_send), _fast(_gradients)
 
 
+def _before(chunk: int, whole: tuple[torch.Tensor, torch.Tensor], cp: int,
+            length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values before window chunk `chunk`: a run of the gathered (in `prefix_order`), as views."""
+    run = prefix_run(chunk, cp)
+    keys = slice(run.start * length, run.stop * length)
+    return whole[0][:, :, keys], whole[1][:, :, keys]
+
+
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan):
     """(out as (chunks, b, h, L, d), lse as (chunks, b, h, L, 1) fp32, the parts' kernel states as one int64
-    tensor, the rank's keys and values stacked (2, *k.shape), which backward gathers again)."""
-    kernel, exchange, length = plan.kernel, plan.exchange, q.shape[2] // len(plan.chunks)
-    kv = torch.stack([k, v])
+    tensor, the rank's keys and values as `token_major_kv`, which backward gathers again)."""
+    kernel, exchange, n = plan.kernel, plan.exchange, len(plan.chunks)
+    length = q.shape[2] // n
+    kv = token_major_kv(k, v, n)
     pending = exchange.gather_start(kv)
     states = []
 
@@ -250,11 +317,12 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan):
 
     # While the gather runs: each chunk's square block, on this rank's own keys.
     squares = [part(i, k[:, :, i * length:(i + 1) * length], v[:, :, i * length:(i + 1) * length], True)
-               for i in range(len(plan.chunks))]
-    whole_k, whole_v = exchange.gather_finish(pending)
-    prefixes = [part(i, whole_k[:, :, :chunk * length], whole_v[:, :, :chunk * length], False) if chunk else None
+               for i in range(n)]
+    whole = kv_views(exchange.gather_finish(pending))  # in prefix_order
+    cp = whole[0].shape[2] // (2 * length)
+    prefixes = [part(i, *_before(chunk, whole, cp, length), False) if chunk else None
                 for i, chunk in enumerate(plan.chunks)]
-    del whole_k, whole_v
+    del whole
     state = torch.cat(states) if states else q.new_empty(0, dtype=torch.int64)
     return *outputs(q.is_cuda, squares, prefixes), state, kv
 
@@ -263,39 +331,41 @@ def _backward(grad, q, kv, out, lse, state, plan: Plan):
     """(dq as (chunks, b, h, L, d), the rank's key and value gradients stacked) from the gradient of `out`."""
     kernel, exchange, n = plan.kernel, plan.exchange, len(plan.chunks)
     length = q.shape[2] // n
-    k, v = kv[0], kv[1]
+    k, v = kv_views(kv)
     rows = [slice(i * length, (i + 1) * length) for i in range(n)]
     # Parts in forward's order, squares then prefixes: each kernel state is at its part's place.
     parts = [(i, True) for i in range(n)] + [(i, False) for i, chunk in enumerate(plan.chunks) if chunk]
     place = {p: j * kernel.state_size for j, p in enumerate(parts)}
-    grads = [grad[i].contiguous() for i in range(n)]
     dq: list[list[torch.Tensor]] = [[] for _ in range(n)]
 
     def part_backward(i: int, keys: torch.Tensor, values: torch.Tensor, causal: bool):
         at = place[(i, causal)]
-        gq, gk, gv = kernel.backward(grads[i], q[:, :, rows[i]], keys, values, out[i], lse[i], causal,
+        # grad[i] and out[i] share a layout (`_token_major`): the kernel reads both as they are.
+        gq, gk, gv = kernel.backward(grad[i], q[:, :, rows[i]], keys, values, out[i], lse[i], causal,
                                      state[at:at + kernel.state_size])
         dq[i].append(gq)
         return gk, gv
 
     pending = exchange.gather_start(kv)
     first = part_backward(0, k[:, :, rows[0]], v[:, :, rows[0]], True)  # while the gather runs
-    whole_k, whole_v = exchange.gather_finish(pending)
-    cp = whole_k.shape[2] // (n * length)
+    whole = kv_views(exchange.gather_finish(pending))  # in prefix_order
+    cp = whole[0].shape[2] // (2 * length)
+    order = prefix_order(cp)
     # Per window chunk, the key and value gradients this rank has for it: the first square's (summed with
     # the others' by the reduce-scatter), and the prefixes', which belong to the ranks that hold those keys.
     contributions: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(2 * cp)]
     contributions[plan.chunks[0]].append(first)
     for i, chunk in enumerate(plan.chunks):
         if chunk:
-            gk, gv = part_backward(i, whole_k[:, :, :chunk * length], whole_v[:, :, :chunk * length], False)
-            for c in range(chunk):
-                keys = slice(c * length, (c + 1) * length)
-                contributions[c].append((gk[:, :, keys], gv[:, :, keys]))
-    del whole_k, whole_v
+            gk, gv = part_backward(i, *_before(chunk, whole, cp, length), False)
+            run = prefix_run(chunk, cp)
+            for j, at in enumerate(range(run.start, run.stop)):
+                these = slice(j * length, (j + 1) * length)
+                contributions[order[at]].append((gk[:, :, these], gv[:, :, these]))
+    del whole
     pending = exchange.scatter_start(to_send(q.is_cuda, cp, contributions, k))
     late = [None] + [part_backward(i, k[:, :, rows[i]], v[:, :, rows[i]], True) for i in range(1, n)]  # meanwhile
-    received = exchange.scatter_finish(pending)  # (2, *k.shape): the sums of what every rank sent this one
+    received = exchange.scatter_finish(pending)  # (n, L, b, 2, kv_heads, d): the sums every rank sent this one
     return gradients(q.is_cuda, dq, received, late)
 
 
@@ -319,8 +389,9 @@ def _(q, k, v, plan):
     p = _PLANS[plan]
     n, parts = len(p.chunks), len(p.chunks) + sum(1 for chunk in p.chunks if chunk)
     b, h, window, d = q.shape
-    return (q.new_empty((n, b, h, window // n, d)), q.new_empty((n, b, h, window // n, 1), dtype=torch.float32),
-            q.new_empty(parts * p.kernel.state_size, dtype=torch.int64), k.new_empty((2, *k.shape)))
+    kv = k.new_empty((n, k.shape[2] // n, b, 2, k.shape[1], d))
+    return (_token_major_like(b, n, h, window // n, d, q), q.new_empty((n, b, h, window // n, 1), dtype=torch.float32),
+            q.new_empty(parts * p.kernel.state_size, dtype=torch.int64), kv)
 
 
 @torch.library.custom_op(f"{_NAME}_backward", mutates_args=())
@@ -331,14 +402,15 @@ def _attention_backward_op(grad: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
 
 @_attention_backward_op.register_fake
 def _(grad, q, kv, out, lse, state, plan):
-    return q.new_empty(grad.shape), kv.new_empty(kv.shape)
+    n, length, b, _, kv_heads, d = kv.shape
+    return _token_major_like(b, n, q.shape[1], length, d, q), kv.new_empty((2, b, kv_heads, n * length, d))
 
 
 def _setup_context(ctx, inputs, output) -> None:
     q, _, _, plan = inputs
     out, lse, state, kv = output
     ctx.plan = plan
-    # The rank's own keys and values as the forward stacked them for its gather (backward gathers them again).
+    # The rank's own keys and values as the forward laid them out for its gather (backward gathers them again).
     ctx.save_for_backward(q, kv, out, lse, state)
 
 

@@ -8,9 +8,8 @@ every r, so no rank waits on another at the end of a layer.
 
 Attention (all-gather, as Llama 3's paper describes): every other part of a block is per token and
 runs on the local tokens untouched. In each attention layer the rank all-gathers the keys and
-values of its group, one collective for both, reorders them to window order, and computes its own
-queries against the keys each may see; backward reduce-scatters (sums) the keys' and values'
-gradients back to the ranks that made them.
+values of its group and computes its own queries against the keys each may see; backward
+reduce-scatters (sums) the keys' and values' gradients back to the ranks that made them.
 - causal, with the override cp_attention_kernels (titanlike/overrides): per local chunk c covering
   window positions [s, s+L), attention of its queries against keys [0, s+L): an unmasked prefix and a
   square causal block on the rank's own keys, merged by log-sum-exp (parallel/chunk_attention.py), on
@@ -92,34 +91,43 @@ def window_order(gathered: torch.Tensor, cp: int) -> torch.Tensor:
 class KeyValueExchange:
     """The collectives of causal attention under cp (parallel/chunk_attention.py), each split into a start
     and a finish so that attention runs between them: c10d's all-gather and reduce-scatter, async (on a
-    GPU, NCCL's stream runs them beside the compute stream; a finish makes the compute stream wait)."""
+    GPU, NCCL's stream runs them beside the compute stream; a finish makes the compute stream wait).
+
+    Each is two collectives, one of the ranks' tail chunks and one of their head chunks, into (and out of)
+    one buffer in chunk_attention's `prefix_order`: each rank reads every prefix of the window from it as it
+    lies, with no copy into window order."""
 
     def __init__(self, group):
         self.group, self.cp = group, dist.get_world_size(group)
 
     def gather_start(self, kv: torch.Tensor):
-        """Start gathering every rank's (2, batch, kv_heads, 2L, head_dim) stacked keys and values."""
-        kv = kv.contiguous()
-        whole = kv.new_empty((self.cp * kv.shape[0], *kv.shape[1:]))
-        return whole, _all_gather(whole, kv, group=self.group, async_op=True)
+        """Start gathering every rank's (2, L, ...) keys and values (its head chunk, then its tail chunk)."""
+        whole = kv.new_empty((2 * self.cp, *kv.shape[1:]))
+        # Chunks stacked along the tokens (dim 0), as c10d gathers.
+        works = [_all_gather(whole[:self.cp].flatten(0, 1), kv[1], group=self.group, async_op=True),
+                 _all_gather(whole[self.cp:].flatten(0, 1), kv[0], group=self.group, async_op=True)]
+        return whole, works
 
-    def gather_finish(self, pending) -> tuple[torch.Tensor, torch.Tensor]:
-        """The window's keys and values, in window order."""
-        whole, work = pending
-        work.wait()
-        whole = window_order(whole, self.cp)
-        return whole[0], whole[1]
+    def gather_finish(self, pending) -> torch.Tensor:
+        """(2·cp, L, ...): the window's keys and values, chunk by chunk in `prefix_order`."""
+        whole, works = pending
+        for work in works:
+            work.wait()
+        return whole
 
     def scatter_start(self, send: torch.Tensor):
-        """Start summing (2·cp, ...) key and value gradients over the group, rank r's at [2r, 2r + 2) (keys,
-        then values, of its chunks); each rank receives its own two."""
+        """Start summing (2·cp, L, ...) key and value gradients for every chunk of the window, in `prefix_order`,
+        over the group; each rank receives the sums for its own two chunks."""
         mine = send.new_empty((2, *send.shape[1:]))
-        return mine, _reduce_scatter(mine, send, group=self.group, async_op=True)
+        works = [_reduce_scatter(mine[1], send[:self.cp].flatten(0, 1), group=self.group, async_op=True),
+                 _reduce_scatter(mine[0], send[self.cp:].flatten(0, 1), group=self.group, async_op=True)]
+        return mine, works
 
     def scatter_finish(self, pending) -> torch.Tensor:
-        """This rank's (2, batch, kv_heads, 2L, head_dim) summed key and value gradients."""
-        mine, work = pending
-        work.wait()
+        """This rank's (2, L, ...) summed key and value gradients: its head chunk's, then its tail chunk's."""
+        mine, works = pending
+        for work in works:
+            work.wait()
         return mine
 
 
