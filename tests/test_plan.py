@@ -34,6 +34,7 @@ WALL = f"{B}2026-11-28-cp-long-window-memory.md"
 AFTER = f"{B}2026-11-28-cp-speed-and-memory-after-the-fixes.md"
 ONE_OP = f"{B}2026-11-28-cp-attention-as-one-op.md"
 FENCE = f"{B}2026-11-28-cp-step-fence-in-the-forward.md"
+PREFIX_ORDER = f"{B}2026-11-28-cp-gather-in-prefix-order.md"
 OFFLOAD = ("--parallel.cpu_offload --fp8.enable_fsdp_float8_all_gather false --activation_checkpoint.mode full "
            "--training.loss_chunk_tokens 4096 --training.local_batch_size 1")
 ONE = C + "llama3_1b.toml"
@@ -135,6 +136,14 @@ MEASURED = [
     (ONE, f"{WINDOW} --data.seq_len 16384 --parallel.cp 2", 2, H200, 22.9, FENCE),
     (ONE, f"{WINDOW} --data.seq_len 32768 --parallel.cp 2", 2, H200, 33.4, FENCE),
     (ONE, f"{WINDOW} --data.seq_len 65536 --parallel.cp 2", 2, H200, 54.3, ONE_OP),
+    # The same with the gather in prefix order (no copy of the window into window order).
+    (ONE, f"{WINDOW} --data.seq_len 16384 --parallel.cp 2", 2, H200, 22.6, PREFIX_ORDER),
+    (ONE, f"{WINDOW} --data.seq_len 32768 --parallel.cp 2", 2, H200, 33.2, PREFIX_ORDER),
+    (ONE, f"{WINDOW} --data.seq_len 65536 --parallel.cp 2", 2, H200, 54.9, PREFIX_ORDER),
+    (ONE, f"{WINDOW} --data.seq_len 32768", 1, H200, 55.6, PREFIX_ORDER),
+    (ONE, f"{WINDOW} --data.seq_len 65536", 1, H200, 93.0, PREFIX_ORDER),
+    (C + "llama3_8b.toml", f"{LONG_CP} --data.seq_len 131072 --training.gpu_memory_limit_gib 78", 2, H200, 78.0,
+     PREFIX_ORDER),
 ]
 
 
