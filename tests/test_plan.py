@@ -15,7 +15,7 @@ from titanlike.errors import UserError
 from titanlike.model.shape import model_args
 from titanlike.plan import cli
 from titanlike.plan.estimate import estimate_run
-from titanlike.plan.fit import fit_to_target, given_keys
+from titanlike.plan.fit import fit_to_target, gib, given_keys
 
 H200, H100 = 140.4, 79.65  # GiB torch reports for the card
 C = "train_configs/"
@@ -372,6 +372,13 @@ def test_fit_refuses_a_target_nothing_reaches_naming_the_closest():
         fit(ONE_B + ["--training.fit_gib", "2"], 1)
     msg = str(e.value)
     assert "\n" not in msg and "the smallest estimate is" in msg and "comes closest alone is --" in msg
+
+
+def test_a_line_says_gib_in_figures_a_reader_takes_in():
+    """Three figures below 1,000 GiB; whole GiB with thousands separated above (a million-token window's
+    estimate read 1.81e+03 GiB)."""
+    assert [gib(x) for x in (0.4321, 77.84, 248.4, 999.4, 999.6, 1810.2, 23456.7)] == [
+        "0.432", "77.8", "248", "999", "1,000", "1,810", "23,457"]
 
 
 def test_the_preflight_refuses_an_unreachable_target_before_any_work():

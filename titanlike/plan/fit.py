@@ -41,6 +41,11 @@ class Fit:
 MARGIN = 0.10
 
 
+def gib(x: float) -> str:
+    """GiB as a line says them: three figures, and whole GiB with thousands separated from 1,000 up (not 1.81e+03)."""
+    return f"{x:,.0f}" if x >= 999.5 else f"{x:.3g}"
+
+
 def usable_gib(card_gib: float, world: int) -> float:
     """What torch can allocate on a card: its memory less the CUDA context and workspaces, and NCCL's
     buffers with more than one GPU."""
@@ -140,17 +145,17 @@ def fit_to_target(cfg: JobConfig, argv: list[str], world: int) -> tuple[JobConfi
         smallest = min(every, key=lambda f: f.reserved_gib)
         singles = [f for f in every if len(f.choices) == 1]
         closest = min(singles, key=lambda f: f.reserved_gib, default=None)
-        lever = (f"; the lever that comes closest alone is {' '.join(closest.flags)} ({closest.reserved_gib:.3g} GiB)"
+        lever = (f"; the lever that comes closest alone is {' '.join(closest.flags)} ({gib(closest.reserved_gib)} GiB)"
                  if closest else "")
         raise UserError(f"training.fit_gib = {target:g}: no combination of levers fits; the smallest estimate is "
-                        f"{smallest.reserved_gib:.3g} GiB per GPU (with {' '.join(smallest.flags) or 'none'}){lever}"
+                        f"{gib(smallest.reserved_gib)} GiB per GPU (with {' '.join(smallest.flags) or 'none'}){lever}"
                         f" (levers you set are kept: {', '.join(sorted(given & {c.key for c in CHOICES})) or 'none'})")
     if not best.choices:
-        return cfg, (f"training.fit_gib = {target:g}: the run as configured fits (estimate {now:.3g} GiB per GPU); "
+        return cfg, (f"training.fit_gib = {target:g}: the run as configured fits (estimate {gib(now)} GiB per GPU); "
                      f"no lever needed")
     validate(best.cfg)  # each lever is a valid setting; the combination must be one too
-    return best.cfg, (f"training.fit_gib = {target:g}: the run as configured needs about {now:.3g} GiB per GPU; "
-                      f"chose {' '.join(best.flags)} (estimate {best.reserved_gib:.3g} GiB, about "
+    return best.cfg, (f"training.fit_gib = {target:g}: the run as configured needs about {gib(now)} GiB per GPU; "
+                      f"chose {' '.join(best.flags)} (estimate {gib(best.reserved_gib)} GiB, about "
                       f"{best.speed:.0%} of the speed): the fastest levers that fit (titanlike-plan shows the rest)")
 
 
@@ -171,6 +176,6 @@ def out_of_reach(cfg: JobConfig, world: int, usable: float, where: str) -> str |
     if smallest.reserved_gib * (1 - MARGIN) <= usable:
         return None
     return (f"this run does not fit {where} with any combination of levers: the smallest estimate is "
-            f"{smallest.reserved_gib:.3g} GiB per GPU (with {' '.join(smallest.flags) or 'every lever as set'}), "
-            f"more than {MARGIN:.0%} over the {usable:.3g} GiB torch can allocate there: shorten data.seq_len, raise "
+            f"{gib(smallest.reserved_gib)} GiB per GPU (with {' '.join(smallest.flags) or 'every lever as set'}), "
+            f"more than {MARGIN:.0%} over the {gib(usable)} GiB torch can allocate there: shorten data.seq_len, raise "
             f"parallel.cp or add GPUs (titanlike-plan shows where the memory goes)")
