@@ -49,6 +49,20 @@ def offline_runs(dump: Path) -> list[Path]:
     return sorted((dump / "wandb").glob("offline-run-*/run-*.wandb"))
 
 
+def settled_history(run_file: Path, steps: set[int]) -> list[dict]:
+    """`history(run_file)` once it holds a train loss at each of `steps`. W&B writes the file from a process of
+    its own: on a loaded machine its last records may land a moment after the run has finished (read at once,
+    the file held no train row: once after a resume, once after a first run while CI's two torch legs ran)."""
+    deadline = time.monotonic() + 30
+    while True:
+        rows = history(run_file)
+        found = {r["step"] for r in rows if "train/loss" in r}
+        if found == steps:
+            return rows
+        assert time.monotonic() < deadline, sorted(found)
+        time.sleep(0.5)
+
+
 def test_offline_run_holds_the_records_and_a_resume_continues_it(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -57,10 +71,11 @@ def test_offline_run_holds_the_records_and_a_resume_continues_it(tmp_path, monke
     [first] = offline_runs(dump)
     run_id = (dump / "wandb" / "titanlike-run-id").read_text().strip()
     assert first.name == f"run-{run_id}.wandb"
-    rows = history(first)
+    logged = {r["step"]: r["loss"] for r in metrics(dump)}
+    rows = settled_history(first, set(logged))
     # The train records' losses, keyed as TensorBoard's scalars, at the training step.
     wb_loss = {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
-    assert wb_loss == pytest.approx({r["step"]: r["loss"] for r in metrics(dump)})
+    assert wb_loss == pytest.approx(logged)
     assert any("train/lr" in r for r in rows) and any("train/grad_norm" in r for r in rows)
     assert [r["step"] for r in rows if "val/loss" in r] == [4]
 
@@ -72,12 +87,7 @@ def test_offline_run_holds_the_records_and_a_resume_continues_it(tmp_path, monke
                "--checkpoint.interval", "4")
     runs = offline_runs(dump)
     assert len(runs) == 2 and all(r.name == f"run-{run_id}.wandb" for r in runs)
-    # W&B writes the file from a process of its own: on a loaded machine its last records may land a moment
-    # after the run has finished (this once read as an empty set).
-    deadline = time.monotonic() + 30
-    while (later := {r["step"] for r in history(runs[1]) if "train/loss" in r}) != {5, 6}:
-        assert time.monotonic() < deadline, later
-        time.sleep(0.5)
+    settled_history(runs[1], {5, 6})
 
     # A fresh run into the folder (no checkpoint to resume) moves W&B's files aside with the other records,
     # and starts a W&B run of its own.
