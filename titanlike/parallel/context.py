@@ -104,31 +104,35 @@ class KeyValueExchange:
         """Start gathering every rank's (2, L, ...) keys and values (its head chunk, then its tail chunk)."""
         whole = kv.new_empty((2 * self.cp, *kv.shape[1:]))
         # Chunks stacked along the tokens (dim 0), as c10d gathers.
-        works = [_all_gather(whole[:self.cp].flatten(0, 1), kv[1], group=self.group, async_op=True),
-                 _all_gather(whole[self.cp:].flatten(0, 1), kv[0], group=self.group, async_op=True)]
-        return whole, works
+        return whole, self._start(_all_gather, (whole[:self.cp].flatten(0, 1), kv[1]),
+                                  (whole[self.cp:].flatten(0, 1), kv[0]))
 
     def gather_finish(self, pending) -> torch.Tensor:
         """(2·cp, L, ...): the window's keys and values, chunk by chunk in `prefix_order`."""
-        whole, works = pending
-        for work in works:
-            work.wait()
-        return whole
+        return _finish(pending)
 
     def scatter_start(self, send: torch.Tensor):
         """Start summing (2·cp, L, ...) key and value gradients for every chunk of the window, in `prefix_order`,
         over the group; each rank receives the sums for its own two chunks."""
         mine = send.new_empty((2, *send.shape[1:]))
-        works = [_reduce_scatter(mine[1], send[:self.cp].flatten(0, 1), group=self.group, async_op=True),
-                 _reduce_scatter(mine[0], send[self.cp:].flatten(0, 1), group=self.group, async_op=True)]
-        return mine, works
+        return mine, self._start(_reduce_scatter, (mine[1], send[:self.cp].flatten(0, 1)),
+                                 (mine[0], send[self.cp:].flatten(0, 1)))
 
     def scatter_finish(self, pending) -> torch.Tensor:
         """This rank's (2, L, ...) summed key and value gradients: its head chunk's, then its tail chunk's."""
-        mine, works = pending
-        for work in works:
-            work.wait()
-        return mine
+        return _finish(pending)
+
+    def _start(self, collective, tails: tuple, heads: tuple) -> list:
+        """`collective(output, input)` of the tail chunks, then of the head chunks, async over the group."""
+        return [collective(out, inp, group=self.group, async_op=True) for out, inp in (tails, heads)]
+
+
+def _finish(pending) -> torch.Tensor:
+    """The buffer of a started exchange, once its collectives are done."""
+    buffer, works = pending
+    for work in works:
+        work.wait()
+    return buffer
 
 
 # c10d's newer names where this torch has them (torch 2.13 warns that the older ones are deprecated).
