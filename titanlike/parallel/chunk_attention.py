@@ -264,7 +264,6 @@ def _gradients(dq_parts: list[list[torch.Tensor]], received: torch.Tensor, late:
     square's (key, value) gradients, or None where they went out with the reduce-scatter) added to
     what the reduce-scatter brought (`received`, (chunks, L, b, 2, kv_heads, d) as `token_major_kv`)."""
     dq = _token_major([sum(parts[1:], parts[0]) for parts in dq_parts])
-    n, length, b, _, h, d = received.shape
     mine = received.permute(3, 2, 4, 0, 1, 5)  # (2, b, h, n, L, d)
     dkv = torch.cat([mine[:, :, :, i] if pair is None else mine[:, :, :, i] + torch.stack(pair)
                      for i, pair in enumerate(late)], dim=3)

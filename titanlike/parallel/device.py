@@ -97,6 +97,7 @@ class StepFence:
         self._backward_done: torch.cuda.Event | None = None
         self.in_forward = self.device is not None and hold_in is not None
         if hold_in is not None and self.in_forward:
+            # Through a lambda: `wait` is looked up at each call (the tests swap it for a recorder).
             hold_in.before_block[len(hold_in.layers) // 4] = lambda: self.wait()
 
     def step_start(self) -> None:
