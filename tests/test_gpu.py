@@ -412,6 +412,25 @@ def test_two_gpus_context_parallel_matches_one_gpu(tmp_path, mask):
 
 
 @pytest.mark.two_gpus
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs: cp 4 over NCCL")
+def test_four_gpus_context_parallel_matches_one_gpu(tmp_path):
+    """--parallel.cp 4 on four GPUs, compiled, causal: every rank holds a quarter of each window (two
+    chunks of 128 tokens), gathers keys and values from three others, and the losses track one GPU's on
+    the same global batch. The two-GPU tier skips it; a four-GPU machine runs it by name."""
+    common = ("--training.steps", "10", "--metrics.log_freq", "1", "--validation.enable", "false",
+              "--data.seq_len", "1024", "--training.local_batch_size", "4", "--compile.enable")
+    run_train(tmp_path / "one", *common, device="cuda")
+    proc = run_train(tmp_path / "four", *common, "--parallel.cp", "4", nproc=4, device="cuda")
+    assert "× cp 4)" in proc.stdout + proc.stderr
+    one, four = train_losses(tmp_path / "one"), train_losses(tmp_path / "four")
+    assert one.keys() == four.keys() and all(math.isfinite(v) for v in four.values())
+    assert abs(one[1] - four[1]) < 0.01 * one[1], (one[1], four[1])
+    for s in one:
+        assert abs(one[s] - four[s]) < 0.03 * one[s], (s, one[s], four[s])
+    assert four[10] < four[1]
+
+
+@pytest.mark.two_gpus
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: context parallelism over NCCL")
 def test_two_gpus_context_parallel_attention_matches_unsplit(tmp_path):
     """Context-parallel attention on two GPUs in bf16, eager and compiled: outputs and q, k, v gradients

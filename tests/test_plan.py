@@ -35,6 +35,7 @@ AFTER = f"{B}2026-11-28-cp-speed-and-memory-after-the-fixes.md"
 ONE_OP = f"{B}2026-11-28-cp-attention-as-one-op.md"
 FENCE = f"{B}2026-11-28-cp-step-fence-in-the-forward.md"
 PREFIX_ORDER = f"{B}2026-11-28-cp-gather-in-prefix-order.md"
+CP4 = f"{B}2026-11-28-cp4-262k-and-what-cp2-waits-for.md"
 OFFLOAD = ("--parallel.cpu_offload --fp8.enable_fsdp_float8_all_gather false --activation_checkpoint.mode full "
            "--training.loss_chunk_tokens 4096 --training.local_batch_size 1")
 ONE = C + "llama3_1b.toml"
@@ -144,6 +145,9 @@ MEASURED = [
     (ONE, f"{WINDOW} --data.seq_len 65536", 1, H200, 93.0, PREFIX_ORDER),
     (C + "llama3_8b.toml", f"{LONG_CP} --data.seq_len 131072 --training.gpu_memory_limit_gib 78", 2, H200, 78.0,
      PREFIX_ORDER),
+    # 262,144 tokens over four GPUs (cp 4) and, on the same machine, over two.
+    (ONE, f"{LONG_CP} --data.seq_len 262144 --model.max_seq_len 262144 --parallel.cp 4", 4, H200, 20.7, CP4),
+    (ONE, f"{LONG_CP} --data.seq_len 262144 --model.max_seq_len 262144", 2, H200, 36.4, CP4),
 ]
 
 
@@ -160,7 +164,7 @@ def test_the_measurements_span_models_world_sizes_and_levers():
     assert {r[0] for r in MEASURED} >= {C + "llama3_8b.toml", C + "llama3_1b.toml"}
     assert any("--model.flavor 3b" in r[1] and r[2] == 1 for r in MEASURED)
     assert any("--model.flavor 3b" in r[1] and r[2] == 2 for r in MEASURED)
-    assert {r[2] for r in MEASURED} == {1, 2}
+    assert {r[2] for r in MEASURED} == {1, 2, 4}
     assert any("8bit" in r[0] for r in MEASURED) and any("loss_chunk" in r[1] for r in MEASURED)
 
 
