@@ -503,6 +503,50 @@ def test_a_stopped_prepare_removes_its_temporary_folder(tmp_path, sig, workers):
     assert os.listdir(tmp_path) == ["a.txt"]
 
 
+def _stopped_before_its_setup() -> None:
+    """A pool worker's start, with a stop signal arriving before its own handling is set (as the pool's
+    SIGTERM does when prepare stops just after starting it); exits 0 only if it outlives it."""
+    import signal
+    import time
+
+    from titanlike.data.prepare import workers
+
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.2)  # the main process's handler, if the worker had it, has raised by now
+    workers._init_worker("byte", "", "")
+    time.sleep(5)
+    os._exit(0)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks a worker as the pool does on Linux")
+def test_a_stop_that_reaches_a_worker_before_its_setup_ends_it():
+    """A worker starts with the stop signals held (workers.stop_signals_held) and takes them only once its own
+    defaults are set: a SIGTERM that comes first ends it when its setup is done. It never runs the main process's
+    handler (cli.py's raises), whose exception multiprocessing's start-up code can log and drop; that left a
+    worker alive, and the pool's terminate() waiting on it for ever, once in CI. Unheld, the raising handler
+    ran in the worker (exit code 1)."""
+    import multiprocessing
+    import signal
+
+    from titanlike.data.prepare import workers
+
+    class Raised(Exception):
+        pass
+
+    def raising(signum, frame):
+        raise Raised(signum)
+
+    previous = signal.signal(signal.SIGTERM, raising)
+    try:
+        with workers.stop_signals_held():
+            worker = multiprocessing.get_context("fork").Process(target=_stopped_before_its_setup)
+            worker.start()
+        worker.join(60)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert worker.exitcode == -signal.SIGTERM, worker.exitcode
+
+
 def test_a_stop_while_overwrite_swaps_the_dataset_loses_neither(tmp_path, monkeypatch):
     """Ctrl-C (or SIGTERM) between moving the earlier dataset aside and the new one into place: the swap
     finishes, rather than both being removed with OUT.tmp-<pid>."""

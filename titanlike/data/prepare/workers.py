@@ -8,6 +8,7 @@ number of workers.
 from __future__ import annotations
 
 import collections
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -23,12 +24,40 @@ _tokenizer = None
 STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
 
 
+# What a worker starts with held (blocked): Ctrl-C and the stop signals.
+_HELD = (signal.SIGINT, *STOP_SIGNALS)
+
+
+@contextlib.contextmanager
+def stop_signals_held():
+    """Ctrl-C and the stop signals held in this thread while it starts workers, so that each worker starts
+    with them held and takes them only once its own handling is set (`_init_worker`).
+
+    Why: a worker forked without them held starts with the main process's handlers (cli.py's, which raise).
+    A stop that reaches it then, such as the pool's own SIGTERM when prepare stops just after starting the
+    pool, runs that handler, and multiprocessing's start-up code can drop the exception (its after-fork
+    hooks log and ignore exceptions). Once in CI a worker was left so: alive, its SIGTERM back at the
+    default, waiting for a task, and `pool.terminate()` waiting on it for ever. Held, the signal waits until
+    the worker's own default is in place, and ends it. The main thread takes any that arrive meanwhile as
+    soon as the pool has started."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no signal masks
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _init_worker(spec: str, bos: str, eos: str, pool_worker: bool = True) -> None:
     global _tokenizer
     if pool_worker:  # Ctrl-C is the main process's to handle (it stops the pool): no traceback per worker
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         for sig in STOP_SIGNALS:  # the main process's handlers (cli.py) are not a worker's: the pool ends it
             signal.signal(sig, signal.SIG_DFL)
+        if hasattr(signal, "pthread_sigmask"):  # held since the fork (stop_signals_held): taken from here on
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)
     # Each worker is one core: the tokenizers package's own thread pool would only oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from titanlike.data.tokenizer import load_tokenizer
@@ -79,7 +108,8 @@ def tokenized(chunks, workers: int, spec: str, bos: str, eos: str):
     # fork where there is one: the workers start at once, with the parsed modules already imported.
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(spec, bos, eos))
+    with stop_signals_held():
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(spec, bos, eos))
     try:
         # In input order, with at most a few chunks in flight per worker: enough to keep every core busy,
         # few enough that a large compressed file is never decompressed into memory all at once. The
