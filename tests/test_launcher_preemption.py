@@ -21,7 +21,10 @@ def test_launcher_signal_saves_and_exits_zero(tmp_path, corpus, sig):
            "--training.steps", "500", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
            "--checkpoint.enable", "--checkpoint.interval", "1000",
            "--data.path", corpus[0], "--data.val_path", corpus[1]]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    # SIGHUP at its default in the launcher, as a terminal or ssh starts it: under nohup (a CI job started
+    # with it) the launcher inherits it ignored, and rightly ignores it, so the run trained on to the end.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     lines = []
     for line in proc.stdout:
         lines.append(line)
