@@ -24,8 +24,9 @@ _tokenizer = None
 STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
 
 
-# What a worker starts with held (blocked): Ctrl-C and the stop signals.
+# What a worker starts with held (blocked): Ctrl-C and the stop signals; where signals can be held (not Windows).
 _HELD = (signal.SIGINT, *STOP_SIGNALS)
+_CAN_HOLD = hasattr(signal, "pthread_sigmask")
 
 
 @contextlib.contextmanager
@@ -40,7 +41,7 @@ def stop_signals_held():
     default, waiting for a task, and `pool.terminate()` waiting on it for ever. Held, the signal waits until
     the worker's own default is in place, and ends it. The main thread takes any that arrive meanwhile as
     soon as the pool has started."""
-    if not hasattr(signal, "pthread_sigmask"):  # Windows: no signal masks
+    if not _CAN_HOLD:
         yield
         return
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
@@ -56,7 +57,7 @@ def _init_worker(spec: str, bos: str, eos: str, pool_worker: bool = True) -> Non
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         for sig in STOP_SIGNALS:  # the main process's handlers (cli.py) are not a worker's: the pool ends it
             signal.signal(sig, signal.SIG_DFL)
-        if hasattr(signal, "pthread_sigmask"):  # held since the fork (stop_signals_held): taken from here on
+        if _CAN_HOLD:  # held since the fork (stop_signals_held): taken from here on
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)
     # Each worker is one core: the tokenizers package's own thread pool would only oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
