@@ -10,6 +10,10 @@ step): e.g. what FSDP adds to a step, or what a change did to each kernel.
 --gaps prints what the compute kernels waited for, gap by gap (over 50 µs): the CPU, when the kernel
 after the gap was launched just before it ran (the GPU had nothing queued); a collective, when one ran
 through the gap (named by its collective and the kernel that waited for it); else "a stream wait".
+
+--launched-by TEXT prints, for the kernels whose name holds TEXT, the CPU ops they were launched from
+(outermost to innermost, the innermost with its input shapes when the trace recorded them): which
+copy, say, is the one that costs 7 ms a step.
 """
 
 from __future__ import annotations
@@ -118,6 +122,40 @@ def gaps(path: str, kernels: list[dict], steps: int, top: int) -> None:
         print(f"{us / 1e3 / steps:>9.2f} {count // steps:>5}  {what}")
 
 
+def launched_by(path: str, kernels: list[dict], steps: int, text: str, top: int) -> None:
+    """The kernels whose name holds `text`, grouped by the chain of CPU ops that launched them."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ops: dict[tuple, list[dict]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation") and "dur" in e:
+            ops[(e["pid"], e["tid"])].append(e)
+    rows: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for k in kernels:
+        if text not in k["name"]:
+            continue
+        launch = launches.get(k.get("args", {}).get("correlation"))
+        if launch is None:
+            chain = "(its launch is not in the trace)"
+        else:
+            start, end = launch["ts"], launch["ts"] + launch.get("dur", 0)
+            around = sorted((o for o in ops[(launch["pid"], launch["tid"])]
+                             if o["ts"] <= start and o["ts"] + o["dur"] >= end), key=lambda o: (o["ts"], -o["dur"]))
+            names = [str(o["name"])[:60] for o in around[-4:]]
+            dims = around[-1].get("args", {}).get("Input Dims") if around else None
+            chain = " > ".join(names) + (f" {dims}" if dims else "") if around else "(no CPU op around its launch)"
+        row = rows[chain]
+        row[0] += k["dur"]
+        row[1] += 1
+    total = sum(us for us, _ in rows.values())
+    print(f"\nkernels holding {text!r}: {total / 1e3 / steps:.2f} ms per step, by the CPU ops that launched them")
+    print(f"{'ms/step':>9} {'calls':>5}  launched from")
+    for chain, (us, count) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"{us / 1e3 / steps:>9.2f} {count // steps:>5}  {chain}")
+
+
 def stable_name(name: str) -> str:
     # Inductor numbers its kernels per graph (..._view_4 here, ..._view_3 there): drop the number
     # so that the same fusion in two traces compares.
@@ -131,7 +169,7 @@ def per_step(kernels: list[dict], steps: int) -> dict[str, tuple[float, int]]:
         row = out[stable_name(e["name"])]
         row[0] += e["dur"] / 1e3 / steps
         row[1] += 1
-    return {name: (ms, calls // steps) for name, (ms, calls) in out.items()}
+    return {name: (ms, int(calls) // steps) for name, (ms, calls) in out.items()}
 
 
 def compare(kernels: list[dict], steps: int, other_path: str, top: int) -> None:
@@ -152,6 +190,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--against", default="", help="another trace: print the per-kernel differences")
     p.add_argument("--gaps", action="store_true", help="print what the compute kernels waited for, gap by gap")
+    p.add_argument("--launched-by", action="append", default=[], metavar="TEXT",
+                   help="print the CPU ops that launched the kernels whose name holds TEXT (may repeat)")
     args = p.parse_args()
     kernels, windows = load(args.trace)
     total = sum(e["dur"] for e in kernels)
@@ -172,6 +212,8 @@ def main() -> None:
         compare(kernels, steps, args.against, args.top)
     if args.gaps:
         gaps(args.trace, kernels, steps, args.top)
+    for text in args.launched_by:
+        launched_by(args.trace, kernels, steps, text, args.top)
 
 
 if __name__ == "__main__":

@@ -175,3 +175,38 @@ def test_summarize_trace_names_what_each_gap_waited_for(tmp_path):
             if line.strip()}
     assert rows == {"allgather_into_tensor_coalesced before triton_poi_fused_cat": 10.0,
                     "the CPU before nvjet_gemm": 4.0}
+
+
+def test_summarize_trace_names_the_ops_that_launched_a_kernel(tmp_path):
+    """--launched-by: kernels matching the text, grouped by the CPU ops around their launch (same thread,
+    outermost first, the innermost with its input shapes); other kernels and other threads' ops are not
+    counted."""
+    events = [{"cat": "gpu_user_annotation", "name": "ProfilerStep#4", "ts": 0, "dur": 100_000}]
+
+    def op(name, start_ms, dur_ms, tid=1, dims=None):
+        events.append({"cat": "cpu_op", "name": name, "ts": start_ms * 1e3, "dur": dur_ms * 1e3, "pid": 0, "tid": tid,
+                       "args": {"Input Dims": dims} if dims else {}})
+
+    def kernel(name, start_ms, dur_ms, launched_ms, correlation, tid=1):
+        events.append({"cat": "kernel", "name": name, "ts": start_ms * 1e3, "dur": dur_ms * 1e3,
+                       "args": {"correlation": correlation}})
+        events.append({"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": launched_ms * 1e3, "dur": 5,
+                       "pid": 0, "tid": tid, "args": {"correlation": correlation}})
+
+    op("attention", 0, 10)
+    op("aten::contiguous", 1, 2, dims=[[1, 8, 64]])
+    op("aten::copy_", 1.5, 1, dims=[[1, 8, 64], [1, 8, 64]])
+    kernel("direct_copy_kernel", 10, 3, 2, 1)
+    op("aten::copy_", 4, 1, dims=[[4]])
+    kernel("direct_copy_kernel", 20, 1, 4.5, 2)
+    kernel("direct_copy_kernel", 30, 2, 5.5, 3, tid=2)  # on a thread with no op around its launch
+    kernel("nvjet_gemm", 40, 5, 6, 4)
+    op("backward", 60, 10, tid=2)  # the other thread's op, later: around nothing
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    out = summarize(str(path), "--launched-by", "direct_copy")
+    assert "kernels holding 'direct_copy': 6.00 ms per step" in out
+    rows = {" ".join(line.split()[2:]): float(line.split()[0]) for line in out.split("launched from")[-1].splitlines()
+            if line.strip()}
+    assert rows == {"attention > aten::contiguous > aten::copy_ [[1, 8, 64], [1, 8, 64]]": 3.0,
+                    "attention > aten::copy_ [[4]]": 1.0, "(no CPU op around its launch)": 2.0}
