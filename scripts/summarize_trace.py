@@ -122,8 +122,9 @@ def gaps(path: str, kernels: list[dict], steps: int, top: int) -> None:
         print(f"{us / 1e3 / steps:>9.2f} {count // steps:>5}  {what}")
 
 
-def launched_by(path: str, kernels: list[dict], steps: int, text: str, top: int) -> None:
-    """The kernels whose name holds `text`, grouped by the chain of CPU ops that launched them."""
+def launched_by(path: str, kernels: list[dict], steps: int, texts: list[str], top: int) -> None:
+    """For each of `texts`, the kernels whose name holds it, grouped by the chain of CPU ops that launched
+    them (the trace is read once for all of them)."""
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     launches = {e["args"]["correlation"]: e for e in events
@@ -132,28 +133,31 @@ def launched_by(path: str, kernels: list[dict], steps: int, text: str, top: int)
     for e in events:
         if e.get("cat") in ("cpu_op", "user_annotation") and "dur" in e:
             ops[(e["pid"], e["tid"])].append(e)
-    rows: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for k in kernels:
-        if text not in k["name"]:
-            continue
-        launch = launches.get(k.get("args", {}).get("correlation"))
+
+    def chain(kernel: dict) -> str:
+        launch = launches.get(kernel.get("args", {}).get("correlation"))
         if launch is None:
-            chain = "(its launch is not in the trace)"
-        else:
-            start, end = launch["ts"], launch["ts"] + launch.get("dur", 0)
-            around = sorted((o for o in ops[(launch["pid"], launch["tid"])]
-                             if o["ts"] <= start and o["ts"] + o["dur"] >= end), key=lambda o: (o["ts"], -o["dur"]))
-            names = [str(o["name"])[:60] for o in around[-4:]]
-            dims = around[-1].get("args", {}).get("Input Dims") if around else None
-            chain = " > ".join(names) + (f" {dims}" if dims else "") if around else "(no CPU op around its launch)"
-        row = rows[chain]
-        row[0] += k["dur"]
-        row[1] += 1
-    total = sum(us for us, _ in rows.values())
-    print(f"\nkernels holding {text!r}: {total / 1e3 / steps:.2f} ms per step, by the CPU ops that launched them")
-    print(f"{'ms/step':>9} {'calls':>5}  launched from")
-    for chain, (us, count) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]:
-        print(f"{us / 1e3 / steps:>9.2f} {count // steps:>5}  {chain}")
+            return "(its launch is not in the trace)"
+        start, end = launch["ts"], launch["ts"] + launch.get("dur", 0)
+        around = sorted((o for o in ops[(launch["pid"], launch["tid"])]
+                         if o["ts"] <= start and o["ts"] + o["dur"] >= end), key=lambda o: (o["ts"], -o["dur"]))
+        if not around:
+            return "(no CPU op around its launch)"
+        dims = around[-1].get("args", {}).get("Input Dims")
+        return " > ".join(str(o["name"])[:60] for o in around[-4:]) + (f" {dims}" if dims else "")
+
+    for text in texts:
+        rows: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+        for k in kernels:
+            if text in k["name"]:
+                row = rows[chain(k)]
+                row[0] += k["dur"]
+                row[1] += 1
+        total = sum(us for us, _ in rows.values())
+        print(f"\nkernels holding {text!r}: {total / 1e3 / steps:.2f} ms per step, by the CPU ops that launched them")
+        print(f"{'ms/step':>9} {'calls':>5}  launched from")
+        for name, (us, count) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]:
+            print(f"{us / 1e3 / steps:>9.2f} {count // steps:>5}  {name}")
 
 
 def stable_name(name: str) -> str:
@@ -212,8 +216,8 @@ def main() -> None:
         compare(kernels, steps, args.against, args.top)
     if args.gaps:
         gaps(args.trace, kernels, steps, args.top)
-    for text in args.launched_by:
-        launched_by(args.trace, kernels, steps, text, args.top)
+    if args.launched_by:
+        launched_by(args.trace, kernels, steps, args.launched_by, args.top)
 
 
 if __name__ == "__main__":

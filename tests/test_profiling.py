@@ -204,9 +204,10 @@ def test_summarize_trace_names_the_ops_that_launched_a_kernel(tmp_path):
     op("backward", 60, 10, tid=2)  # the other thread's op, later: around nothing
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    out = summarize(str(path), "--launched-by", "direct_copy")
+    out = summarize(str(path), "--launched-by", "direct_copy", "--launched-by", "nvjet")
     assert "kernels holding 'direct_copy': 6.00 ms per step" in out
-    rows = {" ".join(line.split()[2:]): float(line.split()[0]) for line in out.split("launched from")[-1].splitlines()
-            if line.strip()}
+    assert "kernels holding 'nvjet': 5.00 ms per step" in out  # a second text, from the same reading
+    copies = out.split("launched from")[1].split("kernels holding")[0]
+    rows = {" ".join(line.split()[2:]): float(line.split()[0]) for line in copies.splitlines() if line.strip()}
     assert rows == {"attention > aten::contiguous > aten::copy_ [[1, 8, 64], [1, 8, 64]]": 3.0,
                     "attention > aten::copy_ [[4]]": 1.0, "(no CPU op around its launch)": 2.0}
