@@ -70,10 +70,15 @@ def timeline(kernels: list[dict], windows: list[tuple[float, float]]) -> None:
               f"beside it) {(busy - compute_busy) / 1e3 / steps:.1f} ms")
 
 
-def load(path: str) -> tuple[list[dict], list[tuple[float, float]]]:
-    """The GPU kernels of a trace's recorded steps, and those steps' spans on the GPU timeline."""
+def read_events(path: str) -> list[dict]:
+    """A trace's events (a profiled step's trace is large: read it once)."""
     with open(path) as f:
-        events = json.load(f)["traceEvents"]
+        return json.load(f)["traceEvents"]
+
+
+def load(path: str, events: list[dict] | None = None) -> tuple[list[dict], list[tuple[float, float]]]:
+    """The GPU kernels of a trace's recorded steps, and those steps' spans on the GPU timeline."""
+    events = read_events(path) if events is None else events
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
     if not kernels:
         raise SystemExit(f"error: no GPU kernels in {path} (was it recorded on a GPU?)")
@@ -90,10 +95,8 @@ GAP_US = 50  # shorter gaps are launch latency, not waiting
 CPU_LATE_US = 30  # a kernel that started this soon after its launch returned was waiting for the CPU
 
 
-def gaps(path: str, kernels: list[dict], steps: int, top: int) -> None:
+def gaps(events: list[dict], kernels: list[dict], steps: int, top: int) -> None:
     """Each gap over GAP_US in the compute kernels of the recorded steps, by what it waited for."""
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     comm = [e for e in kernels if kind(e["name"]) == "communication"]
@@ -122,11 +125,9 @@ def gaps(path: str, kernels: list[dict], steps: int, top: int) -> None:
         print(f"{us / 1e3 / steps:>9.2f} {count // steps:>5}  {what}")
 
 
-def launched_by(path: str, kernels: list[dict], steps: int, texts: list[str], top: int) -> None:
+def launched_by(events: list[dict], kernels: list[dict], steps: int, texts: list[str], top: int) -> None:
     """For each of `texts`, the kernels whose name holds it, grouped by the chain of CPU ops that launched
-    them (the trace is read once for all of them)."""
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
+    them."""
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     ops: dict[tuple, list[dict]] = defaultdict(list)
@@ -197,7 +198,8 @@ def main() -> None:
     p.add_argument("--launched-by", action="append", default=[], metavar="TEXT",
                    help="print the CPU ops that launched the kernels whose name holds TEXT (may repeat)")
     args = p.parse_args()
-    kernels, windows = load(args.trace)
+    events = read_events(args.trace)
+    kernels, windows = load(args.trace, events)
     total = sum(e["dur"] for e in kernels)
     by_kind: dict[str, float] = defaultdict(float)
     for e in kernels:
@@ -215,9 +217,9 @@ def main() -> None:
     if args.against:
         compare(kernels, steps, args.against, args.top)
     if args.gaps:
-        gaps(args.trace, kernels, steps, args.top)
+        gaps(events, kernels, steps, args.top)
     if args.launched_by:
-        launched_by(args.trace, kernels, steps, args.launched_by, args.top)
+        launched_by(events, kernels, steps, args.launched_by, args.top)
 
 
 if __name__ == "__main__":
