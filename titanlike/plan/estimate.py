@@ -276,9 +276,10 @@ def estimate(s: Shape) -> Estimate:
         else:
             # The output layer is kept gathered (backward starts there) unless the fused chunked loss frees
             # it after forward; the blocks are gathered one or two at a time into the all-gather stream's
-            # own pool. On GPUs the embedding and the output layer are gathered on the compute stream
-            # (parallel/fsdp.py), so their gathers pass before the peak; offloaded, or tied (the root
-            # group), they go through that pool too.
+            # own pool. The embedding's and output layer's gathers pass through that pool as well, but
+            # left out here on GPUs: an override once gathered them on the compute stream, and dropping
+            # it with another FSDP override cost `8b` on two H200s 0.9 GiB (docs/overrides.md), not
+            # their 2 GiB. Offloaded, or tied (the root group), they are counted.
             kept_output = s.reshard == "default" and not s.chunk_tokens
             gathered = output_gathered if kept_output else 0.0
             ag_pool = 2 * block_gathered
