@@ -102,3 +102,61 @@ def test_budget_mode_with_its_override_off_is_one_line():
     rc = preflight.main(["--activation_checkpoint.mode", "budget", "--compile.enable",
                          "--parallel.overrides", "off"])
     assert rc == 2
+
+
+def test_aligned_split_cuts_a_reduction_into_equal_parts_of_16():
+    from titanlike.overrides.compile import aligned_split
+
+    # 16,384 tokens x 1b's 8,192 feed-forward features: inductor's 528 parts become 512 of 262,144.
+    assert aligned_split(2**27, 528) == 512
+    assert aligned_split(3 * 2**26, 700) == 768  # the nearest count that divides into multiples of 16
+    assert aligned_split(2**28, 2048) == 2048  # already equal parts of a multiple of 16
+    assert aligned_split(1000, 3) == 3  # none within a factor of two: inductor's own
+    assert aligned_split(2**27, 1) == 1  # not split at all
+
+
+class _H200Like:
+    """What inductor's split rule reads of a GPU: 132 SMs (an H100 or H200)."""
+    multi_processor_count, warp_size_or_default, max_threads_per_multi_processor, major = 132, 32, 2048, 9
+
+
+def test_inductor_splits_an_amax_of_two_to_the_27_unaligned_and_the_override_aligns_it(monkeypatch):
+    """The premise and the remedy, through inductor's own rule (its GPU read from a stand-in): stock, a float8
+    amax over 16,384 x 8,192 values goes into 528 parts of 254,201 values (odd: no load aligned); under
+    the override into 512 of 262,144. On a CPU, and where stock is aligned, the override changes nothing."""
+    import torch._inductor.choices as choices
+
+    from titanlike.overrides.compile import _aligned_splits_class
+
+    monkeypatch.setattr(choices.DeviceProperties, "create", staticmethod(lambda device: _H200Like()))
+    stock, ours = choices.InductorChoices(), _aligned_splits_class()()
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert stock.reduction_split_factor(cuda, 2**27, 1, True) == 528
+    assert ours.reduction_split_factor(cuda, 2**27, 1, True) == 512
+    assert ours.reduction_split_factor(cpu, 2**27, 1, True) == 528
+    assert ours.reduction_split_factor(cuda, 2**28, 1, True) == stock.reduction_split_factor(cuda, 2**28, 1, True)
+
+
+def test_the_aligned_splits_are_inductors_choices_only_when_on(monkeypatch):
+    import pickle
+
+    import torch._inductor.config as inductor_config
+    from torch._inductor.virtualized import V
+
+    from titanlike.overrides.compile import _aligned_splits_class, use_aligned_reduction_splits
+
+    prior = V.choices
+    monkeypatch.setattr(inductor_config, "inductor_choices_class", None)
+    try:
+        overrides.configure("off")
+        use_aligned_reduction_splits()
+        assert inductor_config.inductor_choices_class is None and V.choices is prior
+        overrides.configure("aligned_reduction_splits")
+        use_aligned_reduction_splits()
+        assert inductor_config.inductor_choices_class is _aligned_splits_class()
+        assert isinstance(V.choices, _aligned_splits_class())
+        # compile's cache keys graphs by the class, pickled by reference (torch 2.11): it must be found by name
+        assert pickle.loads(pickle.dumps(_aligned_splits_class())) is _aligned_splits_class()
+    finally:
+        V.set_choices_handler(prior)
+        overrides.reset()

@@ -4,10 +4,12 @@ chosen and probed)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 from titanlike import overrides
 from titanlike.errors import UserError
+from titanlike.overrides import version_outside
 
 # Inductor settings for rowwise float8 layers: without emulated precision casts inductor may fuse away
 # the rounding of the rowwise recipes' intermediate casts, a known source of NaNs (pytorch#150859);
@@ -65,3 +67,79 @@ def set_activation_memory_budget(budget: float) -> None:
         raise UserError(f"activation_checkpoint.mode = budget needs torch's private activation_memory_budget, "
                         f"which is off here ({why}): use mode full or selective")
     _functorch_config().activation_memory_budget = budget
+
+
+# ---- aligned_reduction_splits ------------------------------------------------------------------------------
+
+
+def aligned_split(numel: int, split: int, multiple: int = 16) -> int:
+    """The number of parts nearest `split` (within a factor of two) that cuts a reduction over `numel`
+    elements into equal parts of a multiple of `multiple` elements; `split` itself where it already does, or
+    where none does.
+
+    Inductor splits a reduction to one value (a float8 amax over a whole activation) into `split` parts,
+    each reduced by a program of its own. Its rule for the count takes ceil(numel / parts) elements a part
+    whatever they come to: for 16,384 tokens × `1b`'s 8,192 feed-forward features (2^27 elements) on a GPU
+    of 132 SMs, 528 parts of 254,201, odd, so no load of a part is aligned and none is vectorised."""
+    if split <= 1 or (numel % split == 0 and (numel // split) % multiple == 0):
+        return split
+    best = split
+    for parts in range(max(2, split // 2), 2 * split + 1):
+        if numel % parts == 0 and (numel // parts) % multiple == 0:
+            if best == split or abs(parts / split - 1) < abs(best / split - 1):
+                best = parts
+    return best
+
+
+@functools.cache
+def _aligned_splits_class():
+    from torch._inductor.choices import InductorChoices
+
+    class AlignedReductionSplits(InductorChoices):
+        """Inductor's heuristics, with split reductions cut into aligned parts on GPUs (`aligned_split`)."""
+
+        # A method here whether inductor's is a static one (torch 2.11, 2.13) or not (2.14): inductor calls it
+        # on its choices object, so bound either way.
+        def reduction_split_factor(self, device, reduction_numel_hint, numel_hint, inner_reduction):
+            split = super().reduction_split_factor(device, reduction_numel_hint, numel_hint, inner_reduction)
+            return aligned_split(int(reduction_numel_hint), int(split)) if device.type == "cuda" else split
+
+        def uuid(self) -> str:  # what compile's cache keys the graphs compiled under it by (torch 2.13, 2.14)
+            return "titanlike.AlignedReductionSplits/1"
+
+    # torch 2.11 keys compile's cache by the class itself, pickled by reference: it must be found by its
+    # name in this module (else every graph compiled under it bypasses the cache). Made on first use,
+    # not at import, as inductor's heuristics module is slow to import.
+    AlignedReductionSplits.__qualname__ = "AlignedReductionSplits"
+    globals()["AlignedReductionSplits"] = AlignedReductionSplits
+    return AlignedReductionSplits
+
+
+def probe_aligned_reduction_splits() -> str | None:
+    import inspect
+
+    import torch
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.virtualized import V
+
+    rule = getattr(InductorChoices, "reduction_split_factor", None)
+    if rule is None:
+        return "inductor's InductorChoices has no reduction_split_factor"
+    wanted = ["device", "reduction_numel_hint", "numel_hint", "inner_reduction"]
+    if [p for p in inspect.signature(rule).parameters if p != "self"] != wanted:
+        return f"InductorChoices.reduction_split_factor takes {inspect.signature(rule)}, not ({', '.join(wanted)})"
+    if not hasattr(V, "set_choices_handler") or not hasattr(_inductor_config(), "inductor_choices_class"):
+        return "inductor takes no InductorChoices of ours (V.set_choices_handler, config.inductor_choices_class)"
+    return version_outside(torch.__version__, (2, 11), (2, 14))
+
+
+def use_aligned_reduction_splits() -> None:
+    """Inductor splits reductions into aligned parts from here on, in this process (its compiled graphs are
+    cached apart from stock ones: the cache key holds the heuristics' uuid)."""
+    if not overrides.active("aligned_reduction_splits"):
+        return
+    from torch._inductor.virtualized import V
+
+    choices = _aligned_splits_class()
+    _inductor_config().inductor_choices_class = choices
+    V.set_choices_handler(choices())  # where this thread made inductor's default heuristics already

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from titanlike.model.decoder import Transformer
+from titanlike.overrides.compile import use_aligned_reduction_splits
 from titanlike.parallel.activation_checkpoint import checkpointed_around_compiled
 
 
@@ -19,6 +20,7 @@ def apply_compile(model: Transformer, options: dict[str, object] | None = None,
     backward (its queries, outputs and log-sum-exps, every layer: 7.8 of the 29.8 GiB of `1b` at 131,072
     tokens with cp 2, docs/benchmarks/2026-11-28-cp-long-window-memory.md); outside, the checkpoint drops
     everything the compiled graph saves and runs it again in backward."""
+    use_aligned_reduction_splits()
     # Per block rather than whole-model: blocks are identical, so inductor compiles one graph
     # and reuses it, and FSDP's per-block hooks stay outside the graphs.
     for block in model.blocks():
