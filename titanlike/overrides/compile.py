@@ -134,8 +134,8 @@ def probe_aligned_reduction_splits() -> str | None:
 
 
 def use_aligned_reduction_splits() -> None:
-    """Inductor splits reductions into aligned parts from here on, in this process (its compiled graphs are
-    cached apart from stock ones: the cache key holds the heuristics' uuid)."""
+    """Inductor splits reductions into aligned parts from here on, in this process. Its compiled graphs are
+    cached apart from stock ones: the cache key holds the heuristics' uuid (torch 2.11: the class itself)."""
     if not overrides.active("aligned_reduction_splits"):
         return
     from torch._inductor.virtualized import V

@@ -20,6 +20,7 @@ def apply_compile(model: Transformer, options: dict[str, object] | None = None,
     backward (its queries, outputs and log-sum-exps, every layer: 7.8 of the 29.8 GiB of `1b` at 131,072
     tokens with cp 2, docs/benchmarks/2026-11-28-cp-long-window-memory.md); outside, the checkpoint drops
     everything the compiled graph saves and runs it again in backward."""
+    # Process-wide, unlike `options`: inductor's rule for splitting reductions (an override, overrides/compile.py).
     use_aligned_reduction_splits()
     # Per block rather than whole-model: blocks are identical, so inductor compiles one graph
     # and reuses it, and FSDP's per-block hooks stay outside the graphs.
