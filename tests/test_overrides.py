@@ -148,6 +148,10 @@ def test_the_aligned_splits_are_inductors_choices_only_when_on(monkeypatch):
     prior = V.choices
     monkeypatch.setattr(inductor_config, "inductor_choices_class", None)
     try:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        use_aligned_reduction_splits()  # no GPU: nothing to change
+        assert inductor_config.inductor_choices_class is None and V.choices is prior
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         overrides.configure("off")
         use_aligned_reduction_splits()
         assert inductor_config.inductor_choices_class is None and V.choices is prior

@@ -136,7 +136,11 @@ def probe_aligned_reduction_splits() -> str | None:
 def use_aligned_reduction_splits() -> None:
     """Inductor splits reductions into aligned parts from here on, in this process. Its compiled graphs are
     cached apart from stock ones: the cache key holds the heuristics' uuid (torch 2.11: the class itself)."""
-    if not overrides.active("aligned_reduction_splits"):
+    import torch
+
+    # The rule changes GPU kernels only: without a GPU, inductor's choices stay its own (and so do the keys
+    # of its cache).
+    if not torch.cuda.is_available() or not overrides.active("aligned_reduction_splits"):
         return
     from torch._inductor.virtualized import V
 
