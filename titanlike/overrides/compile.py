@@ -115,10 +115,11 @@ def _aligned_splits_class():
     return AlignedReductionSplits
 
 
-def probe_aligned_reduction_splits() -> str | None:
+def choices_hook_moved() -> str | None:
+    """What moved of inductor's hook for its heuristics that the override relies on, or None. Imports those
+    heuristics (about 2 s on a CPU)."""
     import inspect
 
-    import torch
     from torch._inductor.choices import InductorChoices
     from torch._inductor.virtualized import V
 
@@ -128,8 +129,20 @@ def probe_aligned_reduction_splits() -> str | None:
     wanted = ["device", "reduction_numel_hint", "numel_hint", "inner_reduction"]
     if [p for p in inspect.signature(rule).parameters if p != "self"] != wanted:
         return f"InductorChoices.reduction_split_factor takes {inspect.signature(rule)}, not ({', '.join(wanted)})"
-    if not hasattr(V, "set_choices_handler") or not hasattr(_inductor_config(), "inductor_choices_class"):
-        return "inductor takes no InductorChoices of ours (V.set_choices_handler, config.inductor_choices_class)"
+    if not hasattr(V, "set_choices_handler"):
+        return "inductor has no V.set_choices_handler"
+    return None
+
+
+def probe_aligned_reduction_splits() -> str | None:
+    import torch
+
+    if not hasattr(_inductor_config(), "inductor_choices_class"):
+        return "inductor has no config.inductor_choices_class"
+    # The hook itself is read only where the override can act, with a GPU: every run's start would pay the
+    # import (the CPU tests check it, tests/test_overrides.py).
+    if torch.cuda.is_available() and (why := choices_hook_moved()) is not None:
+        return why
     return version_outside(torch.__version__, (2, 11), (2, 14))
 
 
