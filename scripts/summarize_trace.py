@@ -5,7 +5,8 @@ where the recorded steps' time went on the GPU timeline (compute, idle, exposed 
     python scripts/summarize_trace.py two_gpus/rank0_trace.json --against one_gpu/rank0_trace.json
 
 --against prints, kernel by kernel, what the first trace spends more or less than the second (per
-step): e.g. what FSDP adds to a step, or what a change did to each kernel.
+step): e.g. what FSDP adds to a step, or what a change did to each kernel. --against-scale 0.5 halves
+the second's times first: one cp 2 rank against half of one GPU's step over the whole window.
 
 --gaps prints what the compute kernels waited for, gap by gap (over 50 µs): the CPU, when the kernel
 after the gap was launched just before it ran (the GPU had nothing queued); a collective, when one ran
@@ -177,12 +178,14 @@ def per_step(kernels: list[dict], steps: int) -> dict[str, tuple[float, int]]:
     return {name: (ms, int(calls) // steps) for name, (ms, calls) in out.items()}
 
 
-def compare(kernels: list[dict], steps: int, other_path: str, top: int) -> None:
+def compare(kernels: list[dict], steps: int, other_path: str, top: int, scale: float = 1.0) -> None:
     other, other_windows = load(other_path)
-    mine, theirs = per_step(kernels, steps), per_step(other, max(1, len(other_windows)))
+    mine = per_step(kernels, steps)
+    theirs = {n: (ms * scale, calls) for n, (ms, calls) in per_step(other, max(1, len(other_windows))).items()}
     rows = [(mine.get(n, (0.0, 0))[0] - theirs.get(n, (0.0, 0))[0], n) for n in set(mine) | set(theirs)]
     total = sum(ms for ms, _ in mine.values()) - sum(ms for ms, _ in theirs.values())
-    print(f"\nagainst {other_path}: {total:+.2f} ms of GPU time per step")
+    times = f" × {scale:g}" if scale != 1 else ""
+    print(f"\nagainst {other_path}{times}: {total:+.2f} ms of GPU time per step")
     print(f"{'ms/step':>9} {'this':>8} {'calls':>5} {'other':>8} {'calls':>5}  kernel")
     for diff, name in sorted(rows, key=lambda r: -abs(r[0]))[:top]:
         (a, ac), (b, bc) = mine.get(name, (0.0, 0)), theirs.get(name, (0.0, 0))
@@ -194,6 +197,8 @@ def main() -> None:
     p.add_argument("trace")
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--against", default="", help="another trace: print the per-kernel differences")
+    p.add_argument("--against-scale", type=float, default=1.0, metavar="X",
+                   help="multiply the other trace's times by X: 0.5 sets one cp 2 rank against half of one GPU's step")
     p.add_argument("--gaps", action="store_true", help="print what the compute kernels waited for, gap by gap")
     p.add_argument("--launched-by", action="append", default=[], metavar="TEXT",
                    help="print the CPU ops that launched the kernels whose name holds TEXT (may repeat)")
@@ -215,7 +220,7 @@ def main() -> None:
     for name, (ms, calls) in sorted(per_step(kernels, steps).items(), key=lambda kv: -kv[1][0])[: args.top]:
         print(f"{ms:>9.2f} {ms * 1e3 * steps / total:>6.1%} {calls:>6}  {name[:110]}")
     if args.against:
-        compare(kernels, steps, args.against, args.top)
+        compare(kernels, steps, args.against, args.top, args.against_scale)
     if args.gaps:
         gaps(events, kernels, steps, args.top)
     if args.launched_by:

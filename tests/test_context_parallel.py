@@ -122,6 +122,25 @@ def test_causal_chunk_ops_declare_what_they_return(cp):
                               test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
+def test_each_ranks_plan_has_its_own_number():
+    """The plan's number is in every compiled graph of the ops, and compile's caches key graphs by their
+    code: ranks whose parts differ (on cuDNN their saved states differ in size) must write different
+    numbers, or one rank loads another's cached graph and fails on the state's size. A plan made again
+    keeps its number; the same chunks over another exchange get their own."""
+    from titanlike.parallel import chunk_attention
+    from titanlike.parallel.context import chunks_of
+
+    exchange = object()
+    kernels = (chunk_attention.CudnnKernel, chunk_attention.CpuKernel)
+    numbers = {(cp, r, kernel): chunk_attention.make_plan(chunks_of(r, cp), kernel, exchange)
+               for cp in (2, 4) for r in range(cp) for kernel in kernels}
+    assert len(set(numbers.values())) == len(numbers) == 12
+    again = chunk_attention.make_plan(chunks_of(1, 2), chunk_attention.CudnnKernel, exchange)
+    assert again == numbers[(2, 1, chunk_attention.CudnnKernel)]
+    other = chunk_attention.make_plan(chunks_of(1, 2), chunk_attention.CudnnKernel, object())
+    assert other not in numbers.values()
+
+
 # Rank 0 holds chunks 0 and 3 of cp 2: two squares (L queries by L keys), one prefix (L by 3L); rank 1 holds
 # chunks 1 and 2: two squares, and prefixes of L and 2L keys.
 ORDER_OF_RANK = {

@@ -149,6 +149,12 @@ def test_summarize_trace_timeline_and_comparison(tmp_path):
              if line.strip()[:1] in "+-" and not line.startswith("against")}
     # Inductor's per-graph kernel numbers are dropped, so the same fusion compares across traces.
     assert diffs == {"ncclDevKernel_ReduceScatter": 30.0, "nvjet_gemm": 5.0, "triton_poi_fused_mul_silu": 0.0}
+    # Against half of the other step (one cp 2 rank against a step over the whole window).
+    half = summarize(two, "--against", one, "--against-scale", "0.5")
+    assert "× 0.5: +62.50 ms of GPU time per step" in half  # 90 - 27.5
+    rows = {line.split()[-1]: [float(x) for x in line.split()[:4]] for line in half.split("against")[1].splitlines()
+            if line.strip()[:1] in "+-" and not line.startswith("against")}
+    assert rows["nvjet_gemm"] == [22.5, 40.0, 1, 17.5]  # the difference, this trace's, its calls, the other's halved
 
 
 def test_summarize_trace_names_what_each_gap_waited_for(tmp_path):

@@ -157,13 +157,25 @@ class Plan:
     exchange: Any
 
 
-_PLANS: list[Plan] = []
+_PLANS: dict[int, Plan] = {}
 
 
 def make_plan(chunks: tuple[int, ...], kernel: Any, exchange: Any) -> int:
-    """The number the ops know `Plan(chunks, kernel, exchange)` by (a process keeps one per rank and kernel)."""
-    _PLANS.append(Plan(tuple(chunks), kernel, exchange))
-    return len(_PLANS) - 1
+    """The number the ops know `Plan(chunks, kernel, exchange)` by (a process keeps one per rank and kernel).
+
+    The number is written into every compiled graph that calls the ops, and compile's on-disk caches key a
+    graph by its code. So it is a digest of the chunks and the kernel, not the order plans were made in:
+    the ranks of a group save kernel states of different sizes (their parts differ), and with one number
+    for all they would load each other's cached graphs wherever nothing else in their code differs (ranks
+    on one device index of two hosts with one shared cache; one GPU standing in for each rank in turn),
+    and fail on the state's size."""
+    plan = Plan(tuple(chunks), kernel, exchange)
+    digest = hashlib.sha256(repr((kernel.__module__, kernel.__qualname__, plan.chunks)).encode()).digest()
+    number = int.from_bytes(digest[:6], "big")
+    while number in _PLANS and _PLANS[number] != plan:  # the same chunks over another exchange (a test's)
+        number += 1
+    _PLANS[number] = plan
+    return number
 
 
 def causal_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: int) -> torch.Tensor:
