@@ -389,15 +389,21 @@ _NAME = f"titanlike::cp_causal_attention_{hashlib.sha256(Path(__file__).read_byt
 
 
 
+def _plan(number) -> Plan:
+    """The plan of a number. Where one compiled function meets several plans (tests make many), compile
+    turns the number into a symbol; int() pins it again, with a guard, as a list index used to."""
+    return _PLANS[int(number)]
+
+
 @torch.library.custom_op(_NAME, mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   plan: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, _PLANS[plan])
+    return _forward(q, k, v, _plan(plan))
 
 
 @_attention_op.register_fake
 def _(q, k, v, plan):
-    p = _PLANS[plan]
+    p = _plan(plan)
     n, parts = len(p.chunks), len(p.chunks) + sum(1 for chunk in p.chunks if chunk)
     b, h, window, d = q.shape
     kv = k.new_empty((n, k.shape[2] // n, b, 2, k.shape[1], d))
@@ -408,7 +414,7 @@ def _(q, k, v, plan):
 @torch.library.custom_op(f"{_NAME}_backward", mutates_args=())
 def _attention_backward_op(grad: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
                            lse: torch.Tensor, state: torch.Tensor, plan: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _backward(grad, q, kv, out, lse, state, _PLANS[plan])
+    return _backward(grad, q, kv, out, lse, state, _plan(plan))
 
 
 @_attention_backward_op.register_fake
