@@ -388,10 +388,9 @@ def _backward(grad, q, kv, out, lse, state, plan: Plan):
 _NAME = f"titanlike::cp_causal_attention_{hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]}"
 
 
-
 def _plan(number) -> Plan:
     """The plan of a number. Where one compiled function meets several plans (tests make many), compile
-    turns the number into a symbol; int() pins it again, with a guard, as a list index used to."""
+    turns the number into a symbol, which a dict cannot take: int() pins it again, with a guard."""
     return _PLANS[int(number)]
 
 
