@@ -145,7 +145,8 @@ class Trainer:
                                              memory_limit_gib=min(filter(None, (t.gpu_memory_limit_gib, t.fit_gib)),
                                                                   default=0.0), log=self.is_main,
                                              offload_policy=parallel.offload.policy(offload),
-                                             fused_loss=t.loss_chunk_tokens > 0)
+                                             fused_loss=t.loss_chunk_tokens > 0,
+                                             mixed_precision_reduce=t.mixed_precision_reduce)
         # Offloaded, the weights live in host memory but are drawn on the GPU (the numbers of a run
         # without offload), and the buffers (rotary tables) stay on the GPU, where the forward reads them.
         model.to_empty(device=parallel.offload.param_device(self.device, offload))
@@ -221,12 +222,14 @@ class Trainer:
             return
         first, d = self.stages.first, self.dims
         n_params = sum(p.numel() for p in self.model.parameters())
+        summing = self.mesh is not None and self.mesh.size() > 1
+        bf16_sums = summing and self.cfg.training.mixed_precision_reduce == "bf16"
         logger.info(
             f"model {self.run.model.name}: {n_params / 1e6:,.1f}M parameters ({describe(self.margs)}) | "
             f"{self.world} rank(s) on {self.device.type} "
             f"(dp_replicate {d.dp_replicate} × dp_shard {d.dp_shard}{f' × cp {d.cp}' if d.cp > 1 else ''}) | "
             f"global batch {first.global_batch} = {first.local_batch} × {d.dp} ranks × {first.accum_steps} "
-            f"micro-batches | seq {first.seq_len}")
+            f"micro-batches | seq {first.seq_len}{' | gradients summed in bf16' if bf16_sums else ''}")
 
     # ---- one training step ----------------------------------------------------------------------
 

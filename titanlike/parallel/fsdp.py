@@ -24,13 +24,14 @@ logger = logging.getLogger("titanlike")
 
 
 def apply_fsdp(model: Transformer, mesh, param_dtype: torch.dtype | None, reshard: str,
-               offload_policy=None, fused_loss: bool = False) -> None:
-    """`offload_policy`: FSDP's CPUOffloadPolicy (parallel/offload.py), or None to keep everything on the GPU.
+               offload_policy=None, fused_loss: bool = False, reduce_dtype: torch.dtype = torch.float32) -> None:
+    """`reduce_dtype`: the dtype the gradients are summed over the ranks in (FSDP's reduce-scatter input).
+    `offload_policy`: FSDP's CPUOffloadPolicy (parallel/offload.py), or None to keep everything on the GPU.
     `fused_loss`: the training loss is the fused chunked one (training.loss_chunk_tokens), whose
     backward needs no output weight (model/loss.py)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = {} if offload_policy is None else {"offload_policy": offload_policy}
     blocks_reshard = reshard != "never"
     # Plain FSDP on GPUs: gradients from the compute stream's pool (an override, titanlike/overrides/fsdp.py).
@@ -96,17 +97,20 @@ def unshard_in_backward(module, needed: bool) -> None:
 
 
 def shard_model(model: Transformer, mesh, device: torch.device, *, mixed_precision: str, reshard: str,
-                memory_limit_gib: float, log: bool, offload_policy=None,
-                fused_loss: bool = False) -> contextlib.AbstractContextManager:
+                memory_limit_gib: float, log: bool, offload_policy=None, fused_loss: bool = False,
+                mixed_precision_reduce: str = "fp32") -> contextlib.AbstractContextManager:
     """FSDP over `mesh` (None: one rank, nothing to shard; a one-rank mesh when offloading). bf16 compute
-    on a GPU: FSDP casts the gathered weights; one rank uses autocast instead. Returns the context each
+    on a GPU: FSDP casts the gathered weights; one rank uses autocast instead. Gradients are summed in
+    `mixed_precision_reduce`'s dtype where there is more than one rank to sum. Returns the context each
     forward runs in."""
     gpu_bf16 = device.type == "cuda" and mixed_precision == "bf16"
     if mesh is None:
         return torch.autocast("cuda", dtype=torch.bfloat16) if gpu_bf16 else contextlib.nullcontext()
     gathered = 2 * count_params(model.args)[0]  # bytes of every weight gathered in bf16
     chosen = resolve_reshard(reshard, gathered, device_memory_bytes(device, memory_limit_gib))
-    apply_fsdp(model, mesh, torch.bfloat16 if gpu_bf16 else None, chosen, offload_policy, fused_loss)
+    # One rank sums nothing: a bf16 reduce would only round its gradients.
+    reduce_dtype = torch.bfloat16 if mixed_precision_reduce == "bf16" and mesh.size() > 1 else torch.float32
+    apply_fsdp(model, mesh, torch.bfloat16 if gpu_bf16 else None, chosen, offload_policy, fused_loss, reduce_dtype)
     if log and chosen != reshard:
         logger.info(f"FSDP keeps the gathered weights from forward to backward ({gathered / 1e9:.1f} GB in bf16, "
                     f"small next to the GPU's memory); --parallel.reshard_after_forward always frees them")

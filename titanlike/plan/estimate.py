@@ -103,6 +103,7 @@ class Shape:
     document_masks: bool = False  # model.attn_mask = block_causal
     ac_blocks: int = 0  # activation_checkpoint.selective_ac_blocks: blocks that follow op:NAMES (0: all)
     cp_kernels: bool = True  # causal attention under cp on the override cp_attention_kernels (parallel.overrides)
+    reduce_bytes: int = 4  # bytes a gradient value takes in FSDP's reduce-scatter (training.mixed_precision_reduce)
 
 
 def shape_of(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, card_gib: float | None) -> Shape:
@@ -119,7 +120,8 @@ def shape_of(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, card_gib: floa
                  ac.memory_budget, float8, float8_ag, cfg.compile.enable, t.loss_chunk_tokens,
                  cfg.optimizer.state_dtype, reshard, bool(getattr(cfg.parallel, "cpu_offload", False)),
                  cfg.model.attn_mask == "block_causal", ac.selective_ac_blocks,
-                 cp_kernels_chosen(cfg.parallel.overrides))
+                 cp_kernels_chosen(cfg.parallel.overrides),
+                 2 if t.mixed_precision_reduce == "bf16" and dims.dp_replicate * dims.fsdp_shard > 1 else 4)
 
 
 def cp_kernels_chosen(overrides: str) -> bool:
@@ -236,7 +238,9 @@ def estimate(s: Shape) -> Estimate:
     moments = on_gpu * MOMENT_BYTES[s.state_dtype] * total / shard
     # HSDP keeps torch's own reduce-scatter buffers: the gradients then sit in that stream's pool, which the
     # activations freed in backward never refill (8b on two GPUs before they moved: +14.96 GiB, measured).
-    rs_pool = grads if dims.dp_replicate > 1 else 0.0
+    # Gradients summed in bf16 land there too: FSDP casts each summed bf16 shard to the fp32 gradient on that
+    # stream (1b with cp 2: 2.6 GiB more, docs/benchmarks/2026-11-29-bf16-gradient-sums-one-rank.md).
+    rs_pool = grads if dims.dp_replicate > 1 or (s.reduce_bytes == 2 and sharded) else 0.0
     grads -= rs_pool
 
     kept, recompute = block_bytes(s)
@@ -263,9 +267,9 @@ def estimate(s: Shape) -> Estimate:
     copy_bytes = 2.0 if (s.float8 or not sharded) and not selective_op else 0.0
     kept += copy_bytes * block_params * (a.n_layers - block_bytes_recomputed_whole(s))
     # Offloaded over more than one rank (parallel/fsdp.py keeps torch's reduce-scatter buffers then): each
-    # block's fp32 reduce-scatter input and output come from the reduce-scatter stream's own pool before
+    # block's reduce-scatter input and output come from the reduce-scatter stream's own pool before
     # the gradients leave for the host; 8b over two GPUs reserved 10.2 GiB against 8.8 on one.
-    offload_rs_pool = 4 * block_params * (1 + 1 / shard) if s.cpu_offload and shard > 1 else 0.0
+    offload_rs_pool = s.reduce_bytes * block_params * (1 + 1 / shard) if s.cpu_offload and shard > 1 else 0.0
     gathered, ag_pool = 0.0, 0.0
     if sharded:
         block_gathered = block_params * (1 if s.float8_all_gather else 2)
@@ -290,14 +294,14 @@ def estimate(s: Shape) -> Estimate:
     held_grads = grads if dims.accum_steps > 1 else 0.0
     start = weights + moments + held_grads + kept + embedding_out + final_norm + head + gathered
     # The end of backward: gradients whole, the last recomputed block and one block's unsharded gradient
-    # (bf16, and fp32 for the reduce-scatter under FSDP) at once.
-    unsharded_grad = 6 * block_params if sharded else 0.0
+    # (bf16, and the reduce-scatter's copy of it under FSDP) at once.
+    unsharded_grad = (2 + s.reduce_bytes) * block_params if sharded else 0.0
     end = weights + moments + grads + recompute + unsharded_grad + gathered
     # The first block of backward, recomputed whole: every block's input still kept, the block's recomputed
     # activations and their gradients, the hidden states' gradient, and under FSDP the output layer's fp32
     # gradient and its shard, whose reduce-scatter is still in flight (what the 65,536-token runs measured).
     working = RECOMPUTE_WORKING * recompute + 2 * s.tokens * a.dim
-    output_grad = 4 * vocab_dim * (1 + 1 / shard) if sharded and not a.tie_embeddings and on_gpu else 0.0
+    output_grad = s.reduce_bytes * vocab_dim * (1 + 1 / shard) if sharded and not a.tie_embeddings and on_gpu else 0.0
     first = 0.0
     if s.ac_mode == "full":
         first = weights + moments + held_grads + kept + embedding_out + working + output_grad + gathered
@@ -313,7 +317,7 @@ def estimate(s: Shape) -> Estimate:
         ("activations kept for backward" + ac_words(s), kept + embedding_out if at_start or at_first else recompute),
         ("the recomputed block's activations and gradients, and the hidden states' gradient",
          working if at_first else 0.0),
-        ("FSDP: the output layer's fp32 gradient, being reduce-scattered", output_grad if at_first else 0.0),
+        ("FSDP: the output layer's gradient, being reduce-scattered", output_grad if at_first else 0.0),
         ("logits and their gradient" + (f" (chunks of {s.chunk_tokens} tokens)" if s.chunk_tokens else " (whole)"),
          head + final_norm if at_start else 0.0),
         ("FSDP gathered weights" + (" (all, kept from forward to backward)" if s.reshard == "never" else
@@ -321,7 +325,7 @@ def estimate(s: Shape) -> Estimate:
         ("FSDP one block's unsharded gradient", unsharded_grad if not (at_start or at_first) else 0.0),
         ("allocator slack (reserved beyond allocated)", allocated * ALLOCATOR_SLACK),
         ("FSDP all-gather stream's pool (weights being gathered)", ag_pool),
-        ("HSDP: the gradients in the reduce-scatter stream's pool", rs_pool),
+        ("gradients in the reduce-scatter stream's pool (HSDP, bf16 sums)", rs_pool),
         ("FSDP reduce-scatter stream's pool (offload)", offload_rs_pool),
     ]
     notes = [f"the peak comes at the {where}"]
