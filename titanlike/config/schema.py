@@ -202,12 +202,11 @@ class Training:
     """Compute dtype on GPU (params stay fp32; gradients are summed over ranks in mixed_precision_reduce's
     dtype). CPU always runs fp32."""
     mixed_precision_reduce: Literal["fp32", "bf16"] = "fp32"
-    """The dtype in which the ranks' gradients are summed (FSDP's reduce-scatter, HSDP's all-reduce): fp32 =
-    exact sums of the bf16 gradients; bf16 = half the bytes on the wire and in FSDP's copy into the
-    reduce-scatter, each sum rounded to bf16 (about 3 significant digits; the rounding grows with the ranks
-    summed): for slow links between ranks. The sharded gradients and the optimizer stay fp32, but FSDP
-    casts them from the bf16 sums on its reduce-scatter stream, in memory of their own (2.6 GiB more for
-    1b with cp 2; docs/parallelism.md). One rank sums nothing: it stays fp32 there."""
+    """The dtype the ranks' gradients are summed in (FSDP's reduce-scatter, HSDP's all-reduce): fp32 = exact
+    sums; bf16 = half the bytes on the wire, each sum rounded to bf16 (the rounding grows with the ranks
+    summed): for slow links. The gradients stay fp32, but FSDP casts them from the bf16 sums on its
+    reduce-scatter stream, in memory of their own (2.6 GiB more for 1b with cp 2; docs/parallelism.md).
+    One rank sums nothing: it stays fp32 there."""
     nonfinite: Literal["abort", "skip", "rollback"] = "abort"
     """What a non-finite loss or gradient norm does. abort: stop with one line naming the step. skip: skip
     that step's update (its batch is consumed and the LR schedule moves on; metrics.jsonl counts
