@@ -220,6 +220,33 @@ def test_export_of_a_gpu_step_gives_transformers_our_logits(pinned_run, tmp_path
         torch.testing.assert_close(theirs(tokens).logits, ours(tokens), rtol=0, atol=1e-3)
 
 
+def test_the_fused_float8_weight_cast_gives_torchaos_bytes_on_the_gpu():
+    """The override fused_float8_weight_cast: each weight shard cast before FSDP's float8 all-gather in one
+    compiled kernel gives the bytes and the scale of torchao's three eager kernels, shard by shard (shapes of
+    the presets' shards and an odd one; a value that saturates)."""
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
+    from titanlike.overrides import float8
+
+    cls = float8._weight_wrapper()
+    stock = cls.fsdp_pre_all_gather
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    try:
+        for shape in [(1024, 2048), (4096, 2048), (3, 5), (7168, 4096)]:
+            shard = torch.randn(shape, device="cuda", generator=generator) * 0.02
+            shard[0, 0] = 1e6
+            weight = cls(shard, LinearMMConfig(), torch.float8_e4m3fn, torch.tensor(2000.0, device="cuda"))
+            (theirs,), (their_scale,) = stock(weight, None)
+            float8.use_fused_weight_cast(True)
+            (ours,), (our_scale,) = cls.fsdp_pre_all_gather(weight, None)
+            float8.use_fused_weight_cast(False)
+            assert ours.shape == theirs.shape and ours.dtype == theirs.dtype, shape
+            assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8)), shape
+            assert torch.equal(our_scale, their_scale), shape
+    finally:
+        float8.use_fused_weight_cast(False)
+
+
 @pytest.mark.two_gpus
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: FSDP's float8 all-gather over NCCL")
 def test_two_gpus_all_gather_float8_and_match_one_gpu(tmp_path, corpus):

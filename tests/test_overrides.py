@@ -171,3 +171,88 @@ def test_the_aligned_splits_are_inductors_choices_only_when_on(monkeypatch):
     finally:
         V.set_choices_handler(prior)
         overrides.reset()
+
+
+# ---- fused_float8_weight_cast --------------------------------------------------------------------------------
+
+
+def _wrapped_weight(shard: torch.Tensor, scale: float):
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
+    from titanlike.overrides import float8
+
+    return float8._weight_wrapper()(shard, LinearMMConfig(), torch.float8_e4m3fn, torch.tensor(scale))
+
+
+def test_the_fused_weight_cast_gives_torchaos_bytes_and_is_torchaos_own_when_off():
+    """The cast before FSDP's float8 all-gather, compiled into one kernel (here inductor's CPU code; the GPU
+    tier checks the GPU's), gives the bytes of torchao's three: scaled, saturated (the 1e6), rounded (the
+    small values to subnormals). Installed, a CPU shard still takes torchao's path; switched off, torchao's
+    own method is back."""
+    from titanlike.overrides import float8
+
+    cls = float8._weight_wrapper()
+    stock = cls.fsdp_pre_all_gather
+    shard = torch.randn(64, 48, generator=torch.Generator().manual_seed(0)) * 0.02
+    shard[0, 0], shard[1, 1] = 1e6, 3e-6
+    weight = _wrapped_weight(shard, 300.0)
+    (theirs,), (their_scale,) = stock(weight, None)
+    ours = float8._fused_cast(shard.reshape(-1), weight._precomputed_scale, torch.float8_e4m3fn).view(shard.shape)
+    assert theirs.dtype == ours.dtype == torch.float8_e4m3fn
+    assert torch.equal(theirs.view(torch.uint8), ours.view(torch.uint8))
+    assert float(theirs[0, 0]) == 448.0  # saturated, as the fused kernel must too
+    try:
+        float8.use_fused_weight_cast(True)
+        float8.use_fused_weight_cast(True)  # twice: torchao's method stays the one to go back to
+        assert cls.fsdp_pre_all_gather is float8._fused_pre_all_gather
+        (on_cpu,), (scale,) = cls.fsdp_pre_all_gather(weight, None)
+        assert torch.equal(on_cpu.view(torch.uint8), theirs.view(torch.uint8)) and torch.equal(scale, their_scale)
+    finally:
+        float8.use_fused_weight_cast(False)
+    assert cls.fsdp_pre_all_gather is stock
+
+
+def test_the_fused_weight_cast_probe_refuses_a_torchao_whose_cast_changed(monkeypatch):
+    from titanlike.overrides import float8
+
+    cls = float8._weight_wrapper()
+    assert float8.probe_fused_float8_weight_cast() is None
+
+    def unscaled(self, mesh):  # a torchao that, say, scales the weight elsewhere
+        return (self._tensor.to(self._dtype),), (self._precomputed_scale,)
+
+    monkeypatch.setattr(cls, "fsdp_pre_all_gather", unscaled)
+    assert "not the scaled, saturated cast" in float8.probe_fused_float8_weight_cast()
+    monkeypatch.setattr(cls, "fsdp_pre_all_gather", lambda self, mesh, extra: None)
+    assert "takes (self, mesh, extra)" in float8.probe_fused_float8_weight_cast()
+
+
+def test_the_converter_installs_the_fused_cast_with_float8_all_gather_and_compile_only_when_on():
+    from titanlike.float8 import Float8Converter, Float8Options
+    from titanlike.model.decoder import Transformer
+    from titanlike.model.shape import ModelArgs
+    from titanlike.overrides import float8
+
+    cls = float8._weight_wrapper()
+    stock = cls.fsdp_pre_all_gather
+
+    def convert(compiled: bool):
+        with torch.device("meta"):
+            model = Transformer(ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97))
+        options = Float8Options(recipe="tensorwise", emulate=True, fsdp_float8_all_gather=True, precompute_scales=True,
+                                filter_fqns=("output",), auto_filter=False)
+        Float8Converter(options).convert(model, device=torch.device("cpu"), compiled=compiled)
+
+    try:
+        overrides.configure("on")
+        convert(compiled=True)
+        assert cls.fsdp_pre_all_gather is float8._fused_pre_all_gather
+        convert(compiled=False)  # a run without compile may be one where inductor cannot run
+        assert cls.fsdp_pre_all_gather is stock
+        convert(compiled=True)
+        overrides.configure("off")
+        convert(compiled=True)
+        assert cls.fsdp_pre_all_gather is stock
+    finally:
+        float8.use_fused_weight_cast(False)
+        overrides.reset()

@@ -129,7 +129,7 @@ class Trainer:
         self.float8 = Float8Converter.from_config(cfg.fp8, self.dims.fsdp_shard)
         self.float8_report = self.float8.convert(model, device=self.device, batch=first.local_batch,
                                                  seq_len=first.rank_seq_len, flops_per_token=first.flops_per_token,
-                                                 block_sample=model.sample_block)
+                                                 block_sample=model.sample_block, compiled=cfg.compile.enable)
         # Context parallelism: each attention layer gathers the keys and values of the group's ranks.
         self.context = (parallel.apply_context_parallel(model, self.cp_mesh.get_group(), self.device.type)
                         if self.cp_mesh is not None else None)

@@ -89,15 +89,18 @@ class Float8Converter:
         return self.options.enabled
 
     def convert(self, model: nn.Module, *, device: torch.device, batch: int = 1, seq_len: int = 1,
-                flops_per_token: int = 0, block_sample: Callable | None = None) -> Float8Report:
+                flops_per_token: int = 0, block_sample: Callable | None = None, compiled: bool = False) -> Float8Report:
         """Convert the chosen Linears of `model` in place and log what converted and why not (with the
         share of the `flops_per_token` that runs in float8). `block_sample(batch, seq, device)` gives a
         fresh block and its forward's arguments, for timing blocks when fp8.auto_filter = measure
-        (micro-batches of `batch` sequences of `seq_len`)."""
+        (micro-batches of `batch` sequences of `seq_len`). `compiled`: the run compiles (compile.enable),
+        so inductor can run, and the float8 all-gather's weight cast may be compiled too."""
         layers.check_device(self.options, device)
         self.model = model
         plan = measure.measure(model, self.options, batch, seq_len, device, block_sample)
         self.report = layers.convert(model, self.options, plan)
+        if self.options.fsdp_float8_all_gather:
+            all_gather.use_fused_cast(compiled and overrides.active("fused_float8_weight_cast"))
         if self._delayed:
             self._delayed.convert(model, self.options.amax_history)
         if flops_per_token:

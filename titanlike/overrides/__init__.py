@@ -73,6 +73,15 @@ OVERRIDES = (
         "1b on one H100: 1.21-1.24x bf16 against dynamic scaling's 1.17x "
         "(docs/benchmarks/2026-11-22-delayed-scaling.md)"),
     Override(
+        "fused_float8_weight_cast", "float8",
+        "FSDP's float8 all-gather casts each weight shard with its precomputed scale in torchao's "
+        "WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather, three eager kernels (scale in fp32, saturate, "
+        "cast); instead one compiled kernel of the same bytes (a class patch of that method; GPU shards, with "
+        "compile.enable)",
+        "torchao 0.18 (GPU runs), 0.17, 0.18 (the probe compares its bytes with torchao's)",
+        "8b, one FSDP rank of two alone on one H200: 1.023x, the casts 49.8 -> 16.2 ms a step; 1b cp 2: no change "
+        "(docs/benchmarks/2026-11-29-fused-float8-weight-cast.md)"),
+    Override(
         "autograd_cache_off_for_8bit_adamw", "compile",
         "torchao's compiled 8-bit AdamW update runs with torch._functorch.config.enable_autograd_cache off: "
         "taken from that on-disk cache it crashed (SIGSEGV)",
