@@ -81,8 +81,15 @@ def _scaled_cast(shard: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
     return (shard.to(torch.float32) * scale).clamp(min=-largest, max=largest).to(dtype)
 
 
-# One compiled kernel for every shard (its length is dynamic: the shards differ in size).
-_fused_cast = torch.compile(_scaled_cast, dynamic=True)
+_COMPILED: dict[str, Any] = {}
+
+
+def _fused_cast(shard: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`_scaled_cast` compiled, on first use: one kernel for every shard (its length is dynamic, as the shards
+    differ in size)."""
+    if "cast" not in _COMPILED:
+        _COMPILED["cast"] = torch.compile(_scaled_cast, dynamic=True)
+    return _COMPILED["cast"](shard, scale, dtype)
 
 
 def _fused_pre_all_gather(self, mesh):
