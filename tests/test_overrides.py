@@ -192,6 +192,7 @@ def test_the_fused_weight_cast_gives_torchaos_bytes_and_is_torchaos_own_when_off
     from titanlike.overrides import float8
 
     cls = float8._weight_wrapper()
+    float8.use_fused_weight_cast(False)  # torchao's own, whatever ran in this process before
     stock = cls.fsdp_pre_all_gather
     shard = torch.randn(64, 48, generator=torch.Generator().manual_seed(0)) * 0.02
     shard[0, 0], shard[1, 1] = 1e6, 3e-6
@@ -234,6 +235,7 @@ def test_the_converter_installs_the_fused_cast_with_float8_all_gather_and_compil
     from titanlike.overrides import float8
 
     cls = float8._weight_wrapper()
+    float8.use_fused_weight_cast(False)
     stock = cls.fsdp_pre_all_gather
 
     def convert(compiled: bool):
