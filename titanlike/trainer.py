@@ -222,8 +222,7 @@ class Trainer:
             return
         first, d = self.stages.first, self.dims
         n_params = sum(p.numel() for p in self.model.parameters())
-        summing = self.mesh is not None and self.mesh.size() > 1
-        bf16_sums = summing and self.cfg.training.mixed_precision_reduce == "bf16"
+        bf16_sums = parallel.reduce_dtype(self.cfg.training.mixed_precision_reduce, self.mesh) == torch.bfloat16
         logger.info(
             f"model {self.run.model.name}: {n_params / 1e6:,.1f}M parameters ({describe(self.margs)}) | "
             f"{self.world} rank(s) on {self.device.type} "

@@ -18,7 +18,7 @@ from titanlike.model.shape import count_params
 from titanlike.overrides.fsdp import gradients_in_compute_pool
 from titanlike.parallel.device import device_memory_bytes
 
-__all__ = ["apply_fsdp", "resolve_reshard", "shard_model"]
+__all__ = ["apply_fsdp", "reduce_dtype", "resolve_reshard", "shard_model"]
 
 logger = logging.getLogger("titanlike")
 
@@ -96,6 +96,13 @@ def unshard_in_backward(module, needed: bool) -> None:
         module.set_unshard_in_backward(needed)
 
 
+def reduce_dtype(mixed_precision_reduce: str, mesh) -> torch.dtype:
+    """The dtype the ranks of `mesh` (None: one rank) sum gradients in. One rank sums nothing: a bf16 reduce
+    would only round its gradients."""
+    summing = mesh is not None and mesh.size() > 1
+    return torch.bfloat16 if mixed_precision_reduce == "bf16" and summing else torch.float32
+
+
 def shard_model(model: Transformer, mesh, device: torch.device, *, mixed_precision: str, reshard: str,
                 memory_limit_gib: float, log: bool, offload_policy=None, fused_loss: bool = False,
                 mixed_precision_reduce: str = "fp32") -> contextlib.AbstractContextManager:
@@ -108,9 +115,8 @@ def shard_model(model: Transformer, mesh, device: torch.device, *, mixed_precisi
         return torch.autocast("cuda", dtype=torch.bfloat16) if gpu_bf16 else contextlib.nullcontext()
     gathered = 2 * count_params(model.args)[0]  # bytes of every weight gathered in bf16
     chosen = resolve_reshard(reshard, gathered, device_memory_bytes(device, memory_limit_gib))
-    # One rank sums nothing: a bf16 reduce would only round its gradients.
-    reduce_dtype = torch.bfloat16 if mixed_precision_reduce == "bf16" and mesh.size() > 1 else torch.float32
-    apply_fsdp(model, mesh, torch.bfloat16 if gpu_bf16 else None, chosen, offload_policy, fused_loss, reduce_dtype)
+    apply_fsdp(model, mesh, torch.bfloat16 if gpu_bf16 else None, chosen, offload_policy, fused_loss,
+               reduce_dtype(mixed_precision_reduce, mesh))
     if log and chosen != reshard:
         logger.info(f"FSDP keeps the gathered weights from forward to backward ({gathered / 1e9:.1f} GB in bf16, "
                     f"small next to the GPU's memory); --parallel.reshard_after_forward always frees them")
