@@ -78,7 +78,8 @@ OVERRIDES = (
         "WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather, three eager kernels (scale in fp32, saturate, "
         "cast); instead one compiled kernel of the same bytes (a class patch of that method; GPU shards, with "
         "compile.enable)",
-        "torchao 0.18 (GPU runs), 0.17, 0.18 (the probe compares its bytes with torchao's)",
+        "torchao 0.18 (GPU and CPU runs); the probe lets 0.17 run too, having compared the bytes with "
+        "torchao's at start",
         "8b, one FSDP rank of two alone on one H200: 1.023x, the casts 49.8 -> 16.2 ms a step; 1b cp 2: no change "
         "(docs/benchmarks/2026-11-29-fused-float8-weight-cast.md)"),
     Override(
