@@ -37,6 +37,7 @@ FENCE = f"{B}2026-11-28-cp-step-fence-in-the-forward.md"
 PREFIX_ORDER = f"{B}2026-11-28-cp-gather-in-prefix-order.md"
 BF16_SUMS = f"{B}2026-11-29-bf16-gradient-sums-one-rank.md"
 CP4 = f"{B}2026-11-28-cp4-262k-and-what-cp2-waits-for.md"
+TWO_H200 = f"{B}2026-11-29-two-h200s-cp2-bf16-sums-8b-fused-cast.md"
 OFFLOAD = ("--parallel.cpu_offload --fp8.enable_fsdp_float8_all_gather false --activation_checkpoint.mode full "
            "--training.loss_chunk_tokens 4096 --training.local_batch_size 1")
 ONE = C + "llama3_1b.toml"
@@ -153,6 +154,12 @@ MEASURED = [
     (ONE, f"{WINDOW} --data.seq_len 32768 --parallel.cp 2", 2, H200, 33.4, BF16_SUMS),
     (ONE, f"{WINDOW} --data.seq_len 32768 --parallel.cp 2 --training.mixed_precision_reduce bf16", 2, H200, 36.0,
      BF16_SUMS),
+    # The same two on two GPUs, beside one GPU; and the 8b config with the float8 all-gather's cast fused.
+    (ONE, f"{WINDOW} --data.seq_len 32768", 1, H200, 55.6, TWO_H200),
+    (ONE, f"{WINDOW} --data.seq_len 32768 --parallel.cp 2", 2, H200, 33.2, TWO_H200),
+    (ONE, f"{WINDOW} --data.seq_len 32768 --parallel.cp 2 --training.mixed_precision_reduce bf16", 2, H200, 36.1,
+     TWO_H200),
+    (C + "llama3_8b.toml", "", 2, H200, 98.9, TWO_H200),
 ]
 
 
@@ -260,7 +267,8 @@ def test_hsdp_keeps_the_gradients_in_the_reduce_scatter_pool_and_offload_keeps_t
 def test_bf16_sums_move_the_gradients_to_the_reduce_scatter_pool_where_ranks_sum():
     """training.mixed_precision_reduce bf16: FSDP casts each summed bf16 shard to the fp32 gradient on its
     reduce-scatter stream, so the gradients sit in that stream's pool, which backward's freed activations do
-    not refill (measured: 2.6 GiB more for 1b with cp 2); one rank sums nothing and keeps fp32."""
+    not refill (measured: 2.6 GiB more for 1b with cp 2 on a rank alone, 2.9 on two GPUs); one rank sums nothing
+    and keeps fp32."""
     eight_b = ["--job.config_file", str(ROOT / C / "llama3_8b.toml")]
     bf16 = eight_b + ["--training.mixed_precision_reduce", "bf16"]
     fp32_sums, bf16_sums = estimate_run(load_config(eight_b), 2, H200), estimate_run(load_config(bf16), 2, H200)

@@ -205,7 +205,7 @@ class Training:
     """The dtype the ranks' gradients are summed in (FSDP's reduce-scatter, HSDP's all-reduce): fp32 = exact
     sums; bf16 = half the bytes on the wire, each sum rounded to bf16 (the rounding grows with the ranks
     summed): for slow links. The gradients stay fp32, but FSDP casts them from the bf16 sums on its
-    reduce-scatter stream, in memory of their own (2.6 GiB more for 1b with cp 2; docs/parallelism.md).
+    reduce-scatter stream, in memory of their own (1b, cp 2, two H200s: 1.007x for 2.9 GiB; docs/parallelism.md).
     One rank sums nothing: it stays fp32 there."""
     nonfinite: Literal["abort", "skip", "rollback"] = "abort"
     """What a non-finite loss or gradient norm does. abort: stop with one line naming the step. skip: skip

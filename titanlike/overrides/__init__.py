@@ -81,7 +81,8 @@ OVERRIDES = (
         "torchao 0.18 (GPU and CPU runs); the probe lets 0.17 run too, having compared the bytes with "
         "torchao's at start",
         "8b, one FSDP rank of two alone on one H200: 1.023x, the casts 49.8 -> 16.2 ms a step; 1b cp 2: no change "
-        "(docs/benchmarks/2026-11-29-fused-float8-weight-cast.md)"),
+        "(docs/benchmarks/2026-11-29-fused-float8-weight-cast.md); llama3_8b.toml on two H200s: 1.023x "
+        "(docs/benchmarks/2026-11-29-two-h200s-cp2-bf16-sums-8b-fused-cast.md)"),
     Override(
         "autograd_cache_off_for_8bit_adamw", "compile",
         "torchao's compiled 8-bit AdamW update runs with torch._functorch.config.enable_autograd_cache off: "
