@@ -359,6 +359,57 @@ def test_overwrite_refuses_files_no_export_of_ours_vouches_for(tmp_path):
     assert elsewhere.read_text() == "the user's shared file"
 
 
+def test_a_disk_that_fills_up_keeps_the_earlier_export_whole(tmp_path, monkeypatch):
+    """The export is written whole before any file of the earlier one is replaced: when the disk fills up
+    (safetensors' own error, naming the OS's) --overwrite stops in one line and the earlier export is as it
+    was; a new output folder is not left behind, and no staging folder anywhere."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    from titanlike.hf.export import main
+
+    synthetic_checkpoint(tmp_path / "step-1")
+    earlier = tmp_path / "earlier"
+    assert call(main, str(tmp_path / "step-1"), str(earlier), "--dtype", "fp32")[0] == 0
+    (earlier / "README.md").write_text("the user's model card")
+    before = snapshot(earlier)
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    for folder, extra in ((earlier, ["--overwrite"]), (tmp_path / "new", [])):
+        rc, err = call(main, str(tmp_path / "step-1"), str(folder), "--dtype", "bf16", "--tokenizer", "byte", *extra)
+        assert rc == 2, err
+        assert error_lines(err) == err.strip().splitlines(), err  # one line, no traceback
+        line, = error_lines(err)
+        assert f"{folder / 'model.safetensors'}: no space left on the device" in line, line
+        assert "nothing in the output folder was changed" in line, line
+    assert snapshot(earlier) == before
+    assert not (tmp_path / "new").exists()
+    monkeypatch.undo()
+    # The same export with room to write: the earlier one replaced, the user's file kept, nothing else there.
+    assert call(main, str(tmp_path / "step-1"), str(earlier), "--dtype", "bf16", "--overwrite")[0] == 0
+    assert (earlier / "README.md").read_text() == "the user's model card"
+    assert not [name for name in os.listdir(earlier) if name.startswith(".titanlike-export-")]
+    assert snapshot(earlier)["model.safetensors"] != before["model.safetensors"]  # bf16 now, fp32 before
+
+
+def test_an_export_inside_a_checkpoint_is_refused(tmp_path):
+    """checkpoint.keep_latest_k deletes a step folder with everything in it: an export written inside one
+    would go with it, so it is refused, as the step folder itself is."""
+    from titanlike.hf.export import main
+
+    synthetic_checkpoint(tmp_path / "step-1")
+    for out in (tmp_path / "step-1", tmp_path / "step-1" / "hf", tmp_path / "step-1" / "new" / "hf"):
+        rc, err = call(main, str(tmp_path / "step-1"), str(out), "--tokenizer", "byte")
+        assert rc == 2, err
+        line, = error_lines(err)
+        assert err.strip() == line, err
+        assert ("is a checkpoint" if out == tmp_path / "step-1" else "inside the checkpoint") in line, line
+    assert not {"hf", "new"} & set(os.listdir(tmp_path / "step-1"))
+
+
 def snapshot(folder: Path) -> dict:
     """Every entry under `folder`: a link's target, a file's bytes, a folder's name."""
     out = {}

@@ -28,8 +28,11 @@ to the checkpoint folder; --tokenizer names another (a tokenizer.json, a prepare
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from titanlike import fs
@@ -187,8 +190,12 @@ def export(step_dir: str, out_dir: str, dtype: str = "bf16", tokenizer: str = ""
     from titanlike.checkpoint.weights import read_model_weights, step_folder_problem, step_model_args
     from titanlike.hf.interchange import set_file_modes, write_hf_folder, write_tokenizer_files
 
-    if os.path.isfile(os.path.join(out_dir, ".metadata")):
+    inside = checkpoint_around(out_dir)
+    if inside == os.path.realpath(out_dir):
         raise UserError(f"{out_dir} is a checkpoint; the output must be another folder")
+    if inside:
+        raise UserError(f"{out_dir} is inside the checkpoint {inside}, which checkpoint.keep_latest_k deletes with "
+                        f"everything in it; export to a folder outside it")
     stale = earlier_export(out_dir, overwrite)
     problem = step_folder_problem(step_dir)
     if problem:
@@ -201,17 +208,60 @@ def export(step_dir: str, out_dir: str, dtype: str = "bf16", tokenizer: str = ""
         raise UserError(f"{step_dir}: {bad}; the run diverged before this step, so export an earlier checkpoint "
                         f"(or pass --allow-nonfinite to export the weights as they are)")
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    created = not os.path.lexists(out_dir)
+    staging, untouched = None, True
     try:
-        for name in stale:  # only now that the new weights are read: the earlier export's files, checked above
-            os.unlink(os.path.join(out_dir, name))
-        files = write_hf_folder(state, margs, out_dir, torch_dtype, bos_id=tok.bos_id, eos_id=tok.eos_id)
-        files += write_tokenizer_files(out_dir, tok.to_json(), (tok.bos_token, tok.bos_id),
+        # Everything is written into a folder of its own first: a full disk or a read-only folder then fails
+        # before any file of an earlier export is touched, and leaves nothing behind.
+        os.makedirs(out_dir, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".titanlike-export-", dir=out_dir)
+        files = write_hf_folder(state, margs, staging, torch_dtype, bos_id=tok.bos_id, eos_id=tok.eos_id)
+        files += write_tokenizer_files(staging, tok.to_json(), (tok.bos_token, tok.bos_id),
                                        (tok.eos_token, tok.eos_id), margs.max_seq_len)
-        set_file_modes(out_dir, files)
+        set_file_modes(staging, files)
+        untouched = False  # from here on the earlier export's files are replaced
+        _move_in(staging, out_dir, files, stale)
+        staging = None
         record_export(out_dir, files)
     except OSError as e:
-        raise UserError(f"cannot write the export: {fs.describe_os_error(e, out_dir)}") from None
+        if staging and e.filename and os.fsdecode(e.filename).startswith(staging):  # said as the file it would be
+            e.filename = os.path.join(out_dir, os.path.relpath(os.fsdecode(e.filename), staging))
+        raise UserError(f"cannot write the export: {fs.describe_os_error(e, out_dir)}"
+                        f"{'; nothing in the output folder was changed' if untouched else ''}") from None
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+            if created:
+                with contextlib.suppress(OSError):
+                    os.rmdir(out_dir)  # only if empty: the folder this export made
     return files, "Qwen3ForCausalLM" if margs.qk_norm else "LlamaForCausalLM"
+
+
+def _move_in(staging: str, out_dir: str, files: list[str], stale: list[str]) -> None:
+    """The written files into `out_dir`, each renamed over its earlier namesake (the same file system), and the
+    earlier export's other files removed. Its record goes first: a folder cut short here has no record, which
+    marks an export that did not finish."""
+    if EXPORT_RECORD in stale:
+        os.unlink(os.path.join(out_dir, EXPORT_RECORD))
+    for name in files:
+        os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
+    for name in stale:
+        if name not in files and name != EXPORT_RECORD:
+            os.unlink(os.path.join(out_dir, name))
+    os.rmdir(staging)
+
+
+def checkpoint_around(out_dir: str) -> str | None:
+    """The checkpoint step folder (one holding DCP's .metadata) that `out_dir` is, or lies inside, resolved; None
+    when it is in none. Checked from the folder up, through the parts that exist yet."""
+    here = os.path.realpath(out_dir)
+    while True:
+        if os.path.isfile(os.path.join(here, ".metadata")):
+            return here
+        parent = os.path.dirname(here)
+        if parent == here:
+            return None
+        here = parent
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -105,8 +105,6 @@ def write_hf_folder(state: dict[str, torch.Tensor], a: ModelArgs, folder: str, d
                     max_shard_bytes: int = 5 * 1024**3, bos_id: int | None = None,
                     eos_id: int | None = None) -> list[str]:
     """Write model*.safetensors (+ index when sharded) and config.json; returns the files written."""
-    from safetensors.torch import save_file
-
     os.makedirs(folder, exist_ok=True)
     # Hugging Face re-ties a tied output layer from the embedding.
     ours = {k: v.detach().to("cpu", dtype) for k, v in state.items() if not (a.tie_embeddings and k == "output.weight")}
@@ -123,12 +121,12 @@ def write_hf_folder(state: dict[str, torch.Tensor], a: ModelArgs, folder: str, d
     files = []
     if len(shards) == 1:
         files.append("model.safetensors")
-        save_file(shards[0], os.path.join(folder, files[0]), metadata={"format": "pt"})
+        _save_shard(shards[0], os.path.join(folder, files[0]))
     else:
         weight_map = {}
         for i, shard in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(folder, fname), metadata={"format": "pt"})
+            _save_shard(shard, os.path.join(folder, fname))
             weight_map.update({k: fname for k in shard})
             files.append(fname)
         total = sum(t.numel() * t.element_size() for t in hf.values())
@@ -138,6 +136,22 @@ def write_hf_folder(state: dict[str, torch.Tensor], a: ModelArgs, folder: str, d
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf_config(a, str(dtype).removeprefix("torch."), bos_id, eos_id), f, indent=1)
     return files + ["config.json"]
+
+
+def _save_shard(tensors: dict[str, torch.Tensor], path: str) -> None:
+    """safetensors' save_file, whose failures to write (a full disk, a read-only folder) come as its own error
+    with the OS's error number in the text: raised as the OSError they are, so the caller can say which."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except SafetensorError as e:
+        number = re.search(r"os error (\d+)", str(e))
+        if number is None:
+            raise
+        code = int(number.group(1))
+        raise OSError(code, os.strerror(code), path) from None
 
 
 def write_tokenizer_files(folder: str, tokenizer_json: str, bos: tuple[str | None, int | None],
