@@ -552,6 +552,30 @@ def test_non_utf8_config_file_is_one_line(tmp_path):
         f"job.config_file = '{bad}' is not UTF-8 text (byte 17): TOML files are UTF-8")
 
 
+def test_a_config_file_that_is_not_a_file_is_one_line_that_says_so(tmp_path):
+    """--job.config_file with no value, a folder, a FIFO (which an open() would block on) or a device: each
+    is said as what it is, never as a missing file; a byte-order mark, as some editors write, is read."""
+    import os
+
+    (tmp_path / "folder").mkdir()
+    os.mkfifo(tmp_path / "fifo.toml")
+    assert error_of(["--job.config_file"]) == "--job.config_file needs a value: the path of a TOML file"
+    assert error_of(["--job.config_file", str(tmp_path / "folder")]).endswith("is a folder; name the TOML file in it")
+    for special in (tmp_path / "fifo.toml", Path("/dev/zero")):
+        assert error_of(["--job.config_file", str(special)]) == f"job.config_file {special} is not a regular file"
+    bom = tmp_path / "bom.toml"
+    bom.write_bytes(b"\xef\xbb\xbf[training]\nsteps = 3\n")
+    assert load_config(["--job.config_file", str(bom)]).training.steps == 3
+
+
+def test_a_window_longer_than_any_model_takes_says_so_and_not_to_raise_the_model():
+    """Raising model.max_seq_len to such a window would only be refused next: the one line says the limit."""
+    for argv, option in ((["--data.seq_len", "99999999999"], "data.seq_len"),
+                         (["--data.phase", "2:seq_len=99999999999"], "data.phase: the stage from step 2: seq_len")):
+        msg = error_of(argv)
+        assert msg == f"{option} = 99999999999 is more than titanlike's models take: at most 16,777,216 tokens", msg
+
+
 def test_config_toml_round_trips_paths_with_quotes_and_newlines(tmp_path):
     """config.toml must stay valid TOML whatever a path holds (a newline, a quote, a backslash, a tab)."""
     odd = str(tmp_path / 'we"ird\nna\tme\\x\x7f')

@@ -410,6 +410,26 @@ def test_an_export_inside_a_checkpoint_is_refused(tmp_path):
     assert not {"hf", "new"} & set(os.listdir(tmp_path / "step-1"))
 
 
+def test_a_path_that_is_not_a_folder_is_said_as_what_it_is(tmp_path):
+    """A file given as the checkpoint, to export or to generate, and a dangling link given as the output, are
+    each one line naming what they are, not a missing folder."""
+    from titanlike.hf.export import main
+    from titanlike.hf.generate import main as generate
+
+    synthetic_checkpoint(tmp_path / "step-1")
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    for tool, argv, said in ((main, [tmp_path / "afile", tmp_path / "out"], f"{tmp_path}/afile: a file, not a folder"),
+                             (generate, [tmp_path / "afile"], f"{tmp_path}/afile: a file, not a folder"),
+                             (main, [tmp_path / "step-1", tmp_path / "dangling", "--tokenizer", "byte"],
+                              f"{tmp_path}/dangling is a link to '{tmp_path}/gone', which does not exist")):
+        rc, err = call(tool, *map(str, argv))
+        assert rc == 2, err
+        line, = error_lines(err)
+        assert err.strip() == line and line.startswith(f"error: {said}"), line
+    assert not (tmp_path / "gone").exists() and not (tmp_path / "out").exists()
+
+
 def snapshot(folder: Path) -> dict:
     """Every entry under `folder`: a link's target, a file's bytes, a folder's name."""
     out = {}

@@ -74,6 +74,20 @@ def test_the_switch_chooses_and_the_start_line_says_why():
     assert "\n" not in str(e.value)
 
 
+def test_a_wrong_override_name_is_refused_wherever_the_config_is_read():
+    """The names are checked with the config, so titanlike-plan and --job.print_config refuse what training
+    would refuse: a printed config trains when read back."""
+    from titanlike.config import load_config
+    from titanlike.plan import cli
+
+    for argv in (["--parallel.overrides", "bogus"], ["--job.print_config", "--parallel.overrides", "on,off"]):
+        with pytest.raises(UserError, match="parallel.overrides") as e:
+            load_config(argv)
+        assert "\n" not in str(e.value)
+    assert cli.main(["--parallel.overrides", "bogus", "--world", "2"]) == 2
+    assert load_config(["--parallel.overrides", " delayed_scaling , cp_attention_kernels "]).parallel.overrides
+
+
 def test_a_version_outside_the_checked_ones_turns_an_override_off():
     assert overrides.version_outside("2.13.0+cpu", (2, 11), (2, 14)) is None
     assert overrides.version_outside("2.14.1+cu130", (2, 11), (2, 14)) is None

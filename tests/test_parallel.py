@@ -504,3 +504,18 @@ def test_fsdp_two_ranks_summing_in_bf16_stays_near_fp32(tmp_path, corpus, single
         assert abs(a[step] - b[step]) <= 1e-4 * abs(b[step]), (step, a[step], b[step])
     first = grad_norms(tmp_path)[1], grad_norms(single)[1]
     assert GRAD_RTOL < abs(first[0] - first[1]) / first[1] < 1e-3, first
+
+
+def test_a_gpu_memory_cap_on_a_cpu_run_is_said_to_do_nothing(caplog):
+    """training.gpu_memory_limit_gib on a run without a GPU: one line says the cap does nothing there, rather
+    than the run seeming to honour it."""
+    import logging
+
+    from titanlike.parallel.device import configure_device
+
+    with caplog.at_level(logging.INFO, logger="titanlike"):
+        configure_device(torch.device("cpu"), 0.0, False)
+        assert not caplog.records
+        configure_device(torch.device("cpu"), 0.05, False)
+    assert [r.getMessage() for r in caplog.records] == [
+        "training.gpu_memory_limit_gib = 0.05 caps a GPU's memory; this run trains on the CPU, where it does nothing"]

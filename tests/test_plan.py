@@ -264,6 +264,24 @@ def test_hsdp_keeps_the_gradients_in_the_reduce_scatter_pool_and_offload_keeps_t
     assert any("host memory" in note for note in offloaded.notes)
 
 
+def test_the_plan_counts_fsdps_own_gradient_buffers_where_the_override_is_off():
+    """Without the override gradients_in_compute_pool (--parallel.overrides off, or a list without it), FSDP
+    keeps the gradients in its reduce-scatter stream's pool (8b on two GPUs: 14.96 GiB more, measured before
+    the override); with it, or with one rank, they are in the compute stream's."""
+    eight_b = ["--job.config_file", str(ROOT / C / "llama3_8b.toml")]
+    pool = "gradients in the reduce-scatter stream's pool"
+    on = estimate_run(load_config(eight_b), 2, H200)
+    off = estimate_run(load_config(eight_b + ["--parallel.overrides", "off"]), 2, H200)
+    others = estimate_run(load_config(eight_b + ["--parallel.overrides", "cp_attention_kernels"]), 2, H200)
+    kept = estimate_run(load_config(eight_b + ["--parallel.overrides", "gradients_in_compute_pool"]), 2, H200)
+    assert on.row(pool) == kept.row(pool) == 0 and on.reserved_gib == kept.reserved_gib
+    assert off.row(pool) == others.row(pool) == pytest.approx(14.96, abs=0.01)
+    assert off.reserved_gib > on.reserved_gib
+    one = ["--job.config_file", str(ROOT / C / "llama3_1b.toml")]
+    assert (estimate_run(load_config(one + ["--parallel.overrides", "off"]), 1, H200).row(pool)
+            == estimate_run(load_config(one), 1, H200).row(pool) == 0)
+
+
 def test_bf16_sums_move_the_gradients_to_the_reduce_scatter_pool_where_ranks_sum():
     """training.mixed_precision_reduce bf16: FSDP casts each summed bf16 shard to the fp32 gradient on its
     reduce-scatter stream, so the gradients sit in that stream's pool, which backward's freed activations do
@@ -472,7 +490,15 @@ def test_a_gpu_config_on_a_machine_without_a_gpu_is_refused_in_the_preflight(mon
     assert preflight.main(["--job.config_file", str(ROOT / C / "llama3_8b.toml")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: this run trains on the CPU (no GPU is visible")
-    assert "each of the 2 process(es) of this host needs at least" in err and "24.0 GiB available" in err
+    assert "each of the 2 processes of this host needs at least" in err and "24.0 GiB available" in err
+    assert "a smaller model (--model.flavor debug)" in err
+    # The debug model with a window too long for the host: the advice is the window, not the model it has.
+    monkeypatch.setenv(preflight.WORLD_ENV, "1")
+    monkeypatch.setenv(preflight.LOCAL_ENV, "1")
+    assert preflight.main(["--data.seq_len", "131072", "--model.max_seq_len", "131072"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "it needs at least" in err and "--model.flavor" not in err, err
+    assert "fewer tokens a step (now --training.local_batch_size" in err and "--data.seq_len 131072)" in err, err
     monkeypatch.setattr(host, "gpu_visible", lambda: True)  # the same config where a GPU is: the GPUs' business
     assert preflight.main(["--job.config_file", str(ROOT / C / "llama3_8b.toml")]) == 0
 

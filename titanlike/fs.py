@@ -222,6 +222,16 @@ class FolderLock:
 
 def read_text(path: str | os.PathLike, what: str, *, limit: int = MAX_SMALL_FILE) -> str:
     """A small UTF-8 text file: a regular file (not a FIFO or a device) of at most `limit` bytes."""
+    data = read_bytes(path, what, limit=limit)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FileError(f"{what} {os.fspath(path)} is not UTF-8 text (byte {e.start})") from None
+
+
+def read_bytes(path: str | os.PathLike, what: str, *, limit: int = MAX_SMALL_FILE) -> bytes:
+    """A small file's bytes: a regular file (not a FIFO or a device, which could block or never end) of at
+    most `limit` bytes."""
     path = os.fspath(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
@@ -242,10 +252,7 @@ def read_text(path: str | os.PathLike, what: str, *, limit: int = MAX_SMALL_FILE
     finally:
         if fd >= 0:
             os.close(fd)
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise FileError(f"{what} {path} is not UTF-8 text (byte {e.start})") from None
+    return data
 
 
 def read_json(path: str | os.PathLike, what: str, *, limit: int = MAX_SMALL_FILE) -> Any:

@@ -225,20 +225,31 @@ def parse_cli(argv: list[str]) -> list[tuple[str, str, object]]:
     return out
 
 
+MAX_CONFIG_BYTES = 16 * 2**20  # a config of every option is a few KB: a larger file is not one
+
+
 def read_toml(path: str) -> dict[str, Any]:
-    """The TOML file that `--job.config_file` names, or one ConfigError line saying why not."""
-    if not os.path.isfile(path):
+    """The TOML file that `--job.config_file` names, or one ConfigError line saying why not. Read through the
+    file gate (titanlike/fs.py: a regular file, not a FIFO or a device, of a config's size)."""
+    from titanlike import fs
+
+    if not os.path.exists(path):
         raise ConfigError(f"job.config_file = {path!r}: no such file")
+    if os.path.isdir(path):
+        raise ConfigError(f"job.config_file = {path!r} is a folder; name the TOML file in it")
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"job.config_file = {path!r} is not valid TOML: {e}") from None
+        data = fs.read_bytes(path, "job.config_file", limit=MAX_CONFIG_BYTES)
+    except UserError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        text = data.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark, as some editors write
     except UnicodeDecodeError as e:
         raise ConfigError(
             f"job.config_file = {path!r} is not UTF-8 text (byte {e.start}): TOML files are UTF-8") from None
-    except OSError as e:
-        raise ConfigError(f"job.config_file = {path!r} cannot be read: {e.strerror}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"job.config_file = {path!r} is not valid TOML: {e}") from None
 
 
 def load(root_cls: type[Root], argv: list[str] | None, validate: Callable[[Root], None],
@@ -260,6 +271,8 @@ def _read(root_cls: type[Root], argv: list[str]) -> Root:
     overrides = parse_cli(argv)
     cfg = root_cls()
     config_file = [v for s, k, v in overrides if (s, k) == ("job", "config_file")]
+    if config_file and isinstance(config_file[-1], _BareFlag):
+        raise ConfigError("--job.config_file needs a value: the path of a TOML file")
     if config_file and config_file[-1]:
         path = str(config_file[-1])
         for section, table in read_toml(path).items():

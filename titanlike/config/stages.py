@@ -19,7 +19,7 @@ from typing import Any
 
 from titanlike.config.loader import ConfigError
 from titanlike.config.sources import DataSchedule
-from titanlike.model.shape import ModelArgs
+from titanlike.model.shape import SHAPE_LIMITS, ModelArgs
 
 MIN_SEQ_LEN = 8
 
@@ -111,6 +111,9 @@ def check_stages(cfg: Any, max_seq_len: int | None, schedule: DataSchedule) -> N
     that holds every stage's samples, the first's included, to the model's limit."""
     steps, settings = cfg.training.steps, _settings(cfg, schedule)
     for step, s in settings:
+        if s["seq_len"] > SHAPE_LIMITS["max_seq_len"]:
+            raise ConfigError(f"{_seq_len_option(step)} = {s['seq_len']} is more than titanlike's models take: at most "
+                              f"{SHAPE_LIMITS['max_seq_len']:,} tokens")
         if max_seq_len is not None and s["seq_len"] > max_seq_len:
             raise ConfigError(f"{_seq_len_option(step)} = {s['seq_len']} exceeds model.max_seq_len = {max_seq_len}: "
                               f"set --model.max_seq_len {s['seq_len']} or more (it is the model's limit, exported "

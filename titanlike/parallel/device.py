@@ -4,6 +4,7 @@ the GPU memory a run may use (training.gpu_memory_limit_gib), and deterministic 
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -54,6 +55,10 @@ def configure_device(device: torch.device, memory_limit_gib: float, deterministi
     if memory_limit_gib and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, memory_limit_gib * 2**30 / total), device)
+    elif memory_limit_gib:  # a GPU config run where there is none: said, not silently dropped
+        logging.getLogger("titanlike").warning(
+            f"training.gpu_memory_limit_gib = {memory_limit_gib:g} caps a GPU's memory; this run trains on the "
+            f"{device.type.upper()}, where it does nothing")
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)

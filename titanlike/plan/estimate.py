@@ -104,6 +104,7 @@ class Shape:
     ac_blocks: int = 0  # activation_checkpoint.selective_ac_blocks: blocks that follow op:NAMES (0: all)
     cp_kernels: bool = True  # causal attention under cp on the override cp_attention_kernels (parallel.overrides)
     reduce_bytes: int = 4  # bytes a gradient value takes in FSDP's reduce-scatter (training.mixed_precision_reduce)
+    grads_in_compute_pool: bool = True  # the override gradients_in_compute_pool (parallel.overrides)
 
 
 def shape_of(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, card_gib: float | None) -> Shape:
@@ -120,15 +121,16 @@ def shape_of(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, card_gib: floa
                  ac.memory_budget, float8, float8_ag, cfg.compile.enable, t.loss_chunk_tokens,
                  cfg.optimizer.state_dtype, reshard, bool(getattr(cfg.parallel, "cpu_offload", False)),
                  cfg.model.attn_mask == "block_causal", ac.selective_ac_blocks,
-                 cp_kernels_chosen(cfg.parallel.overrides),
-                 2 if t.mixed_precision_reduce == "bf16" and dims.dp_replicate * dims.fsdp_shard > 1 else 4)
+                 override_chosen(cfg.parallel.overrides, "cp_attention_kernels"),
+                 2 if t.mixed_precision_reduce == "bf16" and dims.dp_replicate * dims.fsdp_shard > 1 else 4,
+                 override_chosen(cfg.parallel.overrides, "gradients_in_compute_pool"))
 
 
-def cp_kernels_chosen(overrides: str) -> bool:
-    """Whether parallel.overrides keeps cp_attention_kernels (its probe assumed to pass: the plan runs
+def override_chosen(overrides: str, name: str) -> bool:
+    """Whether parallel.overrides keeps the override `name` (its probe assumed to pass: the plan runs
     where the run will not)."""
     names = {n.strip() for n in overrides.split(",")}
-    return "off" not in names and ("on" in names or "cp_attention_kernels" in names)
+    return "off" not in names and ("on" in names or name in names)
 
 
 # ---- activations ------------------------------------------------------------------------------------
@@ -236,11 +238,13 @@ def estimate(s: Shape) -> Estimate:
     weights = on_gpu * 4 * total / shard
     grads = on_gpu * 4 * total / shard
     moments = on_gpu * MOMENT_BYTES[s.state_dtype] * total / shard
-    # HSDP keeps torch's own reduce-scatter buffers: the gradients then sit in that stream's pool, which the
-    # activations freed in backward never refill (8b on two GPUs before they moved: +14.96 GiB, measured).
-    # Gradients summed in bf16 land there too: FSDP casts each summed bf16 shard to the fp32 gradient on that
-    # stream (1b with cp 2: 2.6 GiB more, docs/benchmarks/2026-11-29-bf16-gradient-sums-one-rank.md).
-    rs_pool = grads if dims.dp_replicate > 1 or (s.reduce_bytes == 2 and sharded) else 0.0
+    # FSDP's own reduce-scatter buffers (HSDP, where the override gradients_in_compute_pool does not act, or
+    # that override off) put the gradients in that stream's pool, which the activations freed in backward
+    # never refill (8b on two GPUs before they moved: +14.96 GiB, measured). Gradients summed in bf16 land
+    # there too: FSDP casts each summed bf16 shard to the fp32 gradient on that stream (1b with cp 2: 2.6 GiB
+    # more, docs/benchmarks/2026-11-29-bf16-gradient-sums-one-rank.md).
+    own_buffers = dims.dp_replicate > 1 or (dims.sharded and not s.grads_in_compute_pool)
+    rs_pool = grads if own_buffers or (s.reduce_bytes == 2 and sharded) else 0.0
     grads -= rs_pool
 
     kept, recompute = block_bytes(s)
@@ -325,7 +329,7 @@ def estimate(s: Shape) -> Estimate:
         ("FSDP one block's unsharded gradient", unsharded_grad if not (at_start or at_first) else 0.0),
         ("allocator slack (reserved beyond allocated)", allocated * ALLOCATOR_SLACK),
         ("FSDP all-gather stream's pool (weights being gathered)", ag_pool),
-        ("gradients in the reduce-scatter stream's pool (HSDP, bf16 sums)", rs_pool),
+        ("gradients in the reduce-scatter stream's pool (HSDP, bf16 sums, FSDP's own buffers)", rs_pool),
         ("FSDP reduce-scatter stream's pool (offload)", offload_rs_pool),
     ]
     notes = [f"the peak comes at the {where}"]
@@ -373,7 +377,11 @@ def cpu_host_problem(cfg: JobConfig, world: int, local_processes: int, args: Mod
     need, have = per_process * local_processes, host_available_bytes() / 2**30
     if need <= have:
         return None
-    return (f"this run trains on the CPU (no GPU is visible, or training.device = cpu), where each of the "
-            f"{local_processes} process(es) of this host needs at least {per_process:.1f} GiB of memory "
-            f"(titanlike-plan's estimate): {need:.1f} GiB, and this host has {have:.1f} GiB available; run it "
-            f"where its GPUs are, or choose a smaller model (--model.flavor debug)")
+    each = (f"each of the {local_processes} processes of this host needs at least {per_process:.1f} GiB of memory "
+            f"(titanlike-plan's estimate), {need:.1f} GiB in all" if local_processes > 1 else
+            f"it needs at least {need:.1f} GiB of memory (titanlike-plan's estimate)")
+    smaller = [] if cfg.model.flavor == "debug" else ["a smaller model (--model.flavor debug)"]
+    smaller.append(f"fewer tokens a step (now --training.local_batch_size {cfg.training.local_batch_size} of "
+                   f"--data.seq_len {cfg.data.seq_len})")
+    return (f"this run trains on the CPU (no GPU is visible, or training.device = cpu), where {each}, and this "
+            f"host has {have:.1f} GiB available; run it where its GPUs are, or choose {' or '.join(smaller)}")
