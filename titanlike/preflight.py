@@ -33,6 +33,9 @@ def resolved(cfg: JobConfig) -> JobConfig:
     data's values where the config leaves them unset), for --job.print_config, which needs no world
     size (a resolved run's own is ResolvedRun.resolved_config()). Printed with `print_config = false`: the
     request to print is the command line's, and a saved copy of the output is a config that trains."""
+    from titanlike import overrides
+
+    overrides.chosen_names(cfg.parallel.overrides)  # a printed config trains: the names the run would refuse
     cfg = dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, print_config=False))
     return with_resolved_shape(cfg, resolve_model(cfg))
 

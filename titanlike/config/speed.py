@@ -64,9 +64,6 @@ class Parallel:
         need(1 <= self.cp <= 2**16, f"parallel.cp = {self.cp} must be >= 1 (1 = no context parallelism)")
         need(1 <= self.backend_timeout_s <= 10**6,
              f"parallel.backend_timeout_s = {self.backend_timeout_s} must be in [1, 1000000] (about 11 days)")
-        from titanlike import overrides  # no torch: the names only (the probes are the trainer's)
-
-        overrides.chosen_names(self.overrides)
 
 
 # Flex attention's tile (model/masks.py BLOCK_SIZE): with block_causal on a GPU, each of a rank's

@@ -41,8 +41,11 @@ def split_world(argv: list[str]) -> tuple[int, list[str]]:
 
 
 def report(argv: list[str]) -> str:
+    from titanlike import overrides
+
     world, rest = split_world(argv)
     cfg = on_gpus(load_config(rest))
+    overrides.chosen_names(cfg.parallel.overrides)  # the names training would refuse, refused here too
     args = resolve_model(cfg).args
     dims = parallel_dims(cfg, world)
     biggest = estimate_run(cfg, world, CARDS[-1][2])
