@@ -503,6 +503,20 @@ def test_a_gpu_config_on_a_machine_without_a_gpu_is_refused_in_the_preflight(mon
     assert preflight.main(["--job.config_file", str(ROOT / C / "llama3_8b.toml")]) == 0
 
 
+def test_a_cp_that_cannot_split_the_ranks_is_said_before_the_windows_rules(monkeypatch, capsys):
+    """cp 3 on two ranks with a window that is no multiple of 6: both are wrong, and the window's rule follows
+    from cp, so the line names cp (fixing the window first would only lead to it). Printing needs no world."""
+    from titanlike import preflight
+    from titanlike.plan import cli
+
+    monkeypatch.setenv(preflight.WORLD_ENV, "2")
+    for main, argv in ((preflight.main, ["--parallel.cp", "3"]),
+                       (cli.main, ["--world", "2", "--parallel.cp", "3"])):
+        assert main(argv) == 2
+        assert capsys.readouterr().err == "error: parallel.cp = 3 does not divide the 2 ranks\n"
+    assert preflight.main(["--parallel.cp", "3", "--data.seq_len", "264", "--job.print_config"]) == preflight.PRINTED
+
+
 def test_a_window_no_lever_fits_is_refused_before_any_work(monkeypatch, capsys, tmp_path):
     """`8b` with cp 2 at 2,097,152 tokens fits no 80 GB card whatever the levers: the preflight says so in one
     line with the smallest estimate, against the cap the user set or the smallest card nvidia-smi shows; the

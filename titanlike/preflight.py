@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if any(a in ("-h", "--help") for a in argv):
             return printed(help_text(argv) + "\n")
-        cfg = load_config(argv)
+        cfg = load_config(argv, world_size())
         if cfg.job.print_config:
             return printed(to_toml(resolved(cfg)))
         world = world_size()

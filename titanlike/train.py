@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 print(help_text(argv))
             return 0
-        cfg = load_config(argv)
+        cfg = load_config(argv, world)
         if cfg.job.print_config:
             if rank == 0:
                 print(to_toml(resolved(cfg)), end="")

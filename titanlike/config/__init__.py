@@ -38,9 +38,18 @@ def validate(cfg: JobConfig) -> None:
     validate_across_sections(cfg)
 
 
-def load_config(argv: list[str] | None = None) -> JobConfig:
-    """Defaults, then the TOML file (job.config_file, from the CLI), then the CLI overrides; validated."""
-    return loader.load(JobConfig, argv, validate, USAGE)
+def load_config(argv: list[str] | None = None, world: int | None = None) -> JobConfig:
+    """Defaults, then the TOML file (job.config_file, from the CLI), then the CLI overrides; validated. With the
+    run's `world` size known, a parallel.cp that cannot split it is said first: the window's rules depend on cp
+    (not when the config is only printed, which needs no world)."""
+
+    def checked(cfg: JobConfig) -> None:
+        cp = cfg.parallel.cp
+        if world and not cfg.job.print_config and isinstance(cp, int) and cp >= 1 and world % cp:
+            raise ConfigError(f"parallel.cp = {cp} does not divide the {world} ranks")
+        validate(cfg)
+
+    return loader.load(JobConfig, argv, checked, USAGE)
 
 
 def help_text(argv: list[str] | None = None) -> str:

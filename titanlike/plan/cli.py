@@ -44,7 +44,7 @@ def report(argv: list[str]) -> str:
     from titanlike import overrides
 
     world, rest = split_world(argv)
-    cfg = on_gpus(load_config(rest))
+    cfg = on_gpus(load_config(rest, world))
     overrides.chosen_names(cfg.parallel.overrides)  # the names training would refuse, refused here too
     args = resolve_model(cfg).args
     dims = parallel_dims(cfg, world)
