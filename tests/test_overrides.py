@@ -75,8 +75,8 @@ def test_the_switch_chooses_and_the_start_line_says_why():
 
 
 def test_a_wrong_override_name_is_refused_wherever_the_config_is_read():
-    """The names are checked with the config, so titanlike-plan and --job.print_config refuse what training
-    would refuse: a printed config trains when read back."""
+    """titanlike-plan and --job.print_config refuse the names a training run's preflight refuses: a printed
+    config trains when read back."""
     from titanlike import preflight, train
     from titanlike.plan import cli
 
