@@ -126,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if any(a in ("-h", "--help") for a in argv):
             return printed(help_text(argv) + "\n")
-        cfg = load_config(argv, world_size())
+        world = world_size()
+        cfg = load_config(argv, world)
         if cfg.job.print_config:
             return printed(to_toml(resolved(cfg)))
-        world = world_size()
         cfg = fitted(cfg, argv, world)  # training.fit_gib: a target nothing reaches stops here
         run = check(cfg, world)
         problem = beyond_the_gpu(cfg, world)  # a window no lever fits stops here, not at its first step

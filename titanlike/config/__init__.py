@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from titanlike.config import loader
+from titanlike.config.dims import check_cp_divides
 from titanlike.config.loader import ConfigError, field_docs, to_toml
 from titanlike.config.schema import JobConfig, validate_across_sections
 from titanlike.config.sources import SINGLE, DataSchedule
@@ -45,8 +46,8 @@ def load_config(argv: list[str] | None = None, world: int | None = None) -> JobC
 
     def checked(cfg: JobConfig) -> None:
         cp = cfg.parallel.cp
-        if world and not cfg.job.print_config and isinstance(cp, int) and cp >= 1 and world % cp:
-            raise ConfigError(f"parallel.cp = {cp} does not divide the {world} ranks")
+        if world and not cfg.job.print_config and isinstance(cp, int) and cp >= 1:
+            check_cp_divides(world, cp)
         validate(cfg)
 
     return loader.load(JobConfig, argv, checked, USAGE)

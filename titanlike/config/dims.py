@@ -36,11 +36,16 @@ def local_world() -> int:
     return int(text) if text.isdigit() and int(text) >= 1 else 1
 
 
+def check_cp_divides(world_size: int, cp: int) -> None:
+    """Each context group is cp ranks: ConfigError (one line) where cp does not divide the world."""
+    if world_size % cp:
+        raise ConfigError(f"parallel.cp = {cp} does not divide the {world_size} ranks")
+
+
 def resolve_dims(world_size: int, dp_shard: int, dp_replicate: int, cp: int = 1) -> tuple[int, int]:
     """Check the data-parallel degrees against the world size; -1 takes what is left. The cp ranks of
     each data-parallel group come out of the world first: dp_replicate × dp_shard = world / cp."""
-    if world_size % cp:
-        raise ConfigError(f"parallel.cp = {cp} does not divide the {world_size} ranks")
+    check_cp_divides(world_size, cp)
     ranks = world_size // cp
     of_ranks = f"{world_size} ranks" if cp == 1 else f"{ranks} data-parallel ranks ({world_size} ranks / cp {cp})"
     if dp_replicate == -1:
