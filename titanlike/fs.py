@@ -50,6 +50,24 @@ def describe_os_error(e: OSError, path: str | os.PathLike) -> str:
     return f"{where}: {e.strerror or e}"
 
 
+def kind_of(mode: int) -> str:
+    """What a path that is not a plain file is (its st_mode), in words for an error line."""
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a plain file"
+
+
+def not_a_folder(path: str) -> str:
+    """What `path`, which is not a folder, is instead: in words for an error line."""
+    if os.path.islink(path) and not os.path.exists(path):
+        return f"a link to {os.readlink(path)!r}, which does not exist"
+    if not os.path.exists(path):
+        return "no such folder"
+    return "a file, not a folder" if os.path.isfile(path) else f"{kind_of(os.stat(path).st_mode)}, not a folder"
+
+
 def check_path_text(path: str | os.PathLike, what: str) -> str:
     """The path as text; a name that is not valid UTF-8 (surrogate-escaped bytes) is one line."""
     text = os.fspath(path)

@@ -101,19 +101,10 @@ def _newest_step(folder: str) -> str | None:
     return (intact or steps)[-1].path if steps else None
 
 
-def not_a_folder(path: str) -> str:
-    """What `path`, which is not a folder, is instead: in words for an error line."""
-    if os.path.islink(path) and not os.path.exists(path):
-        return f"a link to {os.readlink(path)!r}, which does not exist"
-    if not os.path.exists(path):
-        return "no such folder"
-    return "a file, not a folder" if os.path.isfile(path) else "not a folder (a device, a FIFO or a socket)"
-
-
 def step_folder_problem(step_dir: str) -> str | None:
     """Why `step_dir` is not a step folder to read weights from (a message), or None."""
     if not os.path.isdir(step_dir):
-        return f"{step_dir}: {not_a_folder(step_dir)}"
+        return f"{step_dir}: {fs.not_a_folder(step_dir)}"
     if step_dir.rstrip("/").endswith(".tmp"):
         return f"{step_dir} is a save that never completed; use a complete step-N folder"
     if not (is_dcp_folder(step_dir) and os.path.isfile(os.path.join(step_dir, MODEL_ARGS))):

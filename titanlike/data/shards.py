@@ -24,6 +24,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from titanlike import fs
 from titanlike.errors import UserError
 
 MAGIC = b"TLSHARD\0"
@@ -120,7 +121,7 @@ class Shard:
             try:
                 info = os.fstat(fd)
                 if not stat.S_ISREG(info.st_mode):
-                    raise DataError(f"token shard {self.path} is not a regular file ({_kind(info.st_mode)}); make "
+                    raise DataError(f"token shard {self.path} is not a regular file ({fs.kind_of(info.st_mode)}); make "
                                     f"shards with titanlike-prepare")
                 size, head = info.st_size, os.pread(fd, HEADER.size, 0)
             finally:
@@ -153,8 +154,8 @@ class Shard:
             fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)  # never waits on a FIFO put in its place
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 os.close(fd)
-                raise ShardFault(f"token shard {self.path} became {_kind(os.stat(self.path).st_mode)} while training "
-                                 f"read it; a shard must not change during a run (restore it, then resume)")
+                raise ShardFault(f"token shard {self.path} became {fs.kind_of(os.stat(self.path).st_mode)} while "
+                                 f"training read it; a shard must not change during a run (restore it, then resume)")
             self._fd, self._fd_pid = fd, os.getpid()
         want = n * self.dtype.itemsize
         data = os.pread(self._fd, want, HEADER.size + start * self.dtype.itemsize)
@@ -172,14 +173,6 @@ class Shard:
 
     def __getstate__(self) -> dict:  # to loader workers: without the open file
         return {**self.__dict__, "_fd": None, "_fd_pid": -1}
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "not a plain file"
 
 
 def find_shards(path: str) -> list[Shard]:

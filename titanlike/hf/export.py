@@ -106,9 +106,7 @@ def earlier_export(out_dir: str, overwrite: bool) -> list[str]:
     if not os.path.lexists(out_dir):
         return []
     if not os.path.isdir(out_dir):
-        from titanlike.checkpoint.weights import not_a_folder
-
-        raise UserError(f"{out_dir} is {not_a_folder(out_dir)}; choose another output folder")
+        raise UserError(f"{out_dir} is {fs.not_a_folder(out_dir)}; choose another output folder")
     try:
         names = sorted(os.listdir(out_dir))
     except OSError as e:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from titanlike import fs
 from titanlike.errors import ArgumentParser, UserError, error_exit
 from titanlike.model.decoder import Transformer
 
@@ -177,14 +178,14 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, tempera
 
 def load(source: str, tokenizer: str, device: torch.device, trust_pickled_dcp: bool = False):
     """(model in eval mode on `device`, tokenizer) from a checkpoint step folder or a Hugging Face folder."""
-    from titanlike.checkpoint.weights import is_dcp_folder, not_a_folder, read_model_weights
+    from titanlike.checkpoint.weights import is_dcp_folder, read_model_weights
     from titanlike.config.resolve import read_hf_config
     from titanlike.data.tokenizer import load_tokenizer, tokenizer_from_folder
     from titanlike.hf.export import first_nonfinite, run_tokenizer
     from titanlike.hf.interchange import read_hf_folder
 
     if not os.path.isdir(source):
-        raise UserError(f"{source}: {not_a_folder(source)} (give a checkpoint step folder or an exported folder)")
+        raise UserError(f"{source}: {fs.not_a_folder(source)} (give a checkpoint step folder or an exported folder)")
     if os.path.isfile(os.path.join(source, "config.json")) and not is_dcp_folder(source):
         margs = read_hf_config(source)
         state = read_hf_folder(source, margs)
