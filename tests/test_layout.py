@@ -1,5 +1,5 @@
 """The shape of the package (docs/architecture.md): no import cycle between modules, function-level
-imports included; no two packages that import each other; the arrows DESIGN.md forbids never drawn;
+imports included; no two packages that import each other; the arrows docs/architecture.md forbids never drawn;
 no module over 450 lines; the preflight and the config need no torch."""
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def test_no_import_cycle():
 
 
 # ---- between packages -------------------------------------------------------------------------------
-# A node is a subpackage (titanlike/data/) or a top-level module (titanlike/train.py), as DESIGN.md names them.
+# A node is a subpackage (titanlike/data/) or a top-level module (titanlike/train.py), as docs/architecture.md
+# names them.
 
 SHARED = ("titanlike.errors", "titanlike.fs", "titanlike.cache")
 """The top-level modules every part may use: each imports nothing of titanlike but another of them."""
@@ -141,7 +142,8 @@ def package_cycles(graph: dict[str, set[str]]) -> list[str]:
 
 
 def forbidden_arrows(graph: dict[str, set[str]]) -> list[str]:
-    """Each module that reaches what DESIGN.md says its package never imports, with the chain and the rule."""
+    """Each module that reaches what docs/architecture.md says its package never imports, with the chain and the
+    rule."""
     rules: list[tuple[str, Callable[[str], bool], str]] = [
         (source, lambda m, target=target: within(m, target), why) for source, target, why in NEVER]
     rules.append(("titanlike.config", lambda m: not any(within(m, g) for g in CONFIG_MAY_REACH),
@@ -165,7 +167,7 @@ def test_no_two_packages_import_each_other():
 
 def test_no_forbidden_arrow_between_packages():
     arrows = forbidden_arrows(module_graph())
-    assert not arrows, "imports DESIGN.md's shape of the code forbids:\n" + "\n".join(arrows)
+    assert not arrows, "imports docs/architecture.md's shape of the code forbids:\n" + "\n".join(arrows)
 
 
 def test_the_package_checks_catch_what_they_guard():

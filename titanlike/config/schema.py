@@ -42,7 +42,7 @@ class Job:
 
     def validate(self) -> None:
         need(0 <= self.seed < 2**63, f"job.seed = {self.seed} must be in [0, 2^63)")
-        need(bool(self.dump_folder.strip()), "job.dump_folder must not be empty (default ./outputs)")
+        need(bool(self.dump_folder.strip()), "job.dump_folder must not be empty (default ./outputs/debug)")
 
 
 @dataclass

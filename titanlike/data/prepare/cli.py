@@ -13,7 +13,8 @@ first of text, content, raw_content, body, document, code that it has. With seve
 summary gives each one's documents and tokens (what a mixture's weights are set from).
 
 Every document becomes [BOS] tokens [EOS] (no BOS when the tokenizer has none). Whole documents go to
-OUT/val/ up to --val-fraction of the tokens (never more), the others to OUT/train/. OUT/dataset.json records the
+OUT/val/ at random, each with the probability --val-fraction, while val keeps within twice that share of the
+tokens so far; the others go to OUT/train/. OUT/dataset.json records the
 tokenizer (a copy of its tokenizer.json sits next to it), its vocabulary and bos/eos ids, the token
 counts and the inputs; training reads it to size the model's vocabulary, and the export copies the
 tokenizer into the Hugging Face folder. The shards are the same bytes for any --workers.
