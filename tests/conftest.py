@@ -398,6 +398,33 @@ SCHEDULE = ("--training.steps", str(STEPS), "--data.seq_len", "64", "--training.
 FP8 = ("--fp8.recipe", "tensorwise", "--fp8.emulate", "--fp8.auto_filter", "false")
 
 
+def spawn_ranks(worker, world: int, *args) -> None:
+    """`worker(rank, world, *args)` in `world` processes, each a rank of one gloo group over a file store."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        # forkserver: a server process that imports torch and titanlike once and forks each worker from
+        # there (spawn would import them again for every worker, seconds). Not fork from this process:
+        # from torch 2.14 a child forked after autograd ran in its parent cannot use autograd.
+        mp.set_forkserver_preload(["torch", "titanlike.parallel.context"])
+        mp.start_processes(_rank, args=(world, os.path.join(tmp, "store"), worker, args), nprocs=world, join=True,
+                           start_method="forkserver")
+
+
+def _rank(rank: int, world: int, store: str, worker, args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from titanlike.parallel.mesh import destroy_process_group
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        worker(rank, world, *args)
+    finally:
+        destroy_process_group()  # lets gloo's threads finish first (see its docstring)
+
+
 def step_losses(dump: Path, after_line: int = 0) -> dict[int, float]:
     """Losses by step from metrics.jsonl, from its `after_line`-th train record on (a resumed run appends)."""
     return {r["step"]: r["loss"] for r in metrics(dump)[after_line:]}

@@ -8,16 +8,14 @@ training run with cp 2 matches one process, and checkpoints move between cp degr
 from __future__ import annotations
 
 import itertools
-import os
 import shutil
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from conftest import spawn_ranks
 from titanlike.model.decoder import Transformer
 from titanlike.model.masks import document_mask
 from titanlike.model.shape import ModelArgs
@@ -27,7 +25,6 @@ from titanlike.parallel.context import (
     shard_sequence,
     window_order,
 )
-from titanlike.parallel.mesh import destroy_process_group
 
 # fp32 on one CPU: the split attention sums the same products in another order (measured ~1e-7).
 ATOL, RTOL = 1e-5, 1e-5
@@ -252,25 +249,6 @@ def test_preflight_refuses(monkeypatch, capsys, world, argv, expected):
 # ---- multi-rank workers: each runs in its own process, gloo over a file store ------------------------------
 
 
-def _spawn(worker, world: int, *args) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        # forkserver: a server process that imports torch and titanlike once and forks each worker from
-        # there (spawn would import them again for every worker, seconds). Not fork from this process:
-        # from torch 2.14 a child forked after autograd ran in its parent cannot use autograd.
-        mp.set_forkserver_preload(["torch", "titanlike.parallel.context"])
-        mp.start_processes(_run, args=(world, os.path.join(tmp, "store"), worker, args), nprocs=world, join=True,
-                           start_method="forkserver")
-
-
-def _run(rank: int, world: int, store: str, worker, args) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        worker(rank, world, *args)
-    finally:
-        destroy_process_group()  # lets gloo's threads finish first (see its docstring)
-
-
 def _gathered(t: torch.Tensor, dim: int) -> torch.Tensor:
     """The whole sequence from every rank's part of `t`."""
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
@@ -309,7 +287,7 @@ def _attention_worker(rank: int, cp: int, mask_kind: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("mask_kind", ["causal", "block_causal"])
 def test_attention_four_ranks_matches_unsplit(mask_kind):
-    _spawn(_attention_worker, 4, mask_kind)
+    spawn_ranks(_attention_worker, 4, mask_kind)
 
 
 SMALL = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64)
@@ -366,13 +344,13 @@ def _two_rank_worker(rank: int, cp: int) -> None:
 def test_two_ranks_match_unsplit():
     """Attention (causal, block_causal) and the whole model (loss and every gradient) on 2 ranks: one
     pair of processes for all four, to keep the default tier short."""
-    _spawn(_two_rank_worker, 2)
+    spawn_ranks(_two_rank_worker, 2)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("attn_mask,ac", [("causal", "full"), ("causal", "selective"), ("block_causal", "none")])
 def test_model_four_ranks_matches_unsplit(attn_mask, ac):
-    _spawn(_model_worker, 4, attn_mask, ac)
+    spawn_ranks(_model_worker, 4, attn_mask, ac)
 
 
 
@@ -380,7 +358,7 @@ def test_model_four_ranks_matches_unsplit(attn_mask, ac):
 def test_compiled_full_recompute_under_cp_matches_unsplit():
     """Compiled blocks under cp with full recompute, checkpointed around their compiled bodies as the trainer
     does under cp: the loss and every gradient of the unsplit eager model."""
-    _spawn(_model_worker, 2, "causal", "full", True)
+    spawn_ranks(_model_worker, 2, "causal", "full", True)
 
 
 def _saved_bytes_worker(rank: int, world: int, result: str) -> None:
@@ -423,7 +401,7 @@ def test_what_a_rank_keeps_for_backward_shrinks_with_cp(tmp_path):
     import ast
 
     result = tmp_path / "saved.txt"
-    _spawn(_saved_bytes_worker, 8, str(result))
+    spawn_ranks(_saved_bytes_worker, 8, str(result))
     saved = ast.literal_eval(result.read_text())
     assert saved[2] > saved[4] > saved[8] > 0, saved
     for cp in (4, 8):
@@ -468,7 +446,7 @@ def test_compiled_blocks_keep_no_gathered_keys_for_backward(tmp_path):
 
     seq, cp = 512, 2
     result = tmp_path / "shapes.txt"
-    _spawn(_compiled_saved_shapes_worker, cp, seq, str(result))
+    spawn_ranks(_compiled_saved_shapes_worker, cp, seq, str(result))
     shapes = ast.literal_eval(result.read_text())
     assert shapes, "nothing was saved for backward: the hook saw nothing"
     # The model's widths (64, 128, 16) are all below seq / cp = 256; a gathered prefix is 384 or 512 long.

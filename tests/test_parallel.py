@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import losses, metrics, run_train, train_here
+from conftest import losses, metrics, run_train, spawn_ranks, train_here
 from titanlike import parallel
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import ModelArgs
@@ -62,6 +62,17 @@ def test_fsdp_two_ranks_matches_single_process(tmp_path, corpus, single):
         assert a[step] == pytest.approx(b[step], rel=GRAD_RTOL), step
     # Only rank 0 writes metrics.
     assert len(metrics(tmp_path)) == STEPS
+
+
+@pytest.mark.slow
+def test_fsdp_summing_once_a_step_matches_single_process(tmp_path, corpus, single):
+    """parallel.gradient_sync = step with two micro-batches a rank (local batch 1): the reference's losses to
+    rounding, as summing after every micro-batch gives them."""
+    proc = run_train(tmp_path, *COMMON, "--training.local_batch_size", "1", "--parallel.gradient_sync", "step",
+                     nproc=2, corpus=corpus)
+    log = proc.stdout + proc.stderr
+    assert "2 micro-batches" in log and "gradients summed once a step" in log
+    assert_same_losses(losses(tmp_path), losses(single))
 
 
 @pytest.mark.slow
@@ -504,6 +515,50 @@ def test_fsdp_two_ranks_summing_in_bf16_stays_near_fp32(tmp_path, corpus, single
         assert abs(a[step] - b[step]) <= 1e-4 * abs(b[step]), (step, a[step], b[step])
     first = grad_norms(tmp_path)[1], grad_norms(single)[1]
     assert GRAD_RTOL < abs(first[0] - first[1]) / first[1] < 1e-3, first
+
+
+def _sync_worker(rank: int, world: int) -> None:
+    """Two micro-batches on two ranks, summed after each (micro_batch) or once (step, `sync_after`): the same
+    sharded gradients in the end; in between, step has summed nothing and keeps the weights gathered."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from titanlike.parallel.fsdp import apply_fsdp, sync_after
+
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64)
+    batches = torch.randint(0, 64, (2, world, 2, 16), generator=torch.Generator().manual_seed(0))[:, rank]
+    mesh = init_device_mesh("cpu", (world,))
+    grads = {}
+    for mode in ("micro_batch", "step"):
+        model = Transformer(args)
+        model.init_weights(0, 16)
+        apply_fsdp(model, mesh, None, "always")
+        for i, tokens in enumerate(batches):
+            if mode == "step":
+                sync_after(model, last=i == len(batches) - 1)
+            model(tokens).float().pow(2).mean().backward()
+            if i == 0:
+                named = dict(model.named_parameters())
+                if mode == "step":
+                    # Nothing summed yet: no sharded gradient. The blocks' weights stay gathered for the next
+                    # forward, holding their unsharded gradients (the embedding's weight is never gathered for
+                    # backward: parallel/fsdp.py).
+                    assert not any(isinstance(p.grad, DTensor) for p in named.values())
+                    blocks = [p for n, p in named.items() if n.startswith("layers.")]
+                    assert blocks and all(not isinstance(p, DTensor) and p.grad is not None for p in blocks)
+                else:
+                    assert all(isinstance(p.grad, DTensor) and isinstance(p, DTensor) for p in named.values())
+        assert all(isinstance(p, DTensor) and isinstance(p.grad, DTensor) for p in model.parameters())
+        grads[mode] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    for name, grad in grads["micro_batch"].items():
+        # The same sums in another order: fp32 rounding apart.
+        torch.testing.assert_close(grads["step"][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+        assert grad.abs().sum() > 0, name
+
+
+def test_summing_once_a_step_gives_the_gradients_of_summing_every_micro_batch():
+    """parallel.gradient_sync = step (parallel/fsdp.py `sync_after`) over two gloo ranks."""
+    spawn_ranks(_sync_worker, 2)
 
 
 def test_a_gpu_memory_cap_on_a_cpu_run_is_said_to_do_nothing(caplog):

@@ -299,6 +299,25 @@ def test_bf16_sums_move_the_gradients_to_the_reduce_scatter_pool_where_ranks_sum
             == estimate_run(load_config(one), 1, H200).reserved_gib)
 
 
+def test_summing_once_a_step_holds_the_whole_models_gradients_between_micro_batches():
+    """parallel.gradient_sync = step: from the second micro-batch on, each rank holds its micro-batches' gradients
+    unsharded (fp32 sums: 4 bytes a parameter), where micro_batch holds its shard of them; with one micro-batch
+    a step, or one rank, nothing changes."""
+    one_b = ["--job.config_file", str(ROOT / C / "llama3_1b.toml")]
+    two_micro = one_b + ["--training.local_batch_size", "2", "--training.global_batch_size", "8"]
+    step = ["--parallel.gradient_sync", "step"]
+    each, once = estimate_run(load_config(two_micro), 2, H200), estimate_run(load_config(two_micro + step), 2, H200)
+    assert each.row("gradients (fp32)") == pytest.approx(each.row("parameters"))  # a shard of every weight, fp32
+    assert once.row("gradients (the micro-batches' unsharded sums)") == pytest.approx(2 * each.row("parameters"))
+    assert once.reserved_gib > each.reserved_gib
+    for same in (one_b, one_b + ["--training.global_batch_size", "12"]):  # one micro-batch a step
+        assert (estimate_run(load_config(same + step), 2, H200).reserved_gib
+                == estimate_run(load_config(same), 2, H200).reserved_gib)
+    assert (estimate_run(load_config(two_micro[:2] + ["--training.global_batch_size", "12"] + step), 1, H200)
+            .reserved_gib == estimate_run(load_config(two_micro[:2] + ["--training.global_batch_size", "12"]), 1,
+                                          H200).reserved_gib)
+
+
 # ---- titanlike-plan ------------------------------------------------------------------------------------
 
 

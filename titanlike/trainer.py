@@ -228,7 +228,8 @@ class Trainer:
             f"{self.world} rank(s) on {self.device.type} "
             f"(dp_replicate {d.dp_replicate} × dp_shard {d.dp_shard}{f' × cp {d.cp}' if d.cp > 1 else ''}) | "
             f"global batch {first.global_batch} = {first.local_batch} × {d.dp} ranks × {first.accum_steps} "
-            f"micro-batches | seq {first.seq_len}{' | gradients summed in bf16' if bf16_sums else ''}")
+            f"micro-batches | seq {first.seq_len}{' | gradients summed in bf16' if bf16_sums else ''}"
+            f"{' | gradients summed once a step' if self.cfg.parallel.gradient_sync == 'step' and self.mesh else ''}")
 
     # ---- one training step ----------------------------------------------------------------------
 
@@ -242,7 +243,10 @@ class Trainer:
         accum_steps = stage.accum_steps
         if self.source_losses is not None:
             self.source_losses.start_step()
-        for _ in range(accum_steps):
+        once_a_step = self.cfg.parallel.gradient_sync == "step"
+        for i in range(accum_steps):
+            if once_a_step:  # the ranks sum the gradients in the last micro-batch's backward only
+                parallel.sync_after(self.model, last=i == accum_steps - 1)
             start = time.perf_counter()
             sources = self.data.next_sources() if self.source_losses is not None else None
             batch = next(self.loader).to(self.device, non_blocking=True)

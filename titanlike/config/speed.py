@@ -48,6 +48,14 @@ class Parallel:
     activations, for a model that does not fit otherwise, at a cost in speed. Needs host memory of
     16 bytes a parameter (fp32 weights, gradients, two moments) over dp_shard per rank, checked at
     start; works on one GPU too (FSDP over one rank). Not with float8 all-gather, HSDP or a CPU run."""
+    gradient_sync: Literal["micro_batch", "step"] = "micro_batch"
+    """With several micro-batches a step (gradient accumulation under FSDP), when the ranks sum the gradients:
+    micro_batch = after each micro-batch's backward, each rank keeping only its shard of the sums (the least
+    memory); step = once, after the last: until then each rank adds its micro-batches' gradients up unsharded
+    (the whole model's, 4 bytes a parameter; 2, and added up in bf16, with training.mixed_precision_reduce
+    bf16) and keeps the gathered weights from one micro-batch's backward to the next's forward, so a step runs
+    one reduce-scatter, and gathers the weights for forward once, instead of once a micro-batch. The same
+    gradients up to rounding. Nothing changes with one micro-batch or one rank. Not with cpu_offload."""
     overrides: str = "on"
     """titanlike's overrides of torch and torchao internals, each for a measured gain (docs/overrides.md):
     on = every one whose start-up probe passes on this torch and torchao; off = stock torch and torchao
@@ -229,6 +237,9 @@ def offload_rules(cfg: Any) -> None:
     need(not cfg.fp8.enable_fsdp_float8_all_gather,
          "parallel.cpu_offload cannot all-gather weights in float8 (the offloaded weights are fp32 on the host): "
          "set --fp8.enable_fsdp_float8_all_gather false")
+    need(cfg.parallel.gradient_sync == "micro_batch",
+         "parallel.gradient_sync = step keeps the whole model's gradients on the GPU between micro-batches, which "
+         "parallel.cpu_offload exists to avoid: set --parallel.gradient_sync micro_batch")
     need(cfg.parallel.dp_replicate in (1, -1),
          f"parallel.cpu_offload works with plain FSDP, not HSDP (parallel.dp_replicate = {cfg.parallel.dp_replicate}): "
          f"set --parallel.dp_replicate 1")

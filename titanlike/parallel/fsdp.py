@@ -18,7 +18,7 @@ from titanlike.model.shape import count_params
 from titanlike.overrides.fsdp import gradients_in_compute_pool
 from titanlike.parallel.device import device_memory_bytes
 
-__all__ = ["apply_fsdp", "reduce_dtype", "resolve_reshard", "shard_model"]
+__all__ = ["apply_fsdp", "reduce_dtype", "resolve_reshard", "shard_model", "sync_after"]
 
 logger = logging.getLogger("titanlike")
 
@@ -88,6 +88,16 @@ def prefetch_forward(model: Transformer) -> None:
     chain = [m for m in forward_order if hasattr(m, "set_modules_to_forward_prefetch")]
     for module, following in zip(chain, chain[1:]):
         module.set_modules_to_forward_prefetch([following])
+
+
+def sync_after(model, last: bool) -> None:
+    """parallel.gradient_sync = step, before each micro-batch of a step: whether the micro-batch's backward sums
+    the gradients over the ranks and frees the gathered weights (`last`, the step's last micro-batch), or adds
+    the gradients up unsharded and keeps the weights gathered for the next micro-batch's forward. FSDP2's own
+    switches (FSDP1's `no_sync`); a model FSDP does not shard has nothing to sum."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last)
 
 
 def unshard_in_backward(module, needed: bool) -> None:

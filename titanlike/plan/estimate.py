@@ -105,6 +105,7 @@ class Shape:
     cp_kernels: bool = True  # causal attention under cp on the override cp_attention_kernels (parallel.overrides)
     reduce_bytes: int = 4  # bytes a gradient value takes in FSDP's reduce-scatter (training.mixed_precision_reduce)
     grads_in_compute_pool: bool = True  # the override gradients_in_compute_pool (parallel.overrides)
+    sync_once_a_step: bool = False  # parallel.gradient_sync = step: micro-batches add gradients up unsharded
 
 
 def shape_of(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, card_gib: float | None) -> Shape:
@@ -123,7 +124,8 @@ def shape_of(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, card_gib: floa
                  cfg.model.attn_mask == "block_causal", ac.selective_ac_blocks,
                  override_chosen(cfg.parallel.overrides, "cp_attention_kernels"),
                  2 if t.mixed_precision_reduce == "bf16" and dims.dp_replicate * dims.fsdp_shard > 1 else 4,
-                 override_chosen(cfg.parallel.overrides, "gradients_in_compute_pool"))
+                 override_chosen(cfg.parallel.overrides, "gradients_in_compute_pool"),
+                 getattr(cfg.parallel, "gradient_sync", "micro_batch") == "step")
 
 
 def override_chosen(overrides: str, name: str) -> bool:
@@ -294,8 +296,9 @@ def estimate(s: Shape) -> Estimate:
             if s.cpu_offload or a.tie_embeddings:
                 ag_pool += 2 * embed + (0.0 if kept_output else output_gathered)
     # The start of backward: every block's activations and the loss's; gradients exist only from an earlier
-    # micro-batch.
-    held_grads = grads if dims.accum_steps > 1 else 0.0
+    # micro-batch: sharded, or (parallel.gradient_sync = step) the whole model's, unsharded, in the reduce dtype.
+    unsharded_sums = s.sync_once_a_step and sharded and dims.accum_steps > 1
+    held_grads = (s.reduce_bytes * total if unsharded_sums else grads) if dims.accum_steps > 1 else 0.0
     start = weights + moments + held_grads + kept + embedding_out + final_norm + head + gathered
     # The end of backward: gradients whole, the last recomputed block and one block's unsharded gradient
     # (bf16, and the reduce-scatter's copy of it under FSDP) at once.
@@ -316,7 +319,9 @@ def estimate(s: Shape) -> Estimate:
     where = "start of backward" if at_start else "first recomputed block" if at_first else "end of backward"
     rows = [
         ("parameters (fp32" + (f", 1/{shard} each" if sharded else "") + ")", weights),
-        ("gradients (fp32)", held_grads if at_start or at_first else grads),
+        ("gradients (" + ("the micro-batches' unsharded sums" if unsharded_sums and (at_start or at_first)
+                          else "fp32") + ")",
+         held_grads if at_start or at_first else grads),
         (f"optimizer state (AdamW, {s.state_dtype} moments)", moments),
         ("activations kept for backward" + ac_words(s), kept + embedding_out if at_start or at_first else recompute),
         ("the recomputed block's activations and gradients, and the hidden states' gradient",
