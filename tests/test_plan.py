@@ -38,12 +38,14 @@ PREFIX_ORDER = f"{B}2026-11-28-cp-gather-in-prefix-order.md"
 BF16_SUMS = f"{B}2026-11-29-bf16-gradient-sums-one-rank.md"
 CP4 = f"{B}2026-11-28-cp4-262k-and-what-cp2-waits-for.md"
 TWO_H200 = f"{B}2026-11-29-two-h200s-cp2-bf16-sums-8b-fused-cast.md"
+SYNC_ONCE = f"{B}2026-11-29-gradient-sync-once-a-step.md"
 OFFLOAD = ("--parallel.cpu_offload --fp8.enable_fsdp_float8_all_gather false --activation_checkpoint.mode full "
            "--training.loss_chunk_tokens 4096 --training.local_batch_size 1")
 ONE = C + "llama3_1b.toml"
 WHOLE = "--training.loss_chunk_tokens 0"  # llama3_8b.toml's loss over whole logits, as measured before it chunked
 CAP = "--training.gpu_memory_limit_gib 31"
 WINDOW = "--training.local_batch_size 1 --training.global_batch_size 1"
+FOUR = "--training.local_batch_size 1 --training.global_batch_size 4"  # four windows a step
 LONG_CP = ("--training.local_batch_size 1 --training.global_batch_size 1 --activation_checkpoint.mode full "
            "--training.loss_chunk_tokens 4096 --parallel.cp 2")
 
@@ -160,6 +162,15 @@ MEASURED = [
     (ONE, f"{WINDOW} --data.seq_len 32768 --parallel.cp 2 --training.mixed_precision_reduce bf16", 2, H200, 36.1,
      TWO_H200),
     (C + "llama3_8b.toml", "", 2, H200, 98.9, TWO_H200),
+    # Four micro-batches a step, the gradients summed after each (the default) or once a step.
+    (ONE, f"{FOUR} --data.seq_len 32768", 1, H200, 61.4, SYNC_ONCE),
+    (ONE, f"{FOUR} --data.seq_len 32768 --parallel.cp 2", 2, H200, 37.0, SYNC_ONCE),
+    (ONE, f"{FOUR} --data.seq_len 32768 --parallel.cp 2 --parallel.gradient_sync step", 2, H200, 38.9, SYNC_ONCE),
+    (ONE, f"{FOUR} --data.seq_len 16384", 1, H200, 42.6, SYNC_ONCE),
+    (ONE, f"{FOUR} --data.seq_len 16384 --parallel.cp 2", 2, H200, 26.3, SYNC_ONCE),
+    (ONE, f"{FOUR} --data.seq_len 16384 --parallel.cp 2 --parallel.gradient_sync step", 2, H200, 28.3, SYNC_ONCE),
+    (ONE, "--training.global_batch_size 48", 2, H200, 50.4, SYNC_ONCE),
+    (ONE, "--training.global_batch_size 48 --parallel.gradient_sync step", 2, H200, 51.8, SYNC_ONCE),
 ]
 
 
