@@ -134,3 +134,59 @@ def test_a_worker_orphaned_before_it_asked_to_follow_stops_at_once():
     proc = subprocess.run([sys.executable, "-c", FOLLOWER], env=env, capture_output=True, text=True, timeout=30,
                           cwd=ROOT)
     assert proc.returncode == -signal.SIGTERM, proc
+
+
+HELPER = ("import os, time; from titanlike.process import lifeline; print(lifeline.end_with({parent}), flush=True); "
+          "time.sleep(60)")
+
+
+def test_a_helper_process_ends_the_moment_its_parent_is_killed():
+    """lifeline.end_with (data-loader and tokenizing workers): a SIGKILL of the parent takes the helper with it
+    at once (torch's loader workers, left to their own check, outlived a killed trainer by about 6 s); a helper
+    whose parent was gone before it asked ends at once too."""
+    parent = subprocess.Popen(["bash", "-c", f'"{sys.executable}" -c "{HELPER.format(parent="os.getppid()")}" '
+                               f'& echo $!; wait'], env=_env(), stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert parent.stdout is not None
+    helper = int(parent.stdout.readline())
+    try:
+        assert parent.stdout.readline().strip() == "True"  # the kernel took the request
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 1
+        while alive(helper) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not alive(helper), "a helper outlived its killed parent"
+    finally:
+        if alive(helper):
+            os.kill(helper, signal.SIGKILL)
+    orphan = subprocess.run([sys.executable, "-c", HELPER.format(parent=1)], env=_env(), capture_output=True,
+                            text=True, timeout=30, cwd=ROOT)
+    assert orphan.returncode == -signal.SIGKILL, orphan
+
+
+@pytest.mark.slow
+def test_the_data_loaders_workers_end_with_a_killed_trainer(tmp_path, corpus):
+    """One process with two loader workers, killed outright: its workers are gone within a second."""
+    log = tmp_path / "run.log"
+    cmd = [sys.executable, "-m", "titanlike.train", "--job.dump_folder", str(tmp_path / "run"), "--training.device",
+           "cpu", "--training.steps", "100000", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
+           "--validation.enable", "false", "--checkpoint.enable", "false", "--data.path", corpus[0],
+           "--data.num_workers", "2"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    workers: list[int] = []
+    try:
+        wait_for("train step      3", proc, log)
+        workers = children(proc.pid)
+        assert len(workers) >= 2, workers
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 1
+        while any(alive(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not any(alive(p) for p in workers), "loader workers outlived the killed trainer"
+    finally:
+        for pid in [*workers, proc.pid]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)

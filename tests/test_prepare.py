@@ -274,6 +274,7 @@ def bad_inputs(root: Path) -> list[tuple[list[str], tuple[str, ...]]]:
     (root / "csv_only" / "x.csv").write_text("a,b")
     (root / "broken.json").write_text("{ this is not json")
     (root / "trunc.jsonl.gz").write_bytes(gzip.compress(b'{"text": "x"}\n' * 100)[:40])
+    (root / "surrogate.jsonl").write_text('{"text": "fine"}\n{"text": "half a pair: \\ud800"}\n')
     cases = [
         ([str(root / "latin1.txt")], ("latin1.txt: not UTF-8 text (byte 0xe9 at offset 3)",)),
         ([str(root / "bad.jsonl")], ("bad.jsonl:2 is not a JSON object with a 'text' field",)),
@@ -284,13 +285,26 @@ def bad_inputs(root: Path) -> list[tuple[list[str], tuple[str, ...]]]:
         ([str(root / "missing.txt")], ("missing.txt: no such file or folder",)),
         ([str(root / "csv_only" / "x.csv")], ("x.csv: unknown input format",)),
         ([str(root / "trunc.jsonl.gz")], ("trunc.jsonl.gz",)),
+        ([str(root / "surrogate.jsonl")], ("surrogate.jsonl:2: field 'text' holds a lone surrogate (\\ud800)",)),
         ([str(root / "latin1.txt"), "--tokenizer", str(root / "broken.json")],
          ("broken.json is not a tokenizer.json that the tokenizers package reads",)),
     ]
     try:
+        import zstandard
+
+        whole = zstandard.ZstdCompressor().compress(b'{"text": "a line of text"}\n' * 1000)
+        (root / "trunc.jsonl.zst").write_bytes(whole[:len(whole) // 2])  # zstandard's reader stops there quietly
+        cases.append(([str(root / "trunc.jsonl.zst")], ("trunc.jsonl.zst: cannot decompress", "cut short")))
+    except ImportError:
+        pass
+    try:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
+        not_utf8 = pa.array([b"ok", b"bad \xff"], pa.binary()).view(pa.string())  # pyarrow takes it unchecked
+        pq.write_table(pa.table({"text": not_utf8}), root / "not_utf8.parquet")
+        cases.append(([str(root / "not_utf8.parquet")],
+                      ("not_utf8.parquet: row group 0 cannot be read (UnicodeDecodeError",)))
         pq.write_table(pa.table({"content": ["x"]}), root / "nocol.parquet")
         cases.append(([str(root / "nocol.parquet"), "--text-field", "text"],
                       ("nocol.parquet has no column 'text' (columns: content)", "--text-field")))
@@ -608,3 +622,33 @@ def test_a_killed_prepares_temporary_folder_is_removed_by_the_next(tmp_path, cap
     assert not killed.exists() and running.is_dir() and other.is_dir()
     err = capsys.readouterr().err
     assert f"removed {killed}: an earlier titanlike-prepare into {tmp_path / 'out'} was killed" in err
+
+
+def test_a_bad_chunk_among_many_stops_every_worker_at_once(tmp_path):
+    """Workers at work on other chunks when one chunk fails: one line, exit 2, every time. On
+    multiprocessing.Pool the shutdown hung in 3 of 16 such runs (its workers shared a lock to answer, which
+    a worker stopped mid-answer kept for ever); each worker now answers through a pipe of its own."""
+    good = '{"text": "%s"}\n' % ("word " * 200)
+    (tmp_path / "big.jsonl").write_text(good * 6000 + '{"no text": 1}\n' + good * 3000)  # 6 MB, then the bad line
+    for i in range(4):
+        out = tmp_path / f"out{i}"
+        one_error(run_python("-m", "titanlike.data.prepare", str(out), str(tmp_path / "big.jsonl"), "--workers", "2",
+                             timeout=120), "big.jsonl:6001 is not a JSON object with a 'text' field")
+        assert not out.exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks a worker as prepare does on Linux")
+def test_a_worker_that_dies_is_one_line():
+    """A tokenizing worker killed from outside: the main process says so, rather than waiting for its answer."""
+    import multiprocessing
+    import signal
+
+    from titanlike.data.prepare import workers
+
+    worker = workers._Worker(multiprocessing.get_context("fork"), "byte", "", "")
+    try:
+        os.kill(worker.process.pid, signal.SIGKILL)
+        with pytest.raises(UserError, match=r"a tokenizing worker ended before it finished \(exit code -9\)"):
+            worker.take()
+    finally:
+        worker.stop()

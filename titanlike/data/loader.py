@@ -13,6 +13,7 @@ manager saves.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -26,6 +27,7 @@ from titanlike import cache
 from titanlike.data.corpus import build_default_corpus
 from titanlike.data.order import AFFINE, ORDERS
 from titanlike.data.shards import DataError, Shard, ShardFault, id_advice, open_shards
+from titanlike.process import lifeline
 
 logger = logging.getLogger("titanlike")
 
@@ -162,11 +164,12 @@ def data_changes(saved: object, now: dict[str, dict[str, int]]) -> str:
     return "; ".join(out)
 
 
-def ignore_interrupts_in_loader_worker(worker_id: int) -> None:
+def start_loader_worker(worker_id: int, parent: int) -> None:
     """Data-loader workers share the trainer's process group, so a terminal's Ctrl-C reaches them too;
-    they must keep serving the step being finished and the loader state being saved. They exit
-    with the trainer."""
+    they must keep serving the step being finished and the loader state being saved. They end with
+    the trainer (`parent`), at once, even when it is killed outright (torch's own check takes seconds)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    lifeline.end_with(parent)
 
 
 class TrainLoader:
@@ -203,7 +206,7 @@ class TrainLoader:
         sampler.start_step = self.batches_read
         return iter(torch.utils.data.DataLoader(
             dataset, batch_sampler=sampler, num_workers=self.num_workers, pin_memory=self.pin_memory,
-            worker_init_fn=ignore_interrupts_in_loader_worker if self.num_workers else None))
+            worker_init_fn=functools.partial(start_loader_worker, parent=os.getpid()) if self.num_workers else None))
 
     def seek(self, batches_read: int) -> None:
         """Global batches read so far; workers, if any, restart from there at the next batch."""

@@ -49,6 +49,24 @@ def follow_parent(expected_env: str) -> bool:
     return True
 
 
+def end_with(parent_pid: int) -> bool:
+    """For a helper process that holds nothing of its own (a data-loader or tokenizing worker): the kernel
+    kills it the moment its parent `parent_pid` ends, however that ends (a SIGKILL included), rather than
+    leaving it to notice later or never; if the parent has already gone, it ends now. Returns whether the
+    kernel took the request (False off Linux)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
 def under_torchrun() -> bool:
     """A worker that torchrun started (it sets TORCHELASTIC_RUN_ID for every worker)."""
     return "TORCHELASTIC_RUN_ID" in os.environ

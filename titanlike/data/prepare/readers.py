@@ -87,7 +87,41 @@ def _open_compressed(path: str):
     from titanlike.data.tokenizer import need_extra
 
     zstd = need_extra("zstandard", f"{path} (.jsonl.zst)")
-    return io.BufferedReader(zstd.ZstdDecompressor().stream_reader(raw)), raw
+    return io.BufferedReader(_ZstdFrames(zstd, raw)), raw
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a file of zstd frames, one after another. zstandard's own stream reader stops
+    quietly where a truncated file ends, inside a frame, so a cut file would read as a shorter one; this
+    raises EOFError there instead."""
+
+    def __init__(self, zstd, raw) -> None:
+        self._zstd, self._raw = zstd, raw
+        self._frame = zstd.ZstdDecompressor().decompressobj()
+        self._inside = False  # bytes of a frame were given to the decompressor, and its end not seen yet
+        self._out = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        while not self._out:
+            data = self._raw.read(1 << 16)
+            if not data:
+                if self._inside:
+                    raise EOFError("the file ends inside a zstd frame: it was cut short")
+                return 0
+            while data:  # one frame's end may come with the next frame's start
+                self._inside = True
+                self._out += self._frame.decompress(data)
+                data = b""
+                if self._frame.eof:
+                    data, self._inside = self._frame.unused_data, False
+                    self._frame = self._zstd.ZstdDecompressor().decompressobj()
+        n = min(len(buf), len(self._out))
+        buf[:n] = self._out[:n]
+        self._out = self._out[n:]
+        return n
 
 
 def plan(files: list[str], text_field: str | list[str] = "", sources: list[int] | None = None) -> Iterator[Chunk]:
@@ -234,6 +268,12 @@ def _json_lines(text: str, path: str, first_line, text_field: str) -> list[str]:
             raise InputError(f"{path}:{first_line() + n} is not a JSON object with a {text_field!r} field") from None
         if not isinstance(value, str):
             raise InputError(f"{path}:{first_line() + n}: field {text_field!r} is {type(value).__name__}, not text")
+        if "\\u" in line:  # JSON's escapes can spell half of a surrogate pair alone, which is no Unicode text
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InputError(f"{path}:{first_line() + n}: field {text_field!r} holds a lone surrogate "
+                                 f"(\\u{ord(value[e.start]):04x}), which is not Unicode text") from None
         docs.append(value)
     return docs
 
@@ -268,8 +308,12 @@ def read_chunk(chunk: Chunk) -> list[str]:
         return _json_lines(_decode(chunk.data, path, 0), path, lambda: chunk.start, chunk.text_field)
     import pyarrow.parquet as pq
 
-    column = pq.ParquetFile(path).read_row_group(chunk.start, columns=[chunk.text_field]).column(0)
-    values = column.to_pylist()
+    try:
+        column = pq.ParquetFile(path).read_row_group(chunk.start, columns=[chunk.text_field]).column(0)
+        values = column.to_pylist()
+    except Exception as e:  # damaged pages, bad compression, strings that are not UTF-8: pyarrow's own errors
+        why = str(e).splitlines()[0] if str(e) else ""
+        raise InputError(f"{path}: row group {chunk.start} cannot be read ({type(e).__name__}: {why})") from None
     bad = next((i for i, v in enumerate(values) if v is not None and not isinstance(v, str)), None)
     if bad is not None:
         raise InputError(f"{path}: column {chunk.text_field!r} holds {type(values[bad]).__name__}, not text")

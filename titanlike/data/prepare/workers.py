@@ -18,6 +18,8 @@ import numpy as np
 
 from titanlike.data.prepare.readers import Chunk, read_chunk
 from titanlike.data.shards import token_dtype
+from titanlike.errors import UserError
+from titanlike.process import lifeline
 
 _tokenizer = None
 # Signals that stop titanlike-prepare (besides Ctrl-C): the main process cleans up on them (cli.py).
@@ -35,12 +37,12 @@ def stop_signals_held():
     with them held and takes them only once its own handling is set (`_init_worker`).
 
     Why: a worker forked without them held starts with the main process's handlers (cli.py's, which raise).
-    A stop that reaches it then, such as the pool's own SIGTERM when prepare stops just after starting the
-    pool, runs that handler, and multiprocessing's start-up code can drop the exception (its after-fork
+    A stop that reaches it then, such as a SIGTERM to the whole process group just as prepare starts its
+    workers, runs that handler, and multiprocessing's start-up code can drop the exception (its after-fork
     hooks log and ignore exceptions). Once in CI a worker was left so: alive, its SIGTERM back at the
-    default, waiting for a task, and `pool.terminate()` waiting on it for ever. Held, the signal waits until
-    the worker's own default is in place, and ends it. The main thread takes any that arrive meanwhile as
-    soon as the pool has started."""
+    default, waiting for a task, and the shutdown of the multiprocessing.Pool used then waiting on it for
+    ever. Held, the signal waits until the worker's own default is in place, and ends it. The main thread
+    takes any that arrive meanwhile as soon as the workers have started."""
     if not _CAN_HOLD:
         yield
         return
@@ -53,9 +55,9 @@ def stop_signals_held():
 
 def _init_worker(spec: str, bos: str, eos: str, pool_worker: bool = True) -> None:
     global _tokenizer
-    if pool_worker:  # Ctrl-C is the main process's to handle (it stops the pool): no traceback per worker
+    if pool_worker:  # Ctrl-C is the main process's to handle (it stops the workers): no traceback per worker
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        for sig in STOP_SIGNALS:  # the main process's handlers (cli.py) are not a worker's: the pool ends it
+        for sig in STOP_SIGNALS:  # the main process's handlers (cli.py) are not a worker's: the main process ends it
             signal.signal(sig, signal.SIG_DFL)
         if _CAN_HOLD:  # held since the fork (stop_signals_held): taken from here on
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)
@@ -109,19 +111,77 @@ def tokenized(chunks, workers: int, spec: str, bos: str, eos: str):
     # fork where there is one: the workers start at once, with the parsed modules already imported.
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-    with stop_signals_held():
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(spec, bos, eos))
+    crew: list[_Worker] = []
     try:
-        # In input order, with at most a few chunks in flight per worker: enough to keep every core busy,
-        # few enough that a large compressed file is never decompressed into memory all at once. The
-        # chunks are planned here, in the main thread, so a bad input raises here too.
+        with stop_signals_held():
+            crew.extend(_Worker(ctx, spec, bos, eos) for _ in range(workers))
+        # In input order: chunk k goes to worker k mod n, which answers its chunks in the order it got them.
+        # At most a few chunks in flight per worker: enough to keep every core busy, few enough that a large
+        # compressed file is never decompressed into memory all at once. The chunks are planned here, in the
+        # main thread, so a bad input raises here too.
         in_flight: collections.deque = collections.deque()
-        for chunk in chunks:
-            in_flight.append(pool.apply_async(tokenize_chunk, (chunk,)))
+        for k, chunk in enumerate(chunks):
+            crew[k % workers].give(chunk)
+            in_flight.append(crew[k % workers])
             if len(in_flight) >= 3 * workers:
-                yield in_flight.popleft().get()
+                yield in_flight.popleft().take()
         while in_flight:
-            yield in_flight.popleft().get()
+            yield in_flight.popleft().take()
     finally:
-        pool.terminate()
-        pool.join()
+        for worker in crew:
+            worker.stop()
+
+
+class _Worker:
+    """One tokenizing process: chunks go in through a queue of its own (whose feeder thread writes them, so
+    handing one over never blocks the main thread), results come back through a pipe only it writes to. No
+    lock is shared by two processes, so stopping a worker at any moment cannot leave another process
+    waiting. (multiprocessing.Pool's workers share one lock to answer: a worker ended while it held it, as
+    the pool's own terminate() may end one, left that terminate() waiting for ever.)"""
+
+    def __init__(self, ctx, spec: str, bos: str, eos: str) -> None:
+        self.tasks = ctx.Queue()
+        self.results, answers = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=_work, args=(self.tasks, answers, spec, bos, eos, os.getpid()), daemon=True)
+        self.process.start()
+        answers.close()  # the worker's end: once it is gone, a read here says so instead of waiting
+
+    def give(self, chunk: Chunk) -> None:
+        self.tasks.put(chunk)
+
+    def take(self) -> tuple[np.ndarray, np.ndarray, ChunkCounts]:
+        """The result of the oldest chunk given; its error raised here."""
+        try:
+            ok, value = self.results.recv()
+        except EOFError:
+            self.process.join(5)
+            raise UserError(f"a tokenizing worker ended before it finished (exit code {self.process.exitcode}); "
+                            f"nothing was written") from None
+        if not ok:
+            raise value
+        return value
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join()
+        self.tasks.cancel_join_thread()  # chunks still queued for a worker that is gone are dropped
+        self.tasks.close()
+        self.results.close()
+
+
+def _work(tasks, answers, spec: str, bos: str, eos: str, parent: int) -> None:
+    """A worker's life: tokenize the chunks it is given, in order, until it is stopped."""
+    lifeline.end_with(parent)  # killed with titanlike-prepare, even by a SIGKILL of it: a worker saves nothing
+    _init_worker(spec, bos, eos)
+    while True:
+        chunk = tasks.get()
+        try:
+            answer: tuple = (True, tokenize_chunk(chunk))
+        except Exception as e:  # a bad input (InputError) or a reader's own error: the main process raises it
+            answer = (False, e)
+        try:
+            answers.send(answer)
+        except Exception as e:  # an error that does not pickle: its words go instead
+            answers.send((False, RuntimeError(f"{type(e).__name__}: {e}" if answer[0] else
+                                              f"{type(answer[1]).__name__}: {answer[1]}")))
