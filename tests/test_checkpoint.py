@@ -507,3 +507,27 @@ def test_import_of_another_model_names_the_first_difference(tmp_path):
         f"it with that version's scripts/export_safetensors.py and start from the export with "
         f"--checkpoint.initial_load_path"
     )
+
+
+def test_a_resume_onto_data_of_another_tokenizer_is_refused(tmp_path):
+    """checkpoint/weights.py check_tokenizer: the step's copy of the tokenizer against the run's data's. Another
+    (here byte-level against a tokenizer.json) is one line naming both kinds; the same, or a side without a
+    record (an older checkpoint, data without dataset.json), resumes."""
+    from titanlike.checkpoint.weights import CheckpointMismatch, check_tokenizer
+    from titanlike.data.tokenizer import run_tokenizer_files
+
+    step = tmp_path / "step-2"
+    step.mkdir()
+    byte = run_tokenizer_files(None, builtin_corpus=True)
+    for name, text in byte.items():
+        (step / name).write_text(text)
+    check_tokenizer(str(step), byte)  # the same tokenizer
+    check_tokenizer(str(step), {})  # data without a tokenizer record
+    other = {"tokenizer.json": '{"model": {"type": "BPE"}}',
+             "tokenizer_info.json": json.dumps({"kind": "huggingface", "eos_token": "</s>"})}
+    with pytest.raises(CheckpointMismatch, match=r"step-2 was trained with another tokenizer \(byte\) than the run's "
+                                                 r"data have \(huggingface\).*--checkpoint.initial_load_path"):
+        check_tokenizer(str(step), other)
+    for name in byte:
+        (step / name).unlink()
+    check_tokenizer(str(step), other)  # a checkpoint saved before runs kept their tokenizer

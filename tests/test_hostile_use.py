@@ -227,7 +227,7 @@ def test_a_symlinked_lock_file_is_refused(tmp_path, corpus, where):
     proc = train(tmp_path / "run", corpus, *MORE, check=False)
     assert proc.returncode == 2
     (line,) = error_lines(proc.stderr)
-    assert line.endswith(f"cannot be locked: {folder}/.titanlike.lock is a symbolic link; titanlike writes only "
+    assert line.endswith(f"cannot be locked: {folder}/.titanlike.lock: a symbolic link, and titanlike writes only "
                          f"files it created (remove the link)")
     assert victim.read_text() == "precious"
 
@@ -528,3 +528,38 @@ def test_earlier_runs_that_is_not_a_folder_of_ours_is_refused_untouched(tmp_path
     assert str(e.value).startswith(f"{dump}/earlier-runs is ") and "\n" not in str(e.value), e.value
     assert os.listdir(elsewhere) == [] and not (tmp_path / "nowhere").exists()
     assert (dump / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+@pytest.mark.parametrize("planted", ["train.log link", "metrics.jsonl link", "tb file"])
+def test_a_refused_resume_from_an_earlier_step_changes_nothing(trained_run, tmp_path, corpus, planted):
+    """A record the run cannot write (a link where it goes, a file where its folder goes) is refused before the
+    resume from checkpoint.load_step sets the later checkpoints aside and moves the later metrics records:
+    a refusal after those would have left them done, and the next plain resume would start from the earlier
+    step."""
+    dump = copy_run(trained_run, tmp_path / "run")
+    name = planted.split()[0]
+    target = dump / name
+    if os.path.isdir(target):
+        shutil.rmtree(target)
+    elif target.exists():
+        target.unlink()
+    if planted.endswith("link"):
+        (tmp_path / "users_file").write_text("precious")
+        target.symlink_to(tmp_path / "users_file")
+    else:
+        target.write_text("")
+    def listing():  # the lock files aside: a run takes the folders' locks first, and leaves the files
+        return [sorted(n for n in os.listdir(f) if not n.startswith(".titanlike")) for f in (dump, dump / "checkpoint")]
+
+    before = listing()
+    metrics = (dump / "metrics.jsonl").read_bytes() if name != "metrics.jsonl" else None
+    proc = train_here(dump, *SMALL, "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2",
+                      "--checkpoint.load_step", "2", corpus=corpus, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = error_lines(proc.stderr)
+    assert line.startswith(f"error: cannot write {target}: ") and line.endswith("nothing was changed"), line
+    assert listing() == before
+    if metrics is not None:
+        assert (dump / "metrics.jsonl").read_bytes() == metrics
+    if planted.endswith("link"):
+        assert (tmp_path / "users_file").read_text() == "precious"

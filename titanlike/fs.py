@@ -46,7 +46,7 @@ def describe_os_error(e: OSError, path: str | os.PathLike) -> str:
     if e.errno == errno.EROFS:
         return f"{where}: the file system is read-only"
     if e.errno == errno.ELOOP:
-        return f"{where} is a symbolic link; titanlike writes only files it created (remove the link)"
+        return f"{where}: a symbolic link, and titanlike writes only files it created (remove the link)"
     return f"{where}: {e.strerror or e}"
 
 

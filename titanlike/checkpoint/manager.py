@@ -42,7 +42,7 @@ from titanlike.checkpoint.identity import other_run, run_after_load
 from titanlike.checkpoint.manifest import ensure_signing_key, inspect, read_manifest
 from titanlike.checkpoint.record import TRAINER_STATE, Due, RunRecord, from_earlier_layout
 from titanlike.checkpoint.states import ModelState, OptimizerState, SchedulerState, holds_tensors, set_rng_state
-from titanlike.checkpoint.weights import MODEL_ARGS, CheckpointMismatch, check_model_shape
+from titanlike.checkpoint.weights import MODEL_ARGS, CheckpointMismatch, check_model_shape, check_tokenizer
 from titanlike.checkpoint.writer import RNG_FILE, CheckpointError, StepWriter
 from titanlike.config import resumable_settings, resume_note
 from titanlike.config.run import ResolvedRun
@@ -317,6 +317,7 @@ class CheckpointManager:
                        "job.seed": "the data order depends on it"}[option]
                 raise CheckpointMismatch(f"{path} was trained with {option} = {theirs}, this run has {ours}: resume "
                                          f"with --{option} {theirs} ({why})")
+        check_tokenizer(path, self.step_files)
 
     def _load_states(self, path: str, json_states: dict, keep: tuple[str, ...]) -> None:
         """Each state but those in `keep`: its tensors from DCP, the rest from the trainer state's JSON."""

@@ -8,6 +8,7 @@ nothing of a folder is unpickled before its manifest and bytes pass.
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from typing import Any, cast
@@ -166,3 +167,26 @@ def read_model_weights(step_dir: str, trust_pickled_dcp: bool = False, flag: str
         warnings.simplefilter("ignore")  # "torch.distributed is disabled": expected, one process
         dcp.load({"model": state}, checkpoint_id=step_dir, no_dist=True)
     return margs, state
+
+
+def check_tokenizer(path: str, run_files: dict[str, str]) -> None:
+    """The tokenizer step folder `path` trained with (its copy of tokenizer.json) against the run's data's
+    (`run_files`, as the run leaves them in each step: data/tokenizer.py run_tokenizer_files): with another, every
+    token id means other text, and a vocabulary of the same size hides it from the shape check. A checkpoint or
+    data without a tokenizer record says nothing either way."""
+    ours, saved = run_files.get("tokenizer.json"), os.path.join(path, "tokenizer.json")
+    if ours is None or not os.path.isfile(saved) or fs.read_text(saved, "the checkpoint's tokenizer") == ours:
+        return
+
+    def kind(info: str) -> str:  # tokenizer_info.json's kind: byte, or huggingface
+        try:
+            return str(json.loads(info).get("kind", "unknown"))
+        except (ValueError, AttributeError):
+            return "unknown"
+
+    info = os.path.join(path, "tokenizer_info.json")
+    theirs = kind(fs.read_text(info, "the checkpoint's record")) if os.path.isfile(info) else "unknown"
+    raise CheckpointMismatch(
+        f"{path} was trained with another tokenizer ({theirs}) than the run's data have "
+        f"({kind(run_files.get('tokenizer_info.json', ''))}): each token id would mean other text; resume with the "
+        f"data it trained on, or start a new run from these weights with --checkpoint.initial_load_path {path}")

@@ -96,6 +96,26 @@ class RunFolder:
                 logger.info(f"took over {path} from a run that ended without releasing it ({self.lock.previous})")
         self.run_id = self._recorded_run() if is_main else None
         """The run this folder's records are of (rank 0; None when it holds none)."""
+        if self.run_id is not None:
+            self._check_records()
+
+    def _check_records(self) -> None:
+        """In a folder that holds a run's records, which a resume goes on writing: refuse one the run could not
+        write, before anything changes (a resume sets later checkpoints aside and moves later metrics records,
+        which a refusal after them would leave done). A link where a record goes (titanlike writes through
+        none), a folder where a file goes, or the reverse. (A folder with no run's records has them moved
+        aside whole by a fresh run, links included: start_records.)"""
+        for name in RECORDS:
+            path = os.path.join(self.path, name)
+            if os.path.islink(path):
+                raise RunFolderError(f"cannot write {path}: a symbolic link, and titanlike writes only files it "
+                                     f"created (remove the link); nothing was changed")
+            folder = name in ("tb", "wandb")
+            if os.path.exists(path) and not (os.path.isdir(path) if folder else os.path.isfile(path)):
+                what = "a file" if os.path.isfile(path) else fs.kind_of(os.stat(path).st_mode)
+                raise RunFolderError(f"cannot write {path}: {what} where the run keeps its "
+                                     f"{'folder' if folder else 'file'} of records (move it away); nothing was "
+                                     f"changed")
 
     def _recorded_run(self) -> str | None:
         target = os.path.join(self.path, RUN_ID)
