@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.workers < 0:
         p.error(f"--workers {a.workers} must be >= 0")
+    if not a.out.strip():
+        p.error("OUT is empty: name the folder to write the dataset into")
     # SIGTERM (a scheduler, `kill`) or SIGHUP (a closed terminal) unwinds like Ctrl-C: the workers stop and
     # OUT.tmp-<pid> is removed, where the default action would end the process and leave both behind.
     previous = {sig: signal.signal(sig, _stop) for sig in STOP_SIGNALS}

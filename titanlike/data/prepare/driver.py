@@ -122,8 +122,9 @@ def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, 
         bar.done()
         seconds = time.perf_counter() - start
         if splits["train"].total == 0:
-            what = "no documents" if n_docs == 0 else f"{n_docs} document(s), all held out for validation"
-            raise UserError(f"{', '.join(inputs)}: {what} (every input was empty); nothing to train on")
+            what = ("no documents (every input was empty)" if n_docs == 0 else
+                    f"{n_docs} document(s), all held out for validation (--val-fraction {val_fraction:g})")
+            raise UserError(f"{', '.join(inputs)}: {what}; nothing to train on")
         info = {
             "format": DATASET_FORMAT,
             "tokenizer": {"kind": tok.kind, "file": "tokenizer.json", "source": getattr(tok, "path", "byte"),
