@@ -157,7 +157,11 @@ def test_mix_as_toml_tables_is_the_string(tmp_path, sources):
     assert load_config(["--job.config_file", str(again)]).data == cfg.data
     toml.write_text(f'[[data.mix]]\nname = "web"\npath = "{web}"\n')
     with pytest.raises(ConfigError, match=r"^data.mix in .*mix.toml: a \[\[data.mix\]\] table has keys name, path "
-                                          r"and weight \(not weight\)$"):
+                                          r"and weight \(this one lacks weight\)$"):
+        load_config(["--job.config_file", str(toml)])
+    toml.write_text(f'[[data.mix]]\npath = "{web}"\nweight = 1\nwieght = 2\n')
+    with pytest.raises(ConfigError, match=r"table has keys name, path and weight \(this one lacks name and has "
+                                          r"wieght\)$"):
         load_config(["--job.config_file", str(toml)])
     toml.write_text(f'[[data.mix]]\nname = "web"\npath = "{web}"\nweight = true\n')
     with pytest.raises(ConfigError, match="source web's weight True is not a number"):

@@ -286,6 +286,8 @@ def bad_inputs(root: Path) -> list[tuple[list[str], tuple[str, ...]]]:
         ([str(root / "csv_only" / "x.csv")], ("x.csv: unknown input format",)),
         ([str(root / "trunc.jsonl.gz")], ("trunc.jsonl.gz",)),
         ([str(root / "surrogate.jsonl")], ("surrogate.jsonl:2: field 'text' holds a lone surrogate (\\ud800)",)),
+        ([str(root / "latin1.txt"), "--tokenizer", "/dev/null"],
+         ("tokenizer '/dev/null': a character device, not a file",)),
         ([str(root / "latin1.txt"), "--tokenizer", str(root / "broken.json")],
          ("broken.json is not a tokenizer.json that the tokenizers package reads",)),
     ]

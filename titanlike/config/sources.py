@@ -128,8 +128,9 @@ def mix_from_tables(value: Any) -> str:
     for t in value:
         keys = {"name", "path", "weight"}
         if set(t) != keys:
-            wrong = sorted(set(t) ^ keys)
-            raise ValueError(f"a [[data.mix]] table has keys name, path and weight (not {', '.join(wrong)})")
+            missing, extra = sorted(keys - set(t)), sorted(set(t) - keys)
+            said = ([f"lacks {', '.join(missing)}"] if missing else []) + ([f"has {', '.join(extra)}"] if extra else [])
+            raise ValueError(f"a [[data.mix]] table has keys name, path and weight (this one {' and '.join(said)})")
         if not isinstance(t["name"], str) or not isinstance(t["path"], str):
             raise ValueError("a [[data.mix]] table's name and path are strings")
         if "," in t["path"]:

@@ -160,7 +160,8 @@ def load_tokenizer(spec: str, bos_token: str = "", eos_token: str = ""):
     if os.path.isdir(spec):
         spec = os.path.join(spec, "tokenizer.json")
     if not os.path.isfile(spec):
-        raise TokenizerError(f"tokenizer {spec!r}: no such file (give a tokenizer.json, or 'byte')")
+        what = "no such file" if not os.path.exists(spec) else f"{fs.kind_of(os.stat(spec).st_mode)}, not a file"
+        raise TokenizerError(f"tokenizer {spec!r}: {what} (give a tokenizer.json, or 'byte')")
     return HFTokenizer(spec, bos_token, eos_token)
 
 
