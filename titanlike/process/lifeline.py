@@ -31,22 +31,29 @@ LAUNCHER_PID_ENV = "TITANLIKE_LAUNCHER_PID"
 AGENT_PID_ENV = "TITANLIKE_AGENT_PID"
 
 
-def follow_parent(expected_env: str) -> bool:
-    """Ask for SIGTERM when the parent process ends; if the parent named by `expected_env` (a pid in
-    the environment, when set) has already gone, SIGTERM now. Returns whether the kernel took the
-    request (False off Linux, where a run's inner levels do not follow their parent)."""
+def _on_parent_death(sig: signal.Signals, parent_pid: int | None) -> bool:
+    """Ask the kernel for `sig` when the parent process ends (Linux's PR_SET_PDEATHSIG); if `parent_pid` is
+    given and is no longer the parent, the parent died before the request: `sig` now, as if after it.
+    Returns whether the kernel took the request (False off Linux)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
             return False
     except (OSError, AttributeError):
         return False
-    expected = os.environ.get(expected_env, "")
-    if expected.isdigit() and os.getppid() != int(expected):
-        os.kill(os.getpid(), signal.SIGTERM)  # the parent died before the request: as if after it
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os.kill(os.getpid(), sig)
     return True
+
+
+def follow_parent(expected_env: str) -> bool:
+    """Ask for SIGTERM when the parent process ends; if the parent named by `expected_env` (a pid in
+    the environment, when set) has already gone, SIGTERM now. Returns whether the kernel took the
+    request (False off Linux, where a run's inner levels do not follow their parent)."""
+    expected = os.environ.get(expected_env, "")
+    return _on_parent_death(signal.SIGTERM, int(expected) if expected.isdigit() else None)
 
 
 def end_with(parent_pid: int) -> bool:
@@ -54,17 +61,7 @@ def end_with(parent_pid: int) -> bool:
     kills it the moment its parent `parent_pid` ends, however that ends (a SIGKILL included), rather than
     leaving it to notice later or never; if the parent has already gone, it ends now. Returns whether the
     kernel took the request (False off Linux)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-            return False
-    except (OSError, AttributeError):
-        return False
-    if os.getppid() != parent_pid:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return True
+    return _on_parent_death(signal.SIGKILL, parent_pid)
 
 
 def under_torchrun() -> bool:
