@@ -99,28 +99,30 @@ class _ZstdFrames(io.RawIOBase):
         self._zstd, self._raw = zstd, raw
         self._frame = zstd.ZstdDecompressor().decompressobj()
         self._inside = False  # bytes of a frame were given to the decompressor, and its end not seen yet
-        self._out = b""
+        self._out, self._at = memoryview(b""), 0  # decompressed and not yet read: _out[_at:]
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buf) -> int:
-        while not self._out:
+        while self._at == len(self._out):
             data = self._raw.read(1 << 16)
             if not data:
                 if self._inside:
                     raise EOFError("the file ends inside a zstd frame: it was cut short")
                 return 0
+            parts = []
             while data:  # one frame's end may come with the next frame's start
                 self._inside = True
-                self._out += self._frame.decompress(data)
+                parts.append(self._frame.decompress(data))
                 data = b""
                 if self._frame.eof:
                     data, self._inside = self._frame.unused_data, False
                     self._frame = self._zstd.ZstdDecompressor().decompressobj()
-        n = min(len(buf), len(self._out))
-        buf[:n] = self._out[:n]
-        self._out = self._out[n:]
+            self._out, self._at = memoryview(b"".join(parts)), 0
+        n = min(len(buf), len(self._out) - self._at)
+        buf[:n] = self._out[self._at:self._at + n]
+        self._at += n
         return n
 
 

@@ -53,9 +53,9 @@ def stop_signals_held():
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def _init_worker(spec: str, bos: str, eos: str, pool_worker: bool = True) -> None:
+def _init_worker(spec: str, bos: str, eos: str, own_process: bool = True) -> None:
     global _tokenizer
-    if pool_worker:  # Ctrl-C is the main process's to handle (it stops the workers): no traceback per worker
+    if own_process:  # Ctrl-C is the main process's to handle (it stops the workers): no traceback per worker
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         for sig in STOP_SIGNALS:  # the main process's handlers (cli.py) are not a worker's: the main process ends it
             signal.signal(sig, signal.SIG_DFL)
@@ -105,7 +105,7 @@ class ChunkCounts:
 def tokenized(chunks, workers: int, spec: str, bos: str, eos: str):
     """Tokenized chunks in input order; with several workers, computed in parallel."""
     if workers == 1:
-        _init_worker(spec, bos, eos, pool_worker=False)
+        _init_worker(spec, bos, eos, own_process=False)
         yield from map(tokenize_chunk, chunks)
         return
     # fork where there is one: the workers start at once, with the parsed modules already imported.
