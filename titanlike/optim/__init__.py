@@ -1,4 +1,4 @@
-"""AdamW (fp32 or 8-bit moments), the warmup-stable-decay learning-rate schedule, and gradient clipping over
+"""AdamW (fp32, bf16 or 8-bit moments), the warmup-stable-decay learning-rate schedule, and gradient clipping over
 DTensors."""
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: lis
         # fp32's bytes; tensors under 4096 values (norm gains) keep fp32 moments. Its LR is a tensor in
         # each param group, which the schedule fills in place (resume_schedule, LambdaLR).
         return _adamw_8bit()(groups, lr=lr, betas=(betas[0], betas[1]), eps=eps)
+    if state_dtype == "bf16":
+        # Half fp32's moment bytes, the arithmetic in fp32: one fused update a parameter (optim/adamw_bf16.py).
+        from titanlike.optim.adamw_bf16 import AdamWBf16Moments
+
+        return AdamWBf16Moments(groups, lr=lr, betas=(betas[0], betas[1]), eps=eps)
     # Fused AdamW is one kernel for all parameters on CUDA; foreach is the fast path on CPU for a
     # CPU run's small models. Offloaded, the CPU update is the slow part of a step and torch's fused
     # CPU kernel is several times faster than foreach (a quick check, 67M parameters on 2 cores: 0.12 s against 0.57 s).

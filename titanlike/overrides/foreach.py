@@ -13,3 +13,7 @@ def copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
 
 def zero_(tensors: list[torch.Tensor]) -> None:
     torch._foreach_zero_(tensors)
+
+
+def add_(tensors: list[torch.Tensor], value: float) -> None:
+    torch._foreach_add_(tensors, value)

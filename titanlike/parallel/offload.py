@@ -26,7 +26,7 @@ GiB = 2**30
 # Host bytes a parameter's shard takes: the fp32 weight and its fp32 gradient, and AdamW's two moments
 # (fp32: 8 bytes; 8-bit: one byte each plus a fp32 scale per block of 256 values, rounded up).
 WEIGHT_AND_GRAD_BYTES = 8
-MOMENT_BYTES = {"fp32": 8, "8bit": 2.04}
+MOMENT_BYTES = {"fp32": 8, "bf16": 4, "8bit": 2.04}
 
 
 def policy(enabled: bool):
