@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from titanlike.config import load_config  # noqa: E402
 from titanlike.plan.cli import CARDS as PLAN_CARDS  # noqa: E402
-from titanlike.plan.fit import card_fit_gib, fit  # noqa: E402
+from titanlike.plan.fit import card_target, fit, usable_gib  # noqa: E402
 
 # The cards titanlike-plan answers for, by the memory torch sees on them: the same budget for each.
 CARDS = {name: gib for size, name, gib in PLAN_CARDS if size in (32, 80)}
@@ -35,11 +35,12 @@ SEQS = (8192, 16384, 32768, 65536, 131072, 262144)  # the longest tried: 262,144
 
 
 def fits(argv: list[str], world: int, card_gib: float):
-    """What `--training.fit_gib <the card's budget>` chooses for `argv` on `world` cards of `card_gib` (None if no
-    lever combination fits): titanlike-plan's answer for that card."""
+    """What `--training.fit_gib auto` chooses for `argv` on `world` cards of `card_gib` (None if no lever
+    combination fits): titanlike-plan's answer for that card."""
     # CPU offload left out: what it needs is host memory (16 bytes a parameter), which this table does not know.
     cfg = load_config([*argv, "--training.device", "cuda"])  # the cards' run, on any machine
-    best, _, _ = fit(cfg, argv, world, card_fit_gib(card_gib, world), keep=("parallel.cpu_offload",))
+    best, _, _ = fit(cfg, argv, world, card_target(usable_gib(card_gib, world), ""), keep=("parallel.cpu_offload",),
+                     card_gib=card_gib)
     return best
 
 

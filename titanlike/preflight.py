@@ -90,6 +90,13 @@ def beyond_the_gpu(cfg: JobConfig, world: int) -> str | None:
     return out_of_reach(cfg, world, usable_gib(gib, world), f"on this host's {name} ({gib:.1f} GiB)")
 
 
+def gpu_card(cfg: JobConfig) -> tuple[str, float] | None:
+    """(name, GiB) of the smallest GPU nvidia-smi shows this process, for `fit_gib = auto`; None without one."""
+    from titanlike.config.host import smallest_gpu
+
+    return smallest_gpu() if cfg.training.fit_gib == "auto" else None
+
+
 def printed(text: str) -> int:
     """Print `text` and return PRINTED, also when the reader went away first (`--help | head -3`)."""
     try:
@@ -130,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(argv, world)
         if cfg.job.print_config:
             return printed(to_toml(resolved(cfg)))
-        cfg = fitted(cfg, argv, world)  # training.fit_gib: a target nothing reaches stops here
+        # training.fit_gib: a target nothing reaches stops here (`auto`: the smallest card nvidia-smi shows).
+        cfg = fitted(cfg, argv, world, card=gpu_card(cfg))
         run = check(cfg, world)
         problem = beyond_the_gpu(cfg, world)  # a window no lever fits stops here, not at its first step
         if problem:

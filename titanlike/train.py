@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(to_toml(resolved(cfg)), end="")
             return 0
         # training.fit_gib: the fastest levers whose estimate fits, one line saying which (config.toml records them).
-        cfg = fitted(cfg, argv, world, say=logger.info if rank == 0 else None)
+        cfg = fitted(cfg, argv, world, say=logger.info if rank == 0 else None, card=parallel.this_gpu())
         trainer = Trainer(cfg)
         return trainer.train()
     except KeyboardInterrupt:

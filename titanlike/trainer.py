@@ -138,11 +138,13 @@ class Trainer:
                                                  ac.selective_ac_blocks)
         if cfg.compile.enable:
             parallel.apply_compile(model, self.float8.compile_options(), recompute_outside=self.context is not None)
-        # FSDP over the mesh (bf16 compute through its mixed precision), or one rank under autocast.
+        # FSDP over the mesh (bf16 compute through its mixed precision), or one rank under autocast. Resharding
+        # is decided for the memory the run has: a cap, or a fit's number of GiB (`auto` is the card's own).
         offload = cfg.parallel.cpu_offload
+        fit_gib = t.fit_gib if isinstance(t.fit_gib, float) else 0.0
         self.autocast = parallel.shard_model(model, self.mesh, self.device, mixed_precision=t.mixed_precision,
                                              reshard=cfg.parallel.reshard_after_forward,
-                                             memory_limit_gib=min(filter(None, (t.gpu_memory_limit_gib, t.fit_gib)),
+                                             memory_limit_gib=min(filter(None, (t.gpu_memory_limit_gib, fit_gib)),
                                                                   default=0.0), log=self.is_main,
                                              offload_policy=parallel.offload.policy(offload),
                                              fused_loss=t.loss_chunk_tokens > 0,

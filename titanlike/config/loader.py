@@ -114,9 +114,20 @@ def coerce(key: str, raw: object, tp: Any) -> object:
     bad = ConfigError(f"{key} = {raw!r} is not valid: expected {describe_type(tp)}")
     if _is_union(tp):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if raw is None or (isinstance(raw, str) and raw.lower() in ("", "none", "auto")):
+        optional = len(args) < len(typing.get_args(tp))  # X | None: None is "decide for me"
+        if optional and (raw is None or (isinstance(raw, str) and raw.lower() in ("", "none", "auto"))):
             return None
-        return coerce(key, raw, args[0])
+        for alternative in args[:-1]:  # float | Literal["auto"]: the first that takes the value
+            try:
+                return coerce(key, raw, alternative)
+            except ConfigError:
+                continue
+        try:
+            return coerce(key, raw, args[-1])
+        except ConfigError:
+            if len(args) == 1:
+                raise
+            raise bad from None
     if origin is Literal:
         choices = typing.get_args(tp)
         value = str(raw).lower() if isinstance(raw, bool) else str(raw)  # TOML true → "true"

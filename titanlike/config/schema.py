@@ -187,12 +187,12 @@ class Training:
     gpu_memory_limit_gib: float = 0.0
     """Cap this process's CUDA memory at this many GiB, e.g. 31 to prove a job fits an RTX 5090 while
     running on a larger GPU (0 = no cap)."""
-    fit_gib: float = 0.0
-    """Fit the run in this many GiB per GPU (0 = off): before the first step, apply the fastest levers whose
-    estimate fits (titanlike-plan: loss chunks, 8-bit moments, recompute, smaller micro-batches, ...), log one
-    line saying which, and record them in config.toml. Options you set yourself are kept, but for a
-    micro-batch set in the TOML file (more micro-batches of the same global batch train the same); no
-    fitting combination is an error. docs/memory.md."""
+    fit_gib: float | Literal["auto"] = 0.0
+    """Fit the run in this many GiB per GPU (0 = off; auto = the GPU it runs on, less 5 % for the estimate's
+    error): before the first step, apply the fastest levers whose estimate fits every training stage
+    (titanlike-plan: loss chunks, recompute, smaller micro-batches, moments, offload), log one line saying which,
+    and record them in config.toml. Command-line options are kept, and TOML options that change what is
+    trained (the moments' dtype); the others only trade speed for memory. docs/memory.md."""
     loss_chunk_tokens: int = 0
     """Compute the output layer and the loss this many tokens at a time, so that the whole
     (tokens × vocab) logits never exist (0 = off: whole logits). Each chunk's gradients are computed
@@ -228,7 +228,8 @@ class Training:
         need(self.max_norm >= 0, f"training.max_norm = {self.max_norm} must be >= 0 (0 = no clipping)")
         need(self.loss_chunk_tokens >= 0,
              f"training.loss_chunk_tokens = {self.loss_chunk_tokens} must be >= 0 (0 = off)")
-        need(0 <= self.fit_gib <= 2**20, f"training.fit_gib = {self.fit_gib} must be in [0, 1048576] GiB (0 = off)")
+        need(self.fit_gib == "auto" or 0 <= self.fit_gib <= 2**20,
+             f"training.fit_gib = {self.fit_gib} must be in [0, 1048576] GiB (0 = off) or auto")
         need(0 <= self.gpu_memory_limit_gib <= 2**20, f"training.gpu_memory_limit_gib = {self.gpu_memory_limit_gib} "
                                                       f"must be in [0, 1048576] GiB (0 = no cap)")
 
@@ -243,14 +244,13 @@ class Optimizer:
     """AdamW betas, two numbers: --optimizer.betas 0.9,0.95"""
     eps: float = 1e-8
     """AdamW epsilon."""
-    state_dtype: Literal["fp32", "8bit"] = "fp32"
-    """How AdamW keeps its two moments. fp32: 8 bytes per parameter, torch's fused AdamW. 8bit:
-    torchao's AdamW8bit, blockwise-quantized moments at about 2 bytes per parameter (1.5B parameters:
-    12 GB → 3 GB), for activations to use instead; the update is computed in fp32 from dequantized
-    moments, so training follows fp32 closely but not bit for bit, and each parameter is updated by its
-    own compiled kernel (the first step compiles them). A background save copies the 8-bit state to
-    host memory (pinned buffers with async_with_pinned_mem) before training goes on, and only the write
-    overlaps training; a resume must keep the value."""
+    state_dtype: Literal["fp32", "bf16", "8bit"] = "fp32"
+    """How AdamW keeps its two moments. fp32: 8 bytes per parameter, torch's fused AdamW. bf16: 4 bytes, the
+    update in fp32 and the moments rounded to bf16 after it, one fused kernel a parameter on a GPU. 8bit:
+    torchao's AdamW8bit, blockwise-quantized moments at about 2 bytes per parameter, each parameter updated
+    by its own compiled kernel (the first step compiles them); a background save copies the 8-bit state to
+    host memory before training goes on. bf16 and 8bit train close to fp32, not bit for bit (docs/memory.md);
+    a resume must keep the value."""
 
     def validate(self) -> None:
         need(self.lr > 0, f"optimizer.lr = {self.lr} must be > 0")

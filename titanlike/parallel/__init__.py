@@ -32,6 +32,7 @@ from titanlike.parallel.device import (
     default_allocator_settings,
     device_memory_bytes,
     pick_device,
+    this_gpu,
 )
 from titanlike.parallel.fsdp import apply_fsdp, reduce_dtype, resolve_reshard, shard_model, sync_after
 from titanlike.parallel.mesh import context_mesh, destroy_process_group, init_distributed, mean_over_ranks
@@ -39,4 +40,5 @@ from titanlike.parallel.mesh import context_mesh, destroy_process_group, init_di
 __all__ = ["ContextParallel", "StepFence", "allocator_settings", "apply_activation_checkpointing", "apply_compile",
            "apply_context_parallel", "apply_fsdp", "configure_device", "context_mesh",
            "default_allocator_settings", "destroy_process_group", "device_memory_bytes", "init_distributed",
-           "mean_over_ranks", "offload", "pick_device", "reduce_dtype", "resolve_reshard", "shard_model", "sync_after"]
+           "mean_over_ranks", "offload", "pick_device", "reduce_dtype", "resolve_reshard", "shard_model", "sync_after",
+           "this_gpu"]

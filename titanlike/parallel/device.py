@@ -73,6 +73,18 @@ def device_memory_bytes(device: torch.device, cap_gib: float) -> int | None:
     return min(total, int(cap_gib * 2**30)) if cap_gib else total
 
 
+def this_gpu() -> tuple[str, float] | None:
+    """(name, GiB) of the GPU this process trains on (its local rank's, as pick_device chooses it), for
+    `training.fit_gib = auto`; None where none is visible."""
+    if not torch.cuda.is_available():
+        return None
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    if index >= torch.cuda.device_count():
+        return None  # pick_device says why
+    props = torch.cuda.get_device_properties(index)
+    return props.name, props.total_memory / 2**30
+
+
 class StepFence:
     """Holds the CPU back, once a step, until the GPU has finished the previous step's backward: the CPU
     may queue no more than the update of one step (with cp, and the first quarter of the next forward)

@@ -13,7 +13,7 @@ from titanlike.config.resolve import resolve_model
 from titanlike.errors import UserError, error_exit
 from titanlike.model.shape import count_params
 from titanlike.plan.estimate import CONTEXT_GIB, NCCL_GIB, estimate_run
-from titanlike.plan.fit import MARGIN, card_fit_gib, fit, fit_to_target, usable_gib
+from titanlike.plan.fit import AUTO_MARGIN, card_target, fit, fit_to_target, kept_words, usable_gib
 
 USAGE = ("usage: titanlike-plan --job.config_file FILE --world N [--section.key value ...]\n"
          "  the per-GPU memory of that run at N GPUs, the cards it fits, and the levers that would make it fit")
@@ -58,18 +58,18 @@ def report(argv: list[str]) -> str:
     lines += [f"  {name:<{width}}  {gib:7.2f}" for name, gib in biggest.rows]
     lines += [f"  {'peak reserved (estimate, ±10 %)':<{width}}  {biggest.reserved_gib:7.2f}"]
     lines += [f"  ({note})" for note in biggest.notes]
-    lines += ["", f"fits on (the budget: what torch can allocate, the card less {CONTEXT_GIB:g} GiB for the CUDA "
-              f"context" + (f" and {NCCL_GIB:g} for NCCL" if world > 1 else "") + f", less {MARGIN:.0%} for the "
-              f"estimate's error; what --training.fit_gib <budget> chooses):"]
+    lines += ["", f"fits on (what torch can allocate: the card less {CONTEXT_GIB:g} GiB for the CUDA context"
+              + (f" and {NCCL_GIB:g} for NCCL" if world > 1 else "") + f"; with room: the estimate at most "
+              f"{1 - AUTO_MARGIN:.0%} of that, as --training.fit_gib auto leaves it):"]
     for _, name, card in CARDS:
-        budget = card_fit_gib(card, world)
-        lines.append(f"  {name}: {card_line(cfg, rest, world, budget, usable_gib(card, world))}")
-    if t.fit_gib:
+        lines.append(f"  {name}: {card_line(cfg, rest, world, card)}")
+    if t.fit_gib and t.fit_gib != "auto":  # auto: the card lines above
         try:
             lines += ["", fit_to_target(cfg, rest, world)[1] or ""]
         except UserError as e:
             lines += ["", str(e)]
-    lines += ["", "levers: --training.fit_gib G picks the fastest that fit; docs/memory.md lists each with its cost"]
+    lines += ["", "levers: --training.fit_gib G (or auto: the card) picks the fastest that fit; docs/memory.md lists "
+              "each with its cost"]
     return "\n".join(lines)
 
 
@@ -79,18 +79,23 @@ def on_gpus(cfg):
     return dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, device="cuda"))
 
 
-def card_line(cfg, argv: list[str], world: int, budget: int, usable: float) -> str:
-    """What a card of `budget` GiB (of `usable`) takes: the run as it is, or what fit_gib chooses."""
-    best, every, _ = fit(cfg, argv, world, budget)
+def card_line(cfg, argv: list[str], world: int, card_gib: float) -> str:
+    """What a card takes: the run as it is (with room, tight, or not at all), and what `--training.fit_gib auto`
+    chooses there where it would change the run."""
+    usable = usable_gib(card_gib, world)
+    target = card_target(usable, "")
+    best, every, given = fit(cfg, argv, world, target, card_gib=card_gib)
     now = every[0].reserved_gib
-    if best is not None and not best.choices:
-        return f"fits ({now:.1f} GiB, budget {budget} of {usable:.1f})"
+    if now <= target.gib:
+        return f"fits, with room ({now:.1f} of {usable:.1f} GiB)"
+    verdict = (f"fits by the estimate, closer than its error ({now:.1f} of {usable:.1f} GiB)" if now <= usable else
+               f"does not fit ({now:.1f} GiB; {usable:.1f} usable)")
     if best is None:
         smallest = min(every, key=lambda f: f.reserved_gib)
-        return (f"does not fit ({now:.1f} GiB, budget {budget}); no lever is enough (at best "
-                f"{smallest.reserved_gib:.1f} GiB with {' '.join(smallest.flags)})")
-    return (f"does not fit ({now:.1f} GiB, budget {budget}); --training.fit_gib {budget} chooses "
-            f"{' '.join(best.flags)} → {best.reserved_gib:.1f} GiB, about {best.speed:.0%} of the speed")
+        return (f"{verdict}; no lever is enough (at best {smallest.reserved_gib:.1f} GiB with "
+                f"{' '.join(smallest.flags)}; {kept_words(given)})")
+    return (f"{verdict}; --training.fit_gib auto chooses {' '.join(best.flags)} → {best.reserved_gib:.1f} GiB, "
+            f"about {best.speed:.0%} of the speed ({kept_words(given)})")
 
 
 def main(argv: list[str] | None = None) -> int:

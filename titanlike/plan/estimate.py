@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from titanlike.config.dims import ParallelDims
 from titanlike.config.schema import JobConfig
 from titanlike.config.speed import matmul_outputs_kept, named_blocks, resolve_reshard
+from titanlike.config.stages import Stage
 from titanlike.model.shape import BLOCK_MATMULS, ModelArgs, count_params
 
 GIB = 2**30
@@ -64,9 +65,9 @@ NCCL_GIB = 0.5
 # against 3.7 and 6.1 (docs/benchmarks/2026-11-28-cp-long-window-memory.md).
 RECOMPUTE_WORKING = 1.57
 
-# AdamW's two moments: fp32 (8 bytes a parameter), or torchao's 8-bit blockwise moments (1 byte each and an
-# fp32 scale per block of 256 values).
-MOMENT_BYTES = {"fp32": 8.0, "8bit": 2.0 * (1 + 4 / 256)}
+# AdamW's two moments: fp32 (8 bytes a parameter), bf16 (4), or torchao's 8-bit blockwise moments (1 byte each
+# and an fp32 scale per block of 256 values).
+MOMENT_BYTES = {"fp32": 8.0, "bf16": 4.0, "8bit": 2.0 * (1 + 4 / 256)}
 
 
 @dataclass(frozen=True)
@@ -78,9 +79,19 @@ class Estimate:
     allocated_gib: float
     reserved_gib: float
     notes: tuple[str, ...] = ()
+    exact_gib: float = 0.0
+    """The part of reserved_gib counted exactly from the parameter count (weights, gradients, optimizer
+    state): the estimate's error lies in the rest."""
+    stage: str = ""
+    """With several training stages, the one the peak belongs to ("the stage from step N: seq_len …")."""
 
     def row(self, name: str) -> float:
         return sum(g for n, g in self.rows if n.startswith(name))
+
+    def with_error_gib(self, margin: float) -> float:
+        """The most the run may need: what is counted exactly, and the rest `margin` higher (the estimate's
+        error against recorded peaks, tests/test_plan.py)."""
+        return self.exact_gib + (self.reserved_gib - self.exact_gib) * (1 + margin)
 
 
 @dataclass(frozen=True)
@@ -108,9 +119,11 @@ class Shape:
     sync_once_a_step: bool = False  # parallel.gradient_sync = step: micro-batches add gradients up unsharded
 
 
-def shape_of(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, card_gib: float | None) -> Shape:
-    """The run's memory-relevant options, with `parallel.reshard_after_forward = default` resolved as FSDP
-    resolves it on a card of `card_gib` (parallel/fsdp.py resolve_reshard)."""
+def shape_of(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, card_gib: float | None,
+             stage: Stage | None = None) -> Shape:
+    """The run's memory-relevant options in `stage` (its window and micro-batch; None: the config's own, the
+    first stage's), with `parallel.reshard_after_forward = default` resolved as FSDP resolves it on a card of
+    `card_gib` (parallel/fsdp.py resolve_reshard)."""
     t, ac, fp8 = cfg.training, cfg.activation_checkpoint, cfg.fp8
     float8 = fp8.recipe != "none"
     ag = fp8.enable_fsdp_float8_all_gather
@@ -118,7 +131,8 @@ def shape_of(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, card_gib: floa
     gathered = 2 * count_params(args)[0]
     reshard = resolve_reshard(cfg.parallel.reshard_after_forward, gathered, int(card_gib * GIB) if card_gib else None)
     # With context parallelism each rank holds 1/cp of every window's tokens (and FSDP shards over dp × cp).
-    return Shape(args, dims, t.local_batch_size * cfg.data.seq_len // dims.cp, ac.mode, ac.selective_ac_option,
+    window, micro_batch = (stage.seq_len, stage.local_batch) if stage else (cfg.data.seq_len, t.local_batch_size)
+    return Shape(args, dims, micro_batch * window // dims.cp, ac.mode, ac.selective_ac_option,
                  ac.memory_budget, float8, float8_ag, cfg.compile.enable, t.loss_chunk_tokens,
                  cfg.optimizer.state_dtype, reshard, bool(getattr(cfg.parallel, "cpu_offload", False)),
                  cfg.model.attn_mask == "block_causal", ac.selective_ac_blocks,
@@ -342,7 +356,9 @@ def estimate(s: Shape) -> Estimate:
         host = (8 + MOMENT_BYTES[s.state_dtype]) * total / shard
         notes.append("parallel.cpu_offload: weights, gradients and AdamW's moments live in host memory "
                      f"({host / GIB:.1f} GiB of it a rank, {s.state_dtype} moments)")
-    return Estimate(tuple((n, b / GIB) for n, b in rows if b), allocated / GIB, reserved / GIB, tuple(notes))
+    exact = weights + moments + (held_grads if at_start or at_first else grads) + rs_pool
+    return Estimate(tuple((n, b / GIB) for n, b in rows if b), allocated / GIB, reserved / GIB, tuple(notes),
+                    exact / GIB)
 
 
 def ac_words(s: Shape) -> str:
@@ -361,15 +377,35 @@ def ac_words(s: Shape) -> str:
 def estimate_run(cfg: JobConfig, world: int, card_gib: float | None = None, args: ModelArgs | None = None) -> Estimate:
     """The estimate for a validated config at `world` ranks, with parallel.reshard_after_forward = default
     resolved for a card of `card_gib` (or training.gpu_memory_limit_gib when set, as the trainer does);
-    `args`: the model's shape, where the run is resolved already (else resolved here). ConfigError (one
-    line) for a world size or batch that does not work, as the preflight says it."""
+    `args`: the model's shape, where the run is resolved already (else resolved here). Every training stage
+    is estimated (its window, micro-batch and micro-batches a step): the largest is the run's, and says which
+    stage it is. ConfigError (one line) for a world size or batch that does not work, as the preflight says it."""
+    import dataclasses
+
     from titanlike.config.dims import parallel_dims
     from titanlike.config.resolve import resolve_model
+    from titanlike.config.sources import schedule_of
+    from titanlike.config.stages import resolve_stages
 
     dims = parallel_dims(cfg, world)
     cap = cfg.training.gpu_memory_limit_gib
     card = min(cap, card_gib) if cap and card_gib else cap or card_gib
-    return estimate(shape_of(cfg, args if args is not None else resolve_model(cfg).args, dims, card))
+    schedule = schedule_of(cfg.data)
+    args = args if args is not None else resolve_model(cfg, schedule).args
+    stages = resolve_stages(cfg, args, dims.dp, schedule)
+    each = [estimate(shape_of(cfg, args, dataclasses.replace(dims, global_batch=st.global_batch,
+                                                              accum_steps=st.accum_steps), card, st))
+            for st in stages.stages]
+    peak = max(range(len(each)), key=lambda i: each[i].reserved_gib)
+    if len(each) == 1:
+        return each[0]
+    st = stages[peak]
+    where = "the first stage" if peak == 0 else f"the stage from step {st.start_step}"
+    others = ", ".join(f"{e.reserved_gib:.1f}" for i, e in enumerate(each) if i != peak)
+    note = (f"{where} (seq_len {st.seq_len}, micro-batch {st.local_batch}) needs the most of the "
+            f"{len(each)} stages; the others {others} GiB")
+    return dataclasses.replace(each[peak], notes=(*each[peak].notes, note),
+                               stage=f"{where}: seq_len {st.seq_len}, micro-batch {st.local_batch}")
 
 
 def cpu_host_problem(cfg: JobConfig, world: int, local_processes: int, args: ModelArgs) -> str | None:

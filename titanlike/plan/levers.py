@@ -9,6 +9,7 @@ multiply: a run with two levers keeps (1 − a)(1 − b) of its speed.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,6 +17,11 @@ from titanlike.config.host import runs_on_cpu
 from titanlike.config.schema import JobConfig
 
 B = "docs/benchmarks/"
+
+# bf16 moments: `1b` on one H200, 77,328 tok/s against fp32's 77,380 and 77,802 (0.997×) for 5.7 GiB; on the
+# 8b config they ran 1.046× the one-GPU fit with fp32 moments, which recomputes more.
+BF16_MOMENTS_COST = 0.003
+BF16_MOMENTS_SOURCE = f"{B}2026-12-02-one-gpu-8b-fits-bf16-moments.md: 1b on one H200 0.997× fp32 moments for 5.7 GiB"
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,9 @@ class Choice:
     """Whether the lever exists for this config (a field another version may lack, compile needed, ...)."""
     cost_sharded: float | None = None
     """The cost under FSDP (more than one GPU), where it differs."""
+    exact: bool = True
+    """Whether the run trains what it trained without the lever (memory and speed change, not the update's
+    arithmetic). Set in a TOML file, a lever that is not exact is kept by a fit; an exact one may be changed."""
 
     def cost_at(self, world: int) -> float:
         return self.cost if world == 1 or self.cost_sharded is None else self.cost_sharded
@@ -56,10 +65,11 @@ CHOICES: tuple[Choice, ...] = (
     Choice("parallel.reshard_after_forward", "always", 0.029,
            f"{B}2026-11-26-cp-long-windows-1b-levers.md: 1b over two H200s 0.971× for 1.4 GiB; keeping 1b's "
            f"gathered weights was worth 1.8-1.9 % before ({B}2026-11-22-bf16-residual-fused-clip.md)"),
+    Choice("optimizer.state_dtype", "bf16", BF16_MOMENTS_COST, BF16_MOMENTS_SOURCE, exact=False),
     Choice("optimizer.state_dtype", "8bit", 0.046,
            f"{B}2026-11-23-one-gpu-fused-chunked-loss-1b-32gb.md: torchao's 8-bit step, 4.6 % of a 1b step; over "
            f"two H200s 1b ran 0.963× for 4.3 GiB ({B}2026-11-26-cp-long-windows-1b-levers.md), 8b 0.959× "
-           f"for 22.3 GiB ({B}2026-11-26-8b-levers-chunked-loss-context-parallel.md)", cost_sharded=0.04),
+           f"for 22.3 GiB ({B}2026-11-26-8b-levers-chunked-loss-context-parallel.md)", cost_sharded=0.04, exact=False),
     Choice("activation_checkpoint.mode", "selective:op", 0.03,
            "estimate: op recomputes elementwise ops only (norms, RoPE, SwiGLU), no matmul; on 1b over two H200s "
            "op:wqkv,wo,w1, which recomputes more, cost 3.5 % from none "
@@ -90,17 +100,30 @@ CHOICES: tuple[Choice, ...] = (
            f"{B}2026-11-26-cp-long-windows-1b-levers.md: 1b over two H200s 0.867× from none for 20.9 GiB; on one "
            f"GPU in 31 GiB full recompute ran 0.84 of the uncapped speed "
            f"({B}2026-11-23-one-gpu-fused-chunked-loss-1b-32gb.md)"),
-    Choice("training.local_batch_size", "1/2", 0.03,
-           "estimate: per halving of the micro-batch (more micro-batches, the same global batch): each "
-           "micro-batch pays fixed per-step work (weight casts, gathers, gradient accumulation)"),
-    Choice("training.local_batch_size", "1/4", 0.07, "estimate: two halvings"),
-    Choice("training.local_batch_size", "1/8", 0.12, "estimate: three halvings"),
     Choice("parallel.cpu_offload", True, 0.7,
            f"{B}2026-11-26-cp-kernels-fit-to-target.md: 8b over two H200s with weights, gradients and AdamW's "
            "state in host memory and the optimizer step on the CPU ran 0.30× the speed; 1b 0.354× "
            f"({B}2026-11-26-cp-long-windows-1b-levers.md)",
            usable=lambda cfg: hasattr(cfg.parallel, "cpu_offload") and not runs_on_cpu(cfg)),
 )
+
+
+
+def micro_batch_choices(local_batch: int) -> tuple[Choice, ...]:
+    """Smaller micro-batches of the same global batch (more gradient-accumulation micro-batches a step): every
+    divisor of the micro-batch `local_batch`, each as a share of it ("1/3": a third)."""
+    out = []
+    for smaller in range(local_batch - 1, 0, -1):
+        if local_batch % smaller == 0:
+            halvings = math.log2(local_batch // smaller)
+            out.append(Choice("training.local_batch_size", f"1/{local_batch // smaller}",
+                              round(0.03 * halvings + 0.005 * halvings * (halvings - 1), 4), MICRO_BATCH_SOURCE))
+    return tuple(out)
+
+
+MICRO_BATCH_SOURCE = ("estimate: 3 % a halving of the micro-batch, 7 % two, 12 % three (more micro-batches, the same "
+                      "global batch: each pays fixed per-step work, the weight casts, gathers and gradient "
+                      "accumulation)")
 
 # The AC modes, from the one that keeps most to the one that keeps least, as Choice values spell them.
 AC_ORDER = ("none", "budget:0.5", "selective:op", "selective:op:wqkv,wo,w1@1/8", "selective:op:wqkv,wo,w1@1/4",
