@@ -1,19 +1,24 @@
-"""titanlike-prepare's output folder: --overwrite replaces only what a prepare wrote, and the work folder a
-killed run left is cleaned of a prepare's own files only."""
+"""titanlike-prepare's output folder: --overwrite replaces only what a prepare wrote, the work folder a killed
+run left is cleaned of a prepare's own files only, and one run at a time writes an OUT (its claim, held for the
+whole run, and the checks made again just before the dataset moves into place)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import call
-from titanlike.data.prepare import output
+from conftest import _env, call
+from titanlike import fs
+from titanlike.data.prepare import driver, output
 from titanlike.data.prepare.cli import main
 from titanlike.data.prepare.driver import prepare
 from titanlike.errors import UserError
@@ -145,6 +150,94 @@ def test_a_killed_runs_work_folder_loses_only_what_a_prepare_writes(tmp_path, mo
     # Kept, it is never emptied by a later run either.
     prepare(str(out), [str(tmp_path / "a.txt")], workers=1, val_fraction=0.0, overwrite=True)
     assert (with_users / ".replaced" / "val_documents.json" / "precious.txt").read_text() == "the user's only copy"
+
+
+def test_a_second_run_into_a_claimed_output_stops_at_once(tmp_path):
+    """While a run holds OUT's claim, another into OUT (new, or an earlier dataset with --overwrite) stops in
+    one line naming it, before any work and with nothing written; once the claim is released, the run goes
+    and leaves no lock file behind."""
+    (tmp_path / "a.txt").write_text("some text")
+    out = tmp_path / "out"
+    with fs.OutputClaim(str(out), "titanlike-prepare", "the dataset"):
+        rc, err = call(main, str(out), str(tmp_path / "a.txt"), "--val-fraction", "0")
+        one_error(rc, err, f"another titanlike-prepare is writing {out} (pid {os.getpid()} on ", "wait for it")
+        assert sorted(os.listdir(tmp_path)) == ["a.txt", "out.titanlike.lock"]
+    assert call(main, str(out), str(tmp_path / "a.txt"), "--val-fraction", "0")[0] == 0
+    before = snapshot(out)
+    with fs.OutputClaim(str(out), "titanlike-export", "the export"):
+        rc, err = call(main, str(out), str(tmp_path / "a.txt"), "--val-fraction", "0", "--overwrite")
+        one_error(rc, err, f"another titanlike-export is writing {out}")
+    assert snapshot(out) == before and sorted(os.listdir(tmp_path)) == ["a.txt", "out"]
+
+
+def test_an_output_that_comes_into_being_while_prepare_runs_is_not_replaced(tmp_path, earlier, monkeypatch):
+    """OUT made (by another prepare, say) after the check at the start: without --overwrite the run stops
+    rather than replace it; with --overwrite it is checked again as the start checks an earlier output."""
+    real = driver.tokenized
+    make = []
+
+    def tokenized(*args, **kwargs):  # OUT comes into being while the inputs are tokenized
+        make.pop()()
+        yield from real(*args, **kwargs)
+
+    monkeypatch.setattr(driver, "tokenized", tokenized)
+    out = tmp_path / "out"
+    make.append(lambda: shutil.copytree(earlier, out))
+    with pytest.raises(UserError, match=f"{out} came into being while titanlike-prepare ran"):
+        prepare(str(out), [str(tmp_path / "new.txt")], workers=1, val_fraction=0)
+    assert snapshot(out) == snapshot(earlier)
+    make.append(lambda: _folder(out / "val_documents.json", "precious.txt"))
+    with pytest.raises(UserError, match=r"val_documents.json \(a folder\)"):
+        prepare(str(out), [str(tmp_path / "new.txt")], workers=1, val_fraction=0, overwrite=True)
+    assert (out / "val_documents.json" / "precious.txt").read_text() == "the user's only copy"
+    assert train_text(out) == train_text(earlier)
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.txt", "earlier", "new.txt", "out"]
+
+
+def test_a_killed_run_leaves_no_claim(tmp_path):
+    """Two processes: a second prepare into OUT stops while the first tokenizes, naming its pid; once the first
+    is killed (SIGKILL: no handler runs) the kernel has released its claim, and the next run takes OUT, removes
+    the work folder the killed one left, and leaves no lock file."""
+    (tmp_path / "a.txt").write_text("some text")
+    out = tmp_path / "out"
+    script = ("import sys, time\n"
+              "import titanlike.data.prepare.workers as w\n"
+              "w.read_chunk = lambda chunk: time.sleep(600)\n"
+              "from titanlike.data.prepare.cli import main\n"
+              "sys.exit(main(sys.argv[1:]))\n")
+    first = subprocess.Popen([sys.executable, "-c", script, str(out), str(tmp_path / "a.txt"), "--workers", "1"],
+                             env=_env(), stderr=subprocess.PIPE, text=True, start_new_session=True)
+    work = tmp_path / f"out.tmp-{first.pid}"
+    try:
+        deadline = time.monotonic() + 60
+        while not work.exists():
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read() if first.stderr else ""
+            time.sleep(0.05)
+        rc, err = call(main, str(out), str(tmp_path / "a.txt"), "--val-fraction", "0")
+        one_error(rc, err, f"another titanlike-prepare is writing {out} (pid {first.pid} on ")
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    assert json.loads((tmp_path / "out.titanlike.lock").read_text())["pid"] == first.pid  # left, but not held
+    rc, err = call(main, str(out), str(tmp_path / "a.txt"), "--val-fraction", "0")
+    assert rc == 0 and f"removed {work}" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "out"] and train_text(out) == b"some text"
+
+
+def test_the_lock_file_is_never_written_through_a_link_nor_over_a_users_file(tmp_path):
+    """The claim's file beside OUT: a link there is refused (its target untouched), and so is a file of the
+    user's by that name, kept as it was."""
+    (tmp_path / "a.txt").write_text("some text")
+    target = tmp_path / "target.txt"
+    target.write_text("the user's file")
+    lock = tmp_path / "out.titanlike.lock"
+    lock.symlink_to(target)
+    one_error(*call(main, str(tmp_path / "out"), str(tmp_path / "a.txt")), f"{lock}: a symbolic link")
+    lock.unlink()
+    lock.write_text("the user's notes")
+    one_error(*call(main, str(tmp_path / "out"), str(tmp_path / "a.txt")), f"{lock} holds something other than")
+    assert target.read_text() == "the user's file" and lock.read_text() == "the user's notes"
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_folder_by_the_work_folders_name_is_never_emptied(tmp_path, monkeypatch):

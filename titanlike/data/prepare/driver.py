@@ -3,8 +3,9 @@
 The readers plan the inputs into chunks, the workers tokenize them, and here each document goes to
 its split (val, drawn at random with the probability --val-fraction: Holdout) and into that split's
 shards; dataset.json, val_documents.json (which documents went to val) and a copy of the tokenizer go
-beside them. Everything is written into OUT.tmp-<pid>/ and moved into OUT only once complete
-(output.py), so Ctrl-C or an error leaves nothing behind.
+beside them. OUT is claimed first (fs.OutputClaim: one run at a time writes it); everything is
+written into OUT.tmp-<pid>/ and moved into OUT only once complete (output.py), so Ctrl-C or an
+error leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -89,30 +90,33 @@ def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, 
     files = [f for group in per_input for f in group]
     file_source = [n for n, group in enumerate(per_input) for _ in group]
     file_field = [given[n] if len(given) > 1 else given[0] for n in file_source]
-    check_output(out, files, overwrite)
-    tok = load_tokenizer(tokenizer, bos_token, eos_token)  # a bad tokenizer.json stops here, before any work
-    removed, kept = remove_stale_work(out)
-    for stale in removed:
-        print(f"removed {stale}: an earlier titanlike-prepare into {out} was killed before it finished",
-              file=sys.stderr)
-    for stale in kept:
-        print(f"note: kept {stale}, left by a titanlike-prepare into {out} that was killed: it holds files "
-              f"titanlike-prepare does not write", file=sys.stderr)
-    try:
-        tmp = start_work(out)
-    except OSError as e:
-        raise UserError(f"cannot write the dataset: {fs.describe_os_error(e, work_folder(out))}") from None
-    try:
-        # Every core this process may use (a container or taskset may allow fewer than the machine has).
-        info = _write(tmp, files, file_source, file_field, inputs, tok, workers or cores, val_fraction,
-                      shard_tokens, progress)
-        _publish_uninterrupted(tmp, out)
-    except OSError as e:  # a read-only or full disk, a folder we may not write: one line, nothing left behind
-        remove_work(tmp)
-        raise UserError(f"cannot write the dataset: {fs.describe_os_error(e, tmp)}") from None
-    except BaseException:
-        remove_work(tmp)
-        raise
+    # OUT is claimed before anything is checked or written: a second run into it stops here, and while this
+    # one holds the claim no other run is at work on OUT, so what is checked now still holds at the end.
+    with fs.OutputClaim(out, "titanlike-prepare", "the dataset"):
+        check_output(out, files, overwrite)
+        tok = load_tokenizer(tokenizer, bos_token, eos_token)  # a bad tokenizer.json stops here, before any work
+        removed, kept = remove_stale_work(out)
+        for stale in removed:
+            print(f"removed {stale}: an earlier titanlike-prepare into {out} was killed before it finished",
+                  file=sys.stderr)
+        for stale in kept:
+            print(f"note: kept {stale}, left by a titanlike-prepare into {out} that was killed: it holds files "
+                  f"titanlike-prepare does not write", file=sys.stderr)
+        try:
+            tmp = start_work(out)
+        except OSError as e:
+            raise UserError(f"cannot write the dataset: {fs.describe_os_error(e, work_folder(out))}") from None
+        try:
+            # Every core this process may use (a container or taskset may allow fewer than the machine has).
+            info = _write(tmp, files, file_source, file_field, inputs, tok, workers or cores, val_fraction,
+                          shard_tokens, progress)
+            _publish_uninterrupted(tmp, out, overwrite)
+        except OSError as e:  # a read-only or full disk, a folder we may not write: one line, nothing left behind
+            remove_work(tmp)
+            raise UserError(f"cannot write the dataset: {fs.describe_os_error(e, tmp)}") from None
+        except BaseException:
+            remove_work(tmp)
+            raise
     return info
 
 
@@ -180,16 +184,16 @@ def _write(tmp: str, files: list[str], file_source: list[int], file_field: list[
     return {**info, "seconds": seconds}
 
 
-def _publish_uninterrupted(tmp: str, out: str) -> None:
+def _publish_uninterrupted(tmp: str, out: str, overwrite: bool) -> None:
     """publish() with Ctrl-C and the stop signals ignored: over an earlier output it moves that output's
     files into `tmp` before the new ones into place, and a stop in between would remove them with `tmp`.
     It takes a few renames; a stop that comes then is answered by finishing."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
-        publish(tmp, out)
+        publish(tmp, out, overwrite)
         return
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, *STOP_SIGNALS)}
     try:
-        publish(tmp, out)
+        publish(tmp, out, overwrite)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

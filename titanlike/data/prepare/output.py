@@ -8,10 +8,11 @@ under those names (a folder where a file belongs, a link, a device, a file in tr
 did not write) stops it with its name, before any work and again just before the swap; any other entry
 of OUT stays.
 
-A run works in OUT.tmp-<pid>/, which it marks as its own (WORK_MARK) before writing there. A run killed
-with no chance to clean up (SIGKILL, a power cut) leaves that folder; the next run into OUT removes from each
-marked folder whose process is gone what a prepare writes into one, and nothing else (remove_work): a folder
-without the mark, or a file of the user's in a marked one, stays.
+A run claims OUT first (fs.OutputClaim), so no other prepare works on OUT while it does. It works in
+OUT.tmp-<pid>/, which it marks as its own (WORK_MARK) before writing there. A run killed with no chance to
+clean up (SIGKILL, a power cut) leaves that folder; the next run into OUT, holding the claim and so the only
+one at work there, removes from each marked folder what a prepare writes into one, and nothing else
+(remove_work): a folder without the mark, or a file of the user's in a marked one, stays.
 """
 
 from __future__ import annotations
@@ -80,9 +81,9 @@ def _marked(folder: str) -> bool:
 
 
 def remove_stale_work(out: str) -> tuple[list[str], list[str]]:
-    """Clean up the OUT.tmp-<pid> folders that runs into OUT left when they were killed: those with the mark
-    whose process is gone (a prepare still running keeps its own). Returns the folders removed, and those
-    kept because they hold something a prepare does not write (named by remove_work)."""
+    """Clean up the OUT.tmp-<pid> folders that runs into OUT left when they were killed: those with the mark.
+    Called while holding OUT's claim, so no run into OUT is at work in any of them. Returns the folders
+    removed, and those kept because they hold something a prepare does not write (named by remove_work)."""
     parent, name = os.path.split(os.path.abspath(out))
     removed: list[str] = []
     kept: list[str] = []
@@ -90,19 +91,9 @@ def remove_stale_work(out: str) -> tuple[list[str], list[str]]:
         path = os.path.join(parent, entry)
         if not re.fullmatch(re.escape(name) + r"\.tmp-\d+", entry) or os.path.islink(path) or not os.path.isdir(path):
             continue
-        if _marked(path) and not _alive(int(entry.rsplit("-", 1)[1])):
+        if _marked(path):
             (kept if remove_work(path) else removed).append(path)
     return removed, kept
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True  # another user's process (or not a pid at all: leave it be)
-    return True
 
 
 def remove_work(folder: str) -> list[str]:
@@ -236,13 +227,22 @@ def _own_shard(name: str, count: int) -> bool:
     return m is not None and int(m.group(1)) < count and name == shard_name(int(m.group(1)))
 
 
-def publish(tmp: str, out: str) -> None:
-    """Move the finished dataset in `tmp` to `out`. Over an earlier output (--overwrite), only the entries
-    prepare writes are replaced, the old ones moved aside into `tmp` until the new ones are in place."""
-    if not os.path.exists(out):
+def publish(tmp: str, out: str, overwrite: bool) -> None:
+    """Move the finished dataset in `tmp` to `out`. What was checked at the start is checked again here: an
+    OUT that came into being while prepare ran is replaced only with --overwrite, and only as an earlier
+    output is. Over an earlier output, only the entries prepare writes are replaced, the old ones moved
+    aside into `tmp` until the new ones are in place."""
+    if not os.path.lexists(out):
         os.unlink(os.path.join(tmp, WORK_MARK))  # the dataset's folder holds only the dataset
-        os.rename(tmp, out)
-        return
+        try:
+            os.rename(tmp, out)  # refused by the kernel when OUT came into being since (unless an empty folder)
+            return
+        except OSError:
+            if not os.path.lexists(out):
+                raise
+    if not overwrite:
+        raise UserError(f"{out} came into being while titanlike-prepare ran (it did not exist when it started); "
+                        f"choose another output folder or pass --overwrite to replace it (nothing was written)")
     check_replaceable(out)  # again: the user may have changed OUT while the inputs were tokenized
     old = os.path.join(tmp, REPLACED)
     os.mkdir(old)
