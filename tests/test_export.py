@@ -395,6 +395,45 @@ def test_a_disk_that_fills_up_keeps_the_earlier_export_whole(tmp_path, monkeypat
     assert snapshot(earlier)["model.safetensors"] != before["model.safetensors"]  # bf16 now, fp32 before
 
 
+def test_a_second_export_into_the_same_folder_stops_at_once(tmp_path):
+    """While an export holds the output folder's claim, another into it stops in one line naming the first,
+    with nothing written (both wrote, and the first said it exported files the second had replaced); once
+    the claim is released the export goes, and no lock file stays beside the folder."""
+    from titanlike import fs
+    from titanlike.hf.export import main
+
+    synthetic_checkpoint(tmp_path / "step-1")
+    hf = tmp_path / "hf"
+    with fs.OutputClaim(str(hf), "titanlike-export", "the export"):
+        rc, err = call(main, str(tmp_path / "step-1"), str(hf), "--tokenizer", "byte")
+        assert rc == 2 and err.strip() == error_lines(err)[0], err
+        assert f"another titanlike-export is writing {hf} (pid {os.getpid()} on " in err, err
+        assert not hf.exists()
+    assert call(main, str(tmp_path / "step-1"), str(hf), "--tokenizer", "byte")[0] == 0
+    assert sorted(os.listdir(tmp_path)) == ["hf", "step-1"]
+
+
+def test_a_file_that_comes_into_the_folder_while_exporting_is_kept(tmp_path, monkeypatch):
+    """The folder is checked again once the export is written, before anything moves in: a config.json of the
+    user's that came into it meanwhile is refused as one there at the start is, and kept (it was replaced)."""
+    from titanlike.hf import interchange
+    from titanlike.hf.export import main
+
+    synthetic_checkpoint(tmp_path / "step-1")
+    hf = tmp_path / "hf"
+    real = interchange.write_hf_folder
+
+    def write_hf_folder(state, margs, staging, *args, **kwargs):
+        (hf / "config.json").write_text('{"the user": "own config"}')
+        return real(state, margs, staging, *args, **kwargs)
+
+    monkeypatch.setattr(interchange, "write_hf_folder", write_hf_folder)
+    rc, err = call(main, str(tmp_path / "step-1"), str(hf), "--tokenizer", "byte")
+    assert rc == 2 and err.strip() == error_lines(err)[0], err
+    assert f"{hf} is not empty (1 entries)" in err, err
+    assert os.listdir(hf) == ["config.json"] and (hf / "config.json").read_text() == '{"the user": "own config"}'
+
+
 def test_an_export_inside_a_checkpoint_is_refused(tmp_path):
     """checkpoint.keep_latest_k deletes a step folder with everything in it: an export written inside one
     would go with it, so it is refused, as the step folder itself is."""

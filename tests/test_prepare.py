@@ -413,28 +413,6 @@ def test_overwrite_refuses_files_it_did_not_write_in_train_and_val(tmp_path):
     assert sorted(os.listdir(out)) == ["dataset.json", "tokenizer.json", "train", "val_documents.json"]
 
 
-def test_overwrite_removes_a_linked_shard_but_never_its_target(tmp_path):
-    (tmp_path / "a.txt").write_text("first")
-    (tmp_path / "b.txt").write_text("second")
-    out, keep, elsewhere = tmp_path / "out", tmp_path / "keep", tmp_path / "elsewhere"
-    assert cmd(str(out), str(tmp_path / "a.txt"), "--val-fraction", "0").returncode == 0
-    keep.mkdir()
-    shard = out / "train" / "shard-00000.bin"
-    (keep / "mine.bin").write_bytes(shard.read_bytes())
-    shard.unlink()
-    shard.symlink_to(keep / "mine.bin")  # the name prepare wrote, now a link to the user's file
-    assert cmd(str(out), str(tmp_path / "b.txt"), "--overwrite", "--val-fraction", "0").returncode == 0
-    assert not shard.is_symlink() and documents(shard_tokens(out / "train"), ByteTokenizer()) == ["second"]
-    assert documents(shard_tokens(keep), ByteTokenizer()) == ["first"]
-    # train/ itself a link to a folder elsewhere: the link is replaced, the folder and its files stay.
-    os.rename(out / "train", elsewhere)
-    (out / "train").symlink_to(elsewhere)
-    assert cmd(str(out), str(tmp_path / "a.txt"), "--overwrite", "--val-fraction", "0").returncode == 0
-    assert not (out / "train").is_symlink() and documents(shard_tokens(out / "train"), ByteTokenizer()) == ["first"]
-    assert os.listdir(elsewhere) == ["shard-00000.bin"]
-    assert documents(shard_tokens(elsewhere), ByteTokenizer()) == ["second"]
-
-
 @pytest.mark.parametrize("disk", ["full", "read-only"])
 def test_a_full_or_read_only_disk_is_one_line(tmp_path, disk):
     from conftest import fill, small_disk
@@ -605,25 +583,6 @@ def test_document_tokens_for_the_byte_tokenizer_are_refused_not_ignored(tmp_path
     rc, err = call(main, str(tmp_path / "ok"), str(tmp_path / "a.txt"), "--bos-token", "<|begin_of_text|>",
                    "--val-fraction", "0")
     assert rc == 0, err
-
-
-def test_a_killed_prepares_temporary_folder_is_removed_by_the_next(tmp_path, capsys):
-    """SIGKILL leaves OUT.tmp-<pid> behind (no handler runs): the next prepare into OUT removes it, says so,
-    and leaves a prepare still running (its process alive) and other folders alone."""
-    import subprocess
-    import sys
-
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()  # a pid that no longer runs
-    (tmp_path / "a.txt").write_text("some text for the dataset")
-    killed, running, other = (tmp_path / f"out.tmp-{dead.pid}", tmp_path / f"out.tmp-{os.getppid()}",
-                              tmp_path / f"other.tmp-{dead.pid}")
-    for folder in (killed, running, other):
-        (folder / "train").mkdir(parents=True)
-    prepare(str(tmp_path / "out"), [str(tmp_path / "a.txt")], workers=1, val_fraction=0.0)
-    assert not killed.exists() and running.is_dir() and other.is_dir()
-    err = capsys.readouterr().err
-    assert f"removed {killed}: an earlier titanlike-prepare into {tmp_path / 'out'} was killed" in err
 
 
 def test_a_bad_chunk_among_many_stops_every_worker_at_once(tmp_path):

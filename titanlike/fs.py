@@ -3,8 +3,8 @@
 Writing: never through a symlink titanlike did not create. A file is written whole under a
 temporary name in the same folder and renamed over the target (`write_text`, `write_json`):
 a rename replaces a symlink itself, never its target. A file that grows (metrics.jsonl) or must
-stay open (a lock) is opened with O_NOFOLLOW (`open_append`, `FolderLock`): a symlink there is
-refused with one line. Errors a user can fix (a full disk, a read-only folder, a name that is not
+stay open (a lock) is opened with O_NOFOLLOW (`open_append`, `FolderLock`, `OutputClaim`): a symlink
+there is refused with one line. Errors a user can fix (a full disk, a read-only folder, a name that is not
 UTF-8) become one `FileError` line naming the file.
 
 Reading: `read_text` and `read_json` read a small file a user may have been handed (a dataset.json,
@@ -173,6 +173,12 @@ def _holder(folder: str) -> str:
         return "a process whose details are unreadable"
 
 
+def _lock_record(**more: str) -> dict:
+    """What a lock file says of its holder: the process, where and when it started, its command line."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "argv": [a.encode("utf-8", "surrogateescape").decode("utf-8", "replace") for a in sys.argv], **more}
+
+
 class FolderLock:
     """An flock on `<folder>/.titanlike.lock`, held for the life of the process (or until release()):
     a second run into the same folder stops with one line naming the first. When the holder dies, the
@@ -198,10 +204,8 @@ class FolderLock:
             raise self.in_use() from None
         if os.fstat(fd).st_size:
             self.previous = _holder(self.folder)
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  "argv": [a.encode("utf-8", "surrogateescape").decode("utf-8", "replace") for a in sys.argv]}
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(record).encode(), 0)
+        os.pwrite(fd, json.dumps(_lock_record()).encode(), 0)
         self._fd = fd
 
     def in_use(self) -> FolderInUse:
@@ -233,6 +237,117 @@ class FolderLock:
                 pass
             os.close(self._fd)  # releases the lock
             self._fd = None
+
+
+class OutputClaim:
+    """A claim on an output folder that a command builds elsewhere and then moves into place (titanlike-prepare's
+    dataset, titanlike-export's folder): an flock on `<out>.titanlike.lock` beside it, taken before any work and
+    held until the output is in place, so that a second run into the same folder stops at once with one line
+    naming the first (both used to work, and the later one replaced the other's output). The kernel drops an
+    flock with its process: a killed run leaves the file, with its details, but no lock. The file is opened
+    without following a symlink, must be a regular file holding nothing but such details (a file of the user's
+    by that name is refused, never emptied), and is removed when the claim ends; a run that opened it just
+    before then finds, once it holds the lock, that the name no longer leads to its file, and opens it again."""
+
+    def __init__(self, out: str, command: str, what: str):
+        parent, name = os.path.split(os.path.abspath(out))
+        self.out, self.command, self.what, self.parent = out, command, what, parent
+        self.path = os.path.join(parent, f"{name}.titanlike.lock")
+        self._fd: int | None = None
+        self._made: list[str] = []  # the folders above OUT that the claim created: removed with it if still empty
+
+    def __enter__(self) -> OutputClaim:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        try:
+            missing = self.parent
+            while not os.path.lexists(missing):
+                self._made.append(missing)
+                missing = os.path.dirname(missing)
+            os.makedirs(self.parent, exist_ok=True)
+            for _ in range(100):
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+                try:
+                    if self._take(fd):
+                        return
+                except BaseException:
+                    if self._fd is None:
+                        os.close(fd)
+                    self.release()  # locked, but its details could not be written (a full disk): removed
+                    raise
+                os.close(fd)
+        except OSError as e:
+            self._remove_made()
+            raise FileError(f"cannot write {self.what}: {describe_os_error(e, self.path)}") from None
+        except BaseException:
+            self._remove_made()
+            raise
+        raise FileError(f"cannot write {self.what}: {self.path} was replaced again and again while it was locked")
+
+    def _take(self, fd: int) -> bool:
+        """Lock the open file and write this process's details into it; False when the name no longer leads
+        to it (its holder removed it as it finished)."""
+        mine = os.fstat(fd)
+        if not stat.S_ISREG(mine.st_mode):
+            raise FileError(f"cannot write {self.what}: {self.path} is {kind_of(mine.st_mode)}, not the lock file "
+                            f"titanlike writes beside {self.out}: move it away")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = self._details(fd)
+            who = f"another run is writing {self.out}"
+            if holder:
+                who = (f"another {holder.get('command', 'titanlike run')} is writing {self.out} (pid {holder['pid']} "
+                       f"on {holder['host']}, started {holder['started']})")
+            raise UserError(f"{who}: wait for it to finish or stop it, or choose another output folder") from None
+        try:
+            now = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        if (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino):
+            return False
+        if os.fstat(fd).st_size and self._details(fd) is None:
+            raise FileError(f"cannot write {self.what}: {self.path} holds something other than the details "
+                            f"titanlike writes into the lock file beside {self.out}: move it away")
+        self._fd = fd
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(_lock_record(command=self.command, out=os.path.abspath(self.out))).encode(), 0)
+        return True
+
+    @staticmethod
+    def _details(fd: int) -> dict | None:
+        """The holder's details in the lock file, or None when it holds none (or something else)."""
+        try:
+            record = json.loads(os.pread(fd, 65536, 0))
+        except (OSError, ValueError):
+            return None
+        return record if isinstance(record, dict) and {"pid", "host", "started"} <= set(record) else None
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:  # only the file this claim locked: one put in its place is not ours to remove
+            mine, now = os.fstat(self._fd), os.stat(self.path, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+                os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self._fd)  # releases the lock
+        self._fd = None
+        self._remove_made()
+
+    def _remove_made(self) -> None:
+        for folder in self._made:  # the deepest first; one that holds anything stays, and those above it
+            try:
+                os.rmdir(folder)
+            except OSError:
+                break
+        self._made = []
 
 
 # ---- reading what a user may have been handed ------------------------------------------------------

@@ -95,11 +95,12 @@ def run_tokenizer(step_dir: str, choice: str, vocab_size: int):
 EXPORT_RECORD = "titanlike-export.json"  # written last: the files of this export, as the manifest describes them
 
 
-def earlier_export(out_dir: str, overwrite: bool) -> list[str]:
+def earlier_export(out_dir: str, overwrite: bool, staging: str | None = None) -> list[str]:
     """The files of an earlier export in `out_dir` that --overwrite removes. A folder that holds
-    anything is refused without --overwrite: writing into it would replace a config.json of the
-    user's, or leave an older export's weight shards beside the new weights. With it, every entry of
-    an export's name must be a file the earlier export's record vouches for, unchanged."""
+    anything (but this export's own `staging` folder) is refused without --overwrite: writing into it
+    would replace a config.json of the user's, or leave an older export's weight shards beside the new
+    weights. With it, every entry of an export's name must be a file the earlier export's record
+    vouches for, unchanged."""
     from titanlike.checkpoint.manifest import describe_files
     from titanlike.hf.interchange import written_by_export
 
@@ -108,7 +109,7 @@ def earlier_export(out_dir: str, overwrite: bool) -> list[str]:
     if not os.path.isdir(out_dir):
         raise UserError(f"{out_dir} is {fs.not_a_folder(out_dir)}; choose another output folder")
     try:
-        names = sorted(os.listdir(out_dir))
+        names = sorted(set(os.listdir(out_dir)) - {os.path.basename(staging or "")})
     except OSError as e:
         raise UserError(f"cannot read the output folder: {fs.describe_os_error(e, out_dir)}") from None
     if names and not overwrite:
@@ -184,18 +185,25 @@ def export(step_dir: str, out_dir: str, dtype: str = "bf16", tokenizer: str = ""
            trust_pickled_dcp: bool = False, overwrite: bool = False, allow_nonfinite: bool = False
            ) -> tuple[list[str], str]:
     """Write the Hugging Face folder; returns (the files written, the architecture). Weights with a NaN or
-    an infinity are refused unless `allow_nonfinite`."""
-    import torch
-
-    from titanlike.checkpoint.weights import read_model_weights, step_folder_problem, step_model_args
-    from titanlike.hf.interchange import set_file_modes, write_hf_folder, write_tokenizer_files
-
+    an infinity are refused unless `allow_nonfinite`. The folder is claimed first (fs.OutputClaim): a second
+    export into it stops at once, rather than both writing and the later one's files replacing the other's."""
     inside = checkpoint_around(out_dir)
     if inside == os.path.realpath(out_dir):
         raise UserError(f"{out_dir} is a checkpoint; the output must be another folder")
     if inside:
         raise UserError(f"{out_dir} is inside the checkpoint {inside}, which checkpoint.keep_latest_k deletes with "
                         f"everything in it; export to a folder outside it")
+    with fs.OutputClaim(os.path.normpath(out_dir), "titanlike-export", "the export"):
+        return _export(step_dir, out_dir, dtype, tokenizer, trust_pickled_dcp, overwrite, allow_nonfinite)
+
+
+def _export(step_dir: str, out_dir: str, dtype: str, tokenizer: str, trust_pickled_dcp: bool, overwrite: bool,
+            allow_nonfinite: bool) -> tuple[list[str], str]:
+    import torch
+
+    from titanlike.checkpoint.weights import read_model_weights, step_folder_problem, step_model_args
+    from titanlike.hf.interchange import set_file_modes, write_hf_folder, write_tokenizer_files
+
     stale = earlier_export(out_dir, overwrite)
     problem = step_folder_problem(step_dir)
     if problem:
@@ -219,6 +227,9 @@ def export(step_dir: str, out_dir: str, dtype: str = "bf16", tokenizer: str = ""
         files += write_tokenizer_files(staging, tok.to_json(), (tok.bos_token, tok.bos_id),
                                        (tok.eos_token, tok.eos_id), margs.max_seq_len)
         set_file_modes(staging, files)
+        # Checked again: a file of the user's that came into the folder while the weights were read and written
+        # is refused as one there at the start would have been.
+        stale = earlier_export(out_dir, overwrite, staging)
         untouched = False  # from here on the earlier export's files are replaced
         _move_in(staging, out_dir, files, stale)
         staging = None

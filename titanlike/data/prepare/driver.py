@@ -3,16 +3,15 @@
 The readers plan the inputs into chunks, the workers tokenize them, and here each document goes to
 its split (val, drawn at random with the probability --val-fraction: Holdout) and into that split's
 shards; dataset.json, val_documents.json (which documents went to val) and a copy of the tokenizer go
-beside them. Everything is written into
-OUT.tmp-<pid>/ and moved into OUT only once complete (output.py), so Ctrl-C or an error leaves
-nothing behind.
+beside them. OUT is claimed first (fs.OutputClaim: one run at a time writes it); everything is
+written into OUT.tmp-<pid>/ and moved into OUT only once complete (output.py), so Ctrl-C or an
+error leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -23,7 +22,15 @@ import numpy as np
 from titanlike import fs
 from titanlike.config.dataset import DATASET_FORMAT, DATASET_JSON
 from titanlike.config.schema import MAX_WORKERS_PER_CORE, available_cores
-from titanlike.data.prepare.output import VAL_DOCUMENTS, check_output, publish, remove_stale_work
+from titanlike.data.prepare.output import (
+    VAL_DOCUMENTS,
+    check_output,
+    publish,
+    remove_stale_work,
+    remove_work,
+    start_work,
+    work_folder,
+)
 from titanlike.data.prepare.readers import expand, plan
 from titanlike.data.prepare.workers import STOP_SIGNALS, tokenized
 from titanlike.data.shards import ShardWriter, token_dtype
@@ -83,96 +90,110 @@ def prepare(out: str, inputs: list[str], tokenizer: str = "", workers: int = 0, 
     files = [f for group in per_input for f in group]
     file_source = [n for n, group in enumerate(per_input) for _ in group]
     file_field = [given[n] if len(given) > 1 else given[0] for n in file_source]
-    check_output(out, files, overwrite)
-    tok = load_tokenizer(tokenizer, bos_token, eos_token)  # a bad tokenizer.json stops here, before any work
-    total_bytes = sum(os.path.getsize(f) for f in files)
-    # Every core this process may use (a container or taskset may allow fewer than the machine has).
-    workers = workers or cores
-    holdout = Holdout(val_fraction, len(inputs))
-    dtype = token_dtype(tok.vocab_size)
-
-    for stale in remove_stale_work(out):
-        print(f"removed {stale}: an earlier titanlike-prepare into {out} was killed before it finished",
-              file=sys.stderr)
-    tmp = f"{out}.tmp-{os.getpid()}"
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        splits = {"train": ShardWriter(os.path.join(tmp, "train"), shard_tokens, dtype),
-                  "val": ShardWriter(os.path.join(tmp, "val"), shard_tokens, dtype)}
-        bar = Progress(total_bytes, progress)
-        start = time.perf_counter()
-        n_docs = text_bytes = empty = 0
-        chunks = plan(files, file_field, file_source)
-        spec = getattr(tok, "path", "byte")
-        sources: list[dict] = [{"input": os.path.abspath(i), "documents": 0, "tokens": 0, "text_fields": set()}
-                               for i in inputs]
-        for tokens, lengths, counts in tokenized(chunks, workers, spec, tok.bos_token or "", tok.eos_token or ""):
-            _split(tokens, lengths, holdout.held(lengths, counts.source), splits)
-            n_docs += lengths.size
-            text_bytes += counts.text_bytes
-            empty += counts.empty_documents
-            bar.update(counts.input_bytes, int(lengths.size), int(tokens.size))
-            source = sources[counts.source]  # what each INPUT gave: a mixture's weights are set from these
-            source["documents"] += int(lengths.size)
-            source["tokens"] += int(tokens.size)
-            source["text_fields"] |= {counts.text_field} - {""}
-        for w in splits.values():
-            w.finish()
-        bar.done()
-        seconds = time.perf_counter() - start
-        if splits["train"].total == 0:
-            what = ("no documents (every input was empty)" if n_docs == 0 else
-                    f"{n_docs} document(s), all held out for validation (--val-fraction {val_fraction:g})")
-            raise UserError(f"{', '.join(inputs)}: {what}; nothing to train on")
-        info = {
-            "format": DATASET_FORMAT,
-            "tokenizer": {"kind": tok.kind, "file": "tokenizer.json", "source": getattr(tok, "path", "byte"),
-                          "bos_token": tok.bos_token, "eos_token": tok.eos_token},
-            "vocab_size": tok.vocab_size,
-            "bos_id": tok.bos_id,
-            "eos_id": tok.eos_id,
-            "token_bytes": np.dtype(dtype).itemsize,
-            "documents": n_docs,
-            "empty_documents_dropped": empty,
-            "splits": {name: {"tokens": w.total, "documents": w.documents, "shards": w.index}
-                       for name, w in splits.items()},
-            "val_fraction": val_fraction,
-            "val_documents": VAL_DOCUMENTS,
-            "inputs": [os.path.abspath(i) for i in inputs],
-            "sources": [{**s, "text_fields": sorted(s["text_fields"])} for s in sources],
-            "files": len(files),
-            "input_bytes": total_bytes,
-            "text_bytes": text_bytes,
-            "text_field": ", ".join(sorted({f for s in sources for f in s["text_fields"]})),
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        }
-        fs.write_text(os.path.join(tmp, "tokenizer.json"), tok.to_json())
-        # Which documents went to val, per INPUT: their places among the documents it gave (0 = its first).
-        fs.write_json(os.path.join(tmp, VAL_DOCUMENTS), {"inputs": [
-            {"input": os.path.abspath(i), "val_documents": held} for i, held in zip(inputs, holdout.val_documents)]})
-        fs.write_json(os.path.join(tmp, DATASET_JSON), info, indent=1)
-        _publish_uninterrupted(tmp, out)
-    except OSError as e:  # a read-only or full disk, a folder we may not write: one line, nothing left behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"cannot write the dataset: {fs.describe_os_error(e, tmp)}") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    info["seconds"] = seconds
+    # OUT is claimed before anything is checked or written: a second run into it stops here, and while this
+    # one holds the claim no other run is at work on OUT, so what is checked now still holds at the end.
+    with fs.OutputClaim(out, "titanlike-prepare", "the dataset"):
+        check_output(out, files, overwrite)
+        tok = load_tokenizer(tokenizer, bos_token, eos_token)  # a bad tokenizer.json stops here, before any work
+        removed, kept = remove_stale_work(out)
+        for stale in removed:
+            print(f"removed {stale}: an earlier titanlike-prepare into {out} was killed before it finished",
+                  file=sys.stderr)
+        for stale in kept:
+            print(f"note: kept {stale}, left by a titanlike-prepare into {out} that was killed: it holds files "
+                  f"titanlike-prepare does not write", file=sys.stderr)
+        try:
+            tmp = start_work(out)
+        except OSError as e:
+            raise UserError(f"cannot write the dataset: {fs.describe_os_error(e, work_folder(out))}") from None
+        try:
+            # Every core this process may use (a container or taskset may allow fewer than the machine has).
+            info = _write(tmp, files, file_source, file_field, inputs, tok, workers or cores, val_fraction,
+                          shard_tokens, progress)
+            _publish_uninterrupted(tmp, out, overwrite)
+        except OSError as e:  # a read-only or full disk, a folder we may not write: one line, nothing left behind
+            remove_work(tmp)
+            raise UserError(f"cannot write the dataset: {fs.describe_os_error(e, tmp)}") from None
+        except BaseException:
+            remove_work(tmp)
+            raise
     return info
 
 
-def _publish_uninterrupted(tmp: str, out: str) -> None:
+def _write(tmp: str, files: list[str], file_source: list[int], file_field: list[str], inputs: list[str], tok,
+           workers: int, val_fraction: float, shard_tokens: int, progress: bool) -> dict:
+    """Tokenize the inputs into the work folder `tmp`: the shards, tokenizer.json, val_documents.json and
+    dataset.json; returns the dataset.json record, with the seconds it took."""
+    total_bytes = sum(os.path.getsize(f) for f in files)
+    holdout = Holdout(val_fraction, len(inputs))
+    dtype = token_dtype(tok.vocab_size)
+    splits = {"train": ShardWriter(os.path.join(tmp, "train"), shard_tokens, dtype),
+              "val": ShardWriter(os.path.join(tmp, "val"), shard_tokens, dtype)}
+    bar = Progress(total_bytes, progress)
+    start = time.perf_counter()
+    n_docs = text_bytes = empty = 0
+    chunks = plan(files, file_field, file_source)
+    spec = getattr(tok, "path", "byte")
+    sources: list[dict] = [{"input": os.path.abspath(i), "documents": 0, "tokens": 0, "text_fields": set()}
+                           for i in inputs]
+    for tokens, lengths, counts in tokenized(chunks, workers, spec, tok.bos_token or "", tok.eos_token or ""):
+        _split(tokens, lengths, holdout.held(lengths, counts.source), splits)
+        n_docs += lengths.size
+        text_bytes += counts.text_bytes
+        empty += counts.empty_documents
+        bar.update(counts.input_bytes, int(lengths.size), int(tokens.size))
+        source = sources[counts.source]  # what each INPUT gave: a mixture's weights are set from these
+        source["documents"] += int(lengths.size)
+        source["tokens"] += int(tokens.size)
+        source["text_fields"] |= {counts.text_field} - {""}
+    for w in splits.values():
+        w.finish()
+    bar.done()
+    seconds = time.perf_counter() - start
+    if splits["train"].total == 0:
+        what = ("no documents (every input was empty)" if n_docs == 0 else
+                f"{n_docs} document(s), all held out for validation (--val-fraction {val_fraction:g})")
+        raise UserError(f"{', '.join(inputs)}: {what}; nothing to train on")
+    info = {
+        "format": DATASET_FORMAT,
+        "tokenizer": {"kind": tok.kind, "file": "tokenizer.json", "source": getattr(tok, "path", "byte"),
+                      "bos_token": tok.bos_token, "eos_token": tok.eos_token},
+        "vocab_size": tok.vocab_size,
+        "bos_id": tok.bos_id,
+        "eos_id": tok.eos_id,
+        "token_bytes": np.dtype(dtype).itemsize,
+        "documents": n_docs,
+        "empty_documents_dropped": empty,
+        "splits": {name: {"tokens": w.total, "documents": w.documents, "shards": w.index}
+                   for name, w in splits.items()},
+        "val_fraction": val_fraction,
+        "val_documents": VAL_DOCUMENTS,
+        "inputs": [os.path.abspath(i) for i in inputs],
+        "sources": [{**s, "text_fields": sorted(s["text_fields"])} for s in sources],
+        "files": len(files),
+        "input_bytes": total_bytes,
+        "text_bytes": text_bytes,
+        "text_field": ", ".join(sorted({f for s in sources for f in s["text_fields"]})),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    fs.write_text(os.path.join(tmp, "tokenizer.json"), tok.to_json())
+    # Which documents went to val, per INPUT: their places among the documents it gave (0 = its first).
+    fs.write_json(os.path.join(tmp, VAL_DOCUMENTS), {"inputs": [
+        {"input": os.path.abspath(i), "val_documents": held} for i, held in zip(inputs, holdout.val_documents)]})
+    fs.write_json(os.path.join(tmp, DATASET_JSON), info, indent=1)
+    return {**info, "seconds": seconds}
+
+
+def _publish_uninterrupted(tmp: str, out: str, overwrite: bool) -> None:
     """publish() with Ctrl-C and the stop signals ignored: over an earlier output it moves that output's
     files into `tmp` before the new ones into place, and a stop in between would remove them with `tmp`.
     It takes a few renames; a stop that comes then is answered by finishing."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
-        publish(tmp, out)
+        publish(tmp, out, overwrite)
         return
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, *STOP_SIGNALS)}
     try:
-        publish(tmp, out)
+        publish(tmp, out, overwrite)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
