@@ -136,9 +136,30 @@ class GlobalBatchSampler:
             step += 1
 
 
+def validation_steps(windows: int, global_batch: int, steps: int) -> int:
+    """The global batches one evaluation reads of a held-out set of `windows`: validation.steps (0 = the
+    whole set), never more than the set holds (each window read at most once). A set smaller than one
+    global batch is read as one, wrapping around (its windows twice or more, a bounded cost)."""
+    whole = max(1, windows // global_batch)
+    return whole if steps == 0 else min(steps, whole)
+
+
+def validation_clamp_line(sets: dict[str, int], global_batch: int, steps: int, *, named: bool) -> str | None:
+    """The start line when validation.steps asks for more global batches than a held-out set holds
+    (`sets`: each source's windows; `named`: a mixture, whose sources the line names); None otherwise."""
+    short = {name: n for name, n in sets.items() if steps > validation_steps(n, global_batch, 0)}
+    if not short:
+        return None
+    held = ", ".join(f"{f'{name}: ' if named else ''}{n:,} windows, {validation_steps(n, global_batch, 0):,} "
+                     f"global batch(es) of {global_batch}" for name, n in short.items())
+    return (f"validation.steps = {steps:,} is more than the held-out data holds ({held}): each evaluation reads "
+            f"the whole held-out set once instead (validation.steps = 0 says so)")
+
+
 def validation_batches(dataset: TokenWindows, local_batch: int, dp_rank: int, dp_world: int,
                        micro_batches: int) -> Iterator[torch.Tensor]:
-    """This rank's micro-batches of the leading windows (wrapping around a small set).
+    """This rank's micro-batches of the leading windows (wrapping around a set smaller than one global
+    batch; validation_steps keeps every other set's reads inside it).
 
     Over all ranks the windows are [0, micro_batches × dp_world × local_batch): with
     micro_batches = steps × gradient-accumulation, that is `steps` global batches whatever the
