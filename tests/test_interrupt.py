@@ -1,6 +1,6 @@
 """Ctrl-C: the run finishes the step in flight, saves a checkpoint, says so in one line and exits 130;
 a second Ctrl-C stops it at once. The signal goes to the launcher's whole process group, as a
-terminal sends it (data-loader workers included)."""
+terminal sends it (data-loader workers included); so does a SIGTERM, as `timeout` sends it."""
 
 from __future__ import annotations
 
@@ -90,6 +90,26 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_130(tmp_path, corpus):
     out = log.read_text()
     assert f"resumed from {dump / 'checkpoint' / f'step-{step}'} at step {step}" in out
     assert f"done: steps {step + 1}-{step + 2} (2 steps, resumed at step {step}) in " in out, out[-2000:]
+
+
+def test_sigterm_to_the_process_group_saves_with_loader_workers(tmp_path, corpus):
+    """SIGTERM to the run's whole process group (what `timeout`, `kill -TERM -- -PGID` and a scheduler
+    do), data-loader workers included: they ignore it and serve the step being finished; the run saves,
+    says so in its last line and exits 0, with no worker death and no traceback."""
+    dump = tmp_path / "run"
+    proc, log = start(dump, corpus, "--training.steps", "500", "--data.num_workers", "2", "--checkpoint.enable",
+                      "--checkpoint.interval", "1000")
+    wait_for("train step      3/500", proc, log)
+    os.killpg(proc.pid, signal.SIGTERM)
+    rc = proc.wait(timeout=300)
+    out = log.read_text()
+    assert rc == 0, out[-4000:]
+    assert "Traceback" not in out and "killed by signal" not in out, out[-4000:]
+    last = out.rstrip().splitlines()[-1]
+    step = int(last.split("preempted: stopped after step ")[1].split(";")[0])
+    assert last.endswith(f"preempted: stopped after step {step}; checkpoint at {dump / 'checkpoint' / f'step-{step}'}"
+                         f"; run the same command to resume"), last
+    assert complete_checkpoints(dump) == [step] and step >= 3
 
 
 def ctrl_c_twice(dump: Path, corpus, ngpu: int = 1) -> tuple[int, str]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import signal
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
@@ -186,10 +185,11 @@ def data_changes(saved: object, now: dict[str, dict[str, int]]) -> str:
 
 
 def start_loader_worker(worker_id: int, parent: int) -> None:
-    """Data-loader workers share the trainer's process group, so a terminal's Ctrl-C reaches them too;
-    they must keep serving the step being finished and the loader state being saved. They end with
-    the trainer (`parent`), at once, even when it is killed outright (torch's own check takes seconds)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """Data-loader workers share the trainer's process group, so a stop sent to the group (Ctrl-C,
+    SIGTERM, SIGHUP, SIGUSR1) reaches them too; they must keep serving the step being finished, and ignore
+    it. They end with the trainer (`parent`), at once, even when it is killed outright (torch's own check
+    takes seconds)."""
+    lifeline.ignore_stops(parent)
     lifeline.end_with(parent)
 
 
@@ -225,9 +225,13 @@ class TrainLoader:
     def _start(self) -> Iterator[torch.Tensor]:
         dataset, sampler = self.parts[self.stage]
         sampler.start_step = self.batches_read
-        return iter(torch.utils.data.DataLoader(
-            dataset, batch_sampler=sampler, num_workers=self.num_workers, pin_memory=self.pin_memory,
-            worker_init_fn=functools.partial(start_loader_worker, parent=os.getpid()) if self.num_workers else None))
+        # The workers start here, with the stops held until each ignores them (torch sets SIGTERM to kill
+        # a worker before start_loader_worker runs).
+        with lifeline.signals_held(lifeline.STOP_SIGNALS):
+            return iter(torch.utils.data.DataLoader(
+                dataset, batch_sampler=sampler, num_workers=self.num_workers, pin_memory=self.pin_memory,
+                worker_init_fn=functools.partial(start_loader_worker, parent=os.getpid()) if self.num_workers
+                else None))
 
     def seek(self, batches_read: int) -> None:
         """Global batches read so far; workers, if any, restart from there at the next batch."""
