@@ -152,7 +152,7 @@ def validation_clamp_line(sets: dict[str, int], global_batch: int, steps: int, *
     held = ", ".join(f"{f'{name}: ' if named else ''}{n:,} windows, {validation_steps(n, global_batch, 0):,} "
                      f"global batch(es) of {global_batch}" for name, n in short.items())
     return (f"validation.steps = {steps:,} is more than the held-out data holds ({held}): each evaluation reads "
-            f"the whole held-out set once instead (validation.steps = 0 says so)")
+            f"{'each of these' if named else 'the whole held-out set'} once instead (validation.steps = 0 says so)")
 
 
 def validation_batches(dataset: TokenWindows, local_batch: int, dp_rank: int, dp_world: int,
