@@ -123,6 +123,7 @@ def test_sigterm_to_the_process_group_saves_with_loader_workers(tmp_path, corpus
     assert complete_checkpoints(dump) == [step] and step >= 3
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_a_run_started_with_it_ignored_even_while_it_builds(tmp_path, corpus):
     """A script's `./run_train.sh … &` starts the run with SIGINT ignored, which Python keeps: a Ctrl-C
     (or `kill -INT`) while the run was built was lost. Now it stops there, as in a terminal."""
@@ -137,6 +138,7 @@ def test_ctrl_c_stops_a_run_started_with_it_ignored_even_while_it_builds(tmp_pat
     assert "Traceback" not in out and complete_checkpoints(dump) == []
 
 
+@pytest.mark.slow
 def test_ctrl_c_with_the_output_into_a_closed_pipe_still_saves(tmp_path, corpus):
     """Ctrl-C on `run_train.sh … 2>&1 | tee log`: the terminal's signal ends tee at once, and the run's
     next line went into a pipe with no reader; the run ended (exit 1) before its save. Now the console
