@@ -14,6 +14,12 @@ if ! command -v "$PYTHON" > /dev/null 2>&1; then
   echo "error: PYTHON='$PYTHON': no such command; set PYTHON to the Python that has titanlike's packages (default python3)" >&2
   exit 2
 fi
+# A script's `./run_train.sh … &` starts this with Ctrl-C (SIGINT) and SIGQUIT ignored, and bash can never
+# trap a signal ignored on entry: torchrun would never hear of a Ctrl-C or `kill -INT`. Start again, the
+# same process, with both at their defaults (as a terminal's job has them).
+if [ -n "$(trap -p INT QUIT)" ]; then
+  exec "$PYTHON" -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); signal.signal(signal.SIGQUIT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])' "$BASH" "${BASH_SOURCE[0]}" "$@"
+fi
 if [ -z "${NGPU:-}" ]; then
   NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   [ "${NGPU:-0}" -ge 1 ] 2>/dev/null || NGPU=1

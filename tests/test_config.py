@@ -340,8 +340,10 @@ INVALID = [
     (["--fp8.health_log_freq", "-1"], "fp8.health_log_freq = -1 must be >= 0 (0 = off)"),
     (["--metrics.log_freq", "0"], "metrics.log_freq = 0 must be >= 1"),
     (["--metrics.wandb_project", "team/run"], "metrics.wandb_project = 'team/run': a W&B project name is 1 to 128"),
-    (["--validation.freq", "0"], "validation.freq and validation.steps must be >= 1 (got 0, 4)"),
-    (["--validation.steps", "0"], "validation.freq and validation.steps must be >= 1 (got 50, 0)"),
+    (["--validation.freq", "0"], "validation.freq must be >= 1 and validation.steps >= 0 (0 = all the held-out "
+                                 "data) (got 0, 4)"),
+    (["--validation.steps", "-1"], "validation.freq must be >= 1 and validation.steps >= 0 (0 = all the held-out "
+                                   "data) (got 50, -1)"),
     (["--profiling.freq", "0"], "profiling: need freq >= 1"),
     (["--profiling.warmup", "-1"], "profiling: need"),
     (["--profiling.active", "0"], "profiling: need"),

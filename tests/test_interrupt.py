@@ -1,6 +1,6 @@
 """Ctrl-C: the run finishes the step in flight, saves a checkpoint, says so in one line and exits 130;
 a second Ctrl-C stops it at once. The signal goes to the launcher's whole process group, as a
-terminal sends it (data-loader workers included)."""
+terminal sends it (data-loader workers included); so does a SIGTERM, as `timeout` sends it."""
 
 from __future__ import annotations
 
@@ -18,24 +18,35 @@ from conftest import ROOT, _env, metrics
 NOTICE = "Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again stops at once)"
 
 
-def start(dump: Path, corpus, *overrides: str, ngpu: int = 1, device: str = "cpu") -> tuple[subprocess.Popen, Path]:
-    """`./run_train.sh` in a process group of its own (a terminal's foreground job); output to a file."""
+def start(dump: Path, corpus, *overrides: str, ngpu: int = 1, device: str = "cpu",
+          ignoring: bool = False) -> tuple[subprocess.Popen, Path]:
+    """`./run_train.sh` in a process group of its own (a terminal's foreground job); output to a file.
+    `ignoring`: started with Ctrl-C ignored, as a script's `./run_train.sh … &` starts it."""
     log = dump.parent / f"{dump.name}.log"
-    cmd = [str(ROOT / "run_train.sh"), "--job.dump_folder", str(dump), "--training.device", device,
-           "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--validation.enable", "false",
-           "--data.path", corpus[0], "--data.num_workers", "1", *overrides]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=dict(_env(), NGPU=str(ngpu)), cwd=ROOT, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=terminal_signals)
+        proc = subprocess.Popen(command(dump, corpus, *overrides, device=device), env=dict(_env(), NGPU=str(ngpu)),
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=background_signals if ignoring else terminal_signals)
     return proc, log
+
+
+def command(dump: Path, corpus, *overrides: str, device: str = "cpu") -> list[str]:
+    return [str(ROOT / "run_train.sh"), "--job.dump_folder", str(dump), "--training.device", device,
+            "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--validation.enable", "false",
+            "--data.path", corpus[0], "--data.num_workers", "1", *overrides]
 
 
 def terminal_signals() -> None:
     """Ctrl-C and Ctrl-\\ at their default actions, as in a terminal's job. When the test suite itself
-    runs in the background of a non-interactive shell (`pytest &`), it inherits them ignored, and a
-    shell started with a signal ignored can never trap it: the launcher would not see the Ctrl-C."""
+    runs in the background of a non-interactive shell (`pytest &`), it inherits them ignored."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
+def background_signals() -> None:
+    """Ctrl-C and Ctrl-\\ ignored, as a non-interactive shell starts `cmd &`."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
 
 
 def wait_for(text: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
@@ -92,6 +103,69 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_130(tmp_path, corpus):
     assert f"done: steps {step + 1}-{step + 2} (2 steps, resumed at step {step}) in " in out, out[-2000:]
 
 
+def test_sigterm_to_the_process_group_saves_with_loader_workers(tmp_path, corpus):
+    """SIGTERM to the run's whole process group (what `timeout`, `kill -TERM -- -PGID` and a scheduler
+    do), data-loader workers included: they ignore it and serve the step being finished; the run saves,
+    says so in its last line and exits 0, with no worker death and no traceback."""
+    dump = tmp_path / "run"
+    proc, log = start(dump, corpus, "--training.steps", "500", "--data.num_workers", "2", "--checkpoint.enable",
+                      "--checkpoint.interval", "1000")
+    wait_for("train step      3/500", proc, log)
+    os.killpg(proc.pid, signal.SIGTERM)
+    rc = proc.wait(timeout=300)
+    out = log.read_text()
+    assert rc == 0, out[-4000:]
+    assert "Traceback" not in out and "killed by signal" not in out, out[-4000:]
+    last = out.rstrip().splitlines()[-1]
+    step = int(last.split("preempted: stopped after step ")[1].split(";")[0])
+    assert last.endswith(f"preempted: stopped after step {step}; checkpoint at {dump / 'checkpoint' / f'step-{step}'}"
+                         f"; run the same command to resume"), last
+    assert complete_checkpoints(dump) == [step] and step >= 3
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_run_started_with_it_ignored_even_while_it_builds(tmp_path, corpus):
+    """A script's `./run_train.sh … &` starts the run with SIGINT ignored, which Python keeps: a Ctrl-C
+    (or `kill -INT`) while the run was built was lost. Now it stops there, as in a terminal."""
+    dump = tmp_path / "run"
+    proc, log = start(dump, corpus, "--training.steps", "20", ignoring=True)
+    wait_for("run folder", proc, log)  # the build has begun; the model, data and optimizer are to come
+    ctrl_c(proc)
+    rc = proc.wait(timeout=300)
+    out = log.read_text()
+    assert rc == 130, out[-4000:]
+    assert out.rstrip().splitlines()[-1] == "interrupted before training started: nothing saved", out[-4000:]
+    assert "Traceback" not in out and complete_checkpoints(dump) == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_with_the_output_into_a_closed_pipe_still_saves(tmp_path, corpus):
+    """Ctrl-C on `run_train.sh … 2>&1 | tee log`: the terminal's signal ends tee at once, and the run's
+    next line went into a pipe with no reader; the run ended (exit 1) before its save. Now the console
+    goes quiet, the run saves, and its train.log says so."""
+    dump = tmp_path / "run"
+    proc = subprocess.Popen(command(dump, corpus, "--training.steps", "500", "--data.num_workers", "0"),
+                            env=dict(_env(), NGPU="1"), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=terminal_signals)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "train step      3/500" in line:
+            break
+    proc.stdout.close()  # tee, ended by the Ctrl-C before the run has finished its step
+    time.sleep(0.2)  # the signal comes mid-step, not while the run writes the line just read
+    ctrl_c(proc)
+    assert proc.wait(timeout=300) == 130
+    log = (dump / "train.log").read_text().rstrip().splitlines()
+    step = int(log[-1].split("interrupted: stopped after step ")[1].split(";")[0])
+    saved = dump / "checkpoint" / f"step-{step}"
+    assert log[-1].endswith(f"interrupted: stopped after step {step}; checkpoint at {saved}; run the same command "
+                            f"to resume"), log[-3:]
+    assert sum("the console is gone (stderr: Broken pipe): the run goes on, its log in train.log only" in line
+               for line in log) == 1
+    assert complete_checkpoints(dump) == [step] and step >= 3
+
+
 def ctrl_c_twice(dump: Path, corpus, ngpu: int = 1) -> tuple[int, str]:
     """Ctrl-C once the run trains, again once it has said it will finish the step: (exit code, log)."""
     proc, log = start(dump, corpus, "--training.steps", "500", ngpu=ngpu)
@@ -126,6 +200,18 @@ def test_ctrl_c_through_the_launcher_with_two_ranks(tmp_path, corpus):
     assert saved  # a complete checkpoint, written by both ranks (DCP's metadata is in place)
     assert (dump / "checkpoint" / f"step-{step}" / ".metadata").exists()
     assert "death signal" not in log.read_text()  # torchrun's own notice is not repeated
+
+
+@pytest.mark.slow
+def test_ctrl_c_through_a_launcher_started_with_it_ignored(tmp_path, corpus):
+    """NGPU=2 started as a script's `… &` (SIGINT ignored, which bash can never trap): the launcher starts
+    itself again with it at its default, so a Ctrl-C stops the run with a save, as from a terminal
+    (the run trained on to its end and exited 0)."""
+    dump = tmp_path / "run"
+    proc, log = start(dump, corpus, "--training.steps", "500", ngpu=2, ignoring=True)
+    wait_for("train step      3/500", proc, log)
+    ctrl_c(proc)
+    check_interrupted(dump, proc, log)
 
 
 @pytest.mark.slow

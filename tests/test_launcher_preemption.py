@@ -11,16 +11,22 @@ import subprocess
 import pytest
 
 from conftest import ROOT, _env
+from test_lifeline import descendants
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGHUP])  # SIGHUP: a closed terminal or ssh
-def test_launcher_signal_saves_and_exits_zero(tmp_path, corpus, sig):
+@pytest.mark.parametrize("sig,to", [(signal.SIGUSR1, "launcher"),
+                                    (signal.SIGHUP, "launcher"),  # a closed terminal or ssh
+                                    (signal.SIGTERM, "every process")],  # SLURM, `pkill -f run_train.sh`
+                         ids=["SIGUSR1", "SIGHUP", "SIGTERM to every process"])
+def test_launcher_signal_saves_and_exits_zero(tmp_path, corpus, sig, to):
+    """To every process: the launcher, torchrun, the ranks and their data-loader workers, which ignore it
+    (their trainer's to act on) instead of dying of it under a rank that then could not save."""
     env = dict(_env(), NGPU="2")
     cmd = [str(ROOT / "run_train.sh"), "--job.dump_folder", str(tmp_path), "--training.device", "cpu",
            "--training.steps", "500", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
            "--checkpoint.enable", "--checkpoint.interval", "1000",
-           "--data.path", corpus[0], "--data.val_path", corpus[1]]
+           "--data.path", corpus[0], "--data.val_path", corpus[1], "--data.num_workers", "2"]
     # SIGHUP at its default in the launcher, as a terminal or ssh starts it: under nohup (a CI job started
     # with it) the launcher inherits it ignored, and rightly ignores it, so the run trained on to the end.
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
@@ -29,7 +35,10 @@ def test_launcher_signal_saves_and_exits_zero(tmp_path, corpus, sig):
     for line in proc.stdout:
         lines.append(line)
         if "train step      3" in line:
-            proc.send_signal(sig)  # the launcher forwards it to torchrun, which forwards it to the workers
+            run = [proc.pid, *(descendants(proc.pid) if to == "every process" else ())]
+            assert len(run) in (1, 8), run  # launcher, torchrun, 2 ranks, 2 loader workers each
+            for pid in run:  # to the launcher alone, it forwards it to torchrun, which forwards it to the ranks
+                os.kill(pid, sig)
             break
     lines += proc.stdout.readlines()
     rc = proc.wait(timeout=300)
@@ -39,6 +48,7 @@ def test_launcher_signal_saves_and_exits_zero(tmp_path, corpus, sig):
     saved = [d for d in os.listdir(tmp_path / "checkpoint") if d.startswith("step-") and not d.endswith(".tmp")]
     assert len(saved) == 1 and 3 <= int(saved[0].split("-")[1]) < 500
     assert out.rstrip().endswith("run the same command to resume")
+    assert "Traceback" not in out and "killed by signal" not in out, out[-3000:]
 
 
 @pytest.mark.slow

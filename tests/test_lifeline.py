@@ -164,6 +164,48 @@ def test_a_helper_process_ends_the_moment_its_parent_is_killed():
     assert orphan.returncode == -signal.SIGKILL, orphan
 
 
+STOPPED_HELPER = """
+import multiprocessing, os, sys, time
+from titanlike.process import lifeline
+
+def helper(parent):
+    lifeline.ignore_stops(parent)
+    print(os.getpid(), flush=True)
+    time.sleep(60)
+
+with lifeline.signals_held(lifeline.STOP_SIGNALS):
+    process = multiprocessing.get_context("fork").Process(target=helper, args=(os.getpid(),), daemon=True)
+    process.start()
+sys.stdin.readline()
+process.terminate()  # how multiprocessing (at exit) and torch end a worker that did not stop when told
+process.join(10)
+print(process.exitcode, flush=True)
+"""
+
+
+def test_a_helper_ignores_the_stops_of_others_and_ends_on_its_parents_sigterm():
+    """lifeline.ignore_stops (data-loader workers): a stop from anyone but its parent (a group's signal, a
+    scheduler's to every process) leaves the helper serving the trainer; its parent's SIGTERM ends it, exit
+    0, as torch's own handler did (ignoring that too would hang the trainer's exit, which joins its workers)."""
+    parent = subprocess.Popen([sys.executable, "-c", STOPPED_HELPER], env=_env(), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert parent.stdin is not None and parent.stdout is not None
+    helper = int(parent.stdout.readline())
+    try:
+        for sig in lifeline.STOP_SIGNALS:
+            os.kill(helper, sig)
+        time.sleep(0.3)
+        assert alive(helper), "a helper died of a stop meant for the trainer"
+        parent.stdin.write("\n")
+        parent.stdin.flush()
+        assert parent.stdout.readline().strip() == "0"
+        assert parent.wait(timeout=10) == 0
+    finally:
+        if alive(helper):
+            os.kill(helper, signal.SIGKILL)
+        parent.kill()
+
+
 @pytest.mark.slow
 def test_the_data_loaders_workers_end_with_a_killed_trainer(tmp_path, corpus):
     """One process with two loader workers, killed outright: its workers are gone within a second."""

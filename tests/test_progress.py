@@ -116,6 +116,37 @@ def test_log_records_are_written_above_the_line():
         root.removeHandler(handler)
 
 
+class ClosedTerminal(Terminal):
+    """A terminal that went away (a closed ssh session): every write fails, as on a hung-up tty."""
+
+    def write(self, text: str) -> int:
+        raise OSError(5, "Input/output error")
+
+
+def test_a_closed_terminal_ends_the_line_not_the_run():
+    """The line is drawn while the terminal is there; once it is gone, neither a redraw, a log record
+    (whose filter erases the line) nor close raises: the run goes on to its save."""
+    clock, term = Clock(), Terminal()
+    handler = logging.StreamHandler(term)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    log = logging.getLogger("titanlike.test_progress")
+    log.setLevel(logging.INFO)
+    try:
+        p = Progress(first_step=1, total_steps=10, tokens_per_step=1000, terminal=True, stream=term, clock=clock)
+        p.step_done(1)
+        p.show()
+        term.__class__ = ClosedTerminal  # the terminal goes, with the line on it
+        log.info("checkpoint step 1: saved")
+        clock.now += progress.REDRAW_EVERY_S
+        p.step_done(2)
+        p.show()
+        p.close()
+        assert not p.terminal
+    finally:
+        root.removeHandler(handler)
+
+
 def test_no_terminal_no_line():
     clock, stream = Clock(), io.StringIO()
     p = Progress(first_step=1, total_steps=10, tokens_per_step=1000, terminal=False, stream=stream, clock=clock)

@@ -6,6 +6,7 @@ understood."""
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 import torch.distributed as dist
@@ -17,7 +18,7 @@ from titanlike.errors import EXIT_CODE, UserError, error_exit
 from titanlike.plan.fit import fitted
 from titanlike.preflight import resolved
 from titanlike.process import faults, lifeline
-from titanlike.process.logs import setup_logging
+from titanlike.process.logs import say, setup_logging
 from titanlike.run import stopping
 from titanlike.trainer import Trainer
 
@@ -28,6 +29,9 @@ __all__ = ["Trainer", "cli", "main"]
 
 def main(argv: list[str] | None = None) -> int:
     lifeline.follow_torchrun()  # a torchrun worker ends with it (process/lifeline.py); a top-level run follows nothing
+    # Ctrl-C (or `kill -INT`) stops a run even where it started with SIGINT ignored, as a script's `… &` starts
+    # it (Python then leaves it ignored): the build would be deaf to it, and under torchrun the whole run.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     parallel.default_allocator_settings()
     world, rank, _ = world_from_env()
     try:
@@ -54,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         # Ctrl-C before the training loop (building, compiling, loading): nothing trained to save.
         if rank == 0:
-            print("interrupted before training started: nothing saved", file=sys.stderr)
+            say("interrupted before training started: nothing saved")
         publish = world == 1
         return stopping.EXIT_CODE[stopping.INTERRUPTED]
     except UserError as e:
@@ -65,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         known = faults.explain(e, cfg, world, rank, **(trainer.fault_facts() if trainer is not None else {}))
         if known is None:
             raise
-        print(f"error: {known[1]}", file=sys.stderr)
+        say(f"error: {known[1]}")
         return known[0]
     except BaseException:
         publish = world == 1
@@ -75,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 trainer.close(publish=publish)
             except UserError as e:  # publishing the save in flight failed: say so, after the first error
-                print(f"error: {e}", file=sys.stderr)
+                say(f"error: {e}")
         if dist.is_initialized():
             parallel.destroy_process_group()
 

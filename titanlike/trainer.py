@@ -23,7 +23,7 @@ from titanlike.config import ConfigError, JobConfig, to_toml
 from titanlike.config.dims import local_world, world_from_env
 from titanlike.config.run import resolve_run
 from titanlike.data.build import DataSpec, build_run_data
-from titanlike.data.loader import validation_batches
+from titanlike.data.loader import validation_batches, validation_clamp_line, validation_steps
 from titanlike.data.tokenizer import record_tokenizer, run_tokenizer_files
 from titanlike.float8 import Float8Converter
 from titanlike.hf.initial import load_initial_weights
@@ -219,7 +219,7 @@ class Trainer:
         ) if self.data.mixed else None
 
     def _say_what_runs(self) -> None:
-        """The one line that says what trains where."""
+        """The one line that says what trains where (and one when validation.steps is past the held-out data)."""
         if not self.is_main:
             return
         first, d = self.stages.first, self.dims
@@ -232,6 +232,11 @@ class Trainer:
             f"global batch {first.global_batch} = {first.local_batch} × {d.dp} ranks × {first.accum_steps} "
             f"micro-batches | seq {first.seq_len}{' | gradients summed in bf16' if bf16_sums else ''}"
             f"{' | gradients summed once a step' if self.cfg.parallel.gradient_sync == 'step' and self.mesh else ''}")
+        if self.data.val and (line := validation_clamp_line(
+                {name: len(w) for name, w in self.data.val.items()},
+                self.run.stages.at_batch(self.loader.batches_read).global_batch, self.cfg.validation.steps,
+                named=self.data.mixed)):
+            logger.info(line)  # validation.steps past the held-out data: read once (data/loader.validation_steps)
 
     # ---- one training step ----------------------------------------------------------------------
 
@@ -290,20 +295,40 @@ class Trainer:
         return self.context.shard(inputs, targets, self.model.document_end)
 
     @torch.no_grad()
-    def validation_loss(self, windows) -> float:
+    def validation_loss(self, windows) -> float | None:
+        """The mean loss of the leading global batches of `windows` (validation.steps of them, each window
+        read at most once); None when a stop request came first (any rank's: checked before each global
+        batch, so that a long validation does not hold up a preemption)."""
         stage = self.stages.current
-        micro_batches = self.cfg.validation.steps * stage.accum_steps  # `steps` global batches of the stage
+        accum = stage.accum_steps
+        micro_batches = validation_steps(len(windows), stage.global_batch, self.cfg.validation.steps) * accum
         total = torch.zeros((), device=self.device)
-        for batch in validation_batches(windows, stage.local_batch, self.dp_rank, self.dims.dp, micro_batches):
+        for i, batch in enumerate(validation_batches(windows, stage.local_batch, self.dp_rank, self.dims.dp,
+                                                     micro_batches)):
+            if i % accum == 0 and self.stop_requested():
+                return None
             inputs, targets, context = self.micro_batch(batch.to(self.device))
             with self.autocast:
                 total += self.loss_fn(self.model, inputs, targets, context).float()
         return parallel.mean_over_ranks(total / micro_batches).item()
 
+    def stop_requested(self) -> bool:
+        """Whether any rank has a stop request; every rank calls it at the same points (one small
+        all-reduce with more than one rank)."""
+        request = float(self.stop_signals.request)
+        if self.world > 1:
+            request = parallel.mean_over_ranks(torch.tensor(request, device=self.device)).item()
+        return request > 0
+
     def validate(self) -> None:
         """The held-out loss of each source with validation data; with a mixture, their total weighted as
-        the current phase mixes them (docs/data.md)."""
-        losses = {name: self.validation_loss(windows) for name, windows in self.data.val.items()}
+        the current phase mixes them (docs/data.md). Cut short by a stop request, it logs nothing: the
+        loop's next agreement on a stop (CheckpointManager.due) saves and stops the run."""
+        losses = {}
+        for name, windows in self.data.val.items():
+            if (loss := self.validation_loss(windows)) is None:
+                return
+            losses[name] = loss
         self.metrics.log_validation(self.state.step, losses, self.data.val_total(losses), per_source=self.data.mixed)
 
     # ---- the loop -----------------------------------------------------------------------------------

@@ -341,11 +341,11 @@ class Validation:
     freq: int = 50
     """Validate every this many steps (and at the last step)."""
     steps: int = 4
-    """Global batches of held-out data per evaluation (the same samples for any number of ranks)."""
+    """Global batches of held-out data per evaluation (the same at any world size); 0 or more than it has: all, once."""
 
     def validate(self) -> None:
-        need(self.freq >= 1 and self.steps >= 1,
-             f"validation.freq and validation.steps must be >= 1 (got {self.freq}, {self.steps})")
+        need(self.freq >= 1 and self.steps >= 0, f"validation.freq must be >= 1 and validation.steps >= 0 "
+             f"(0 = all the held-out data) (got {self.freq}, {self.steps})")
 
 
 @dataclass

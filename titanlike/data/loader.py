@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import signal
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
@@ -136,9 +135,30 @@ class GlobalBatchSampler:
             step += 1
 
 
+def validation_steps(windows: int, global_batch: int, steps: int) -> int:
+    """The global batches one evaluation reads of a held-out set of `windows`: validation.steps (0 = the
+    whole set), never more than the set holds (each window read at most once). A set smaller than one
+    global batch is read as one, wrapping around (its windows twice or more, a bounded cost)."""
+    whole = max(1, windows // global_batch)
+    return whole if steps == 0 else min(steps, whole)
+
+
+def validation_clamp_line(sets: dict[str, int], global_batch: int, steps: int, *, named: bool) -> str | None:
+    """The start line when validation.steps asks for more global batches than a held-out set holds
+    (`sets`: each source's windows; `named`: a mixture, whose sources the line names); None otherwise."""
+    short = {name: n for name, n in sets.items() if steps > validation_steps(n, global_batch, 0)}
+    if not short:
+        return None
+    held = ", ".join(f"{f'{name}: ' if named else ''}{n:,} windows, {validation_steps(n, global_batch, 0):,} "
+                     f"global batch(es) of {global_batch}" for name, n in short.items())
+    return (f"validation.steps = {steps:,} is more than the held-out data holds ({held}): each evaluation reads "
+            f"{'each of these' if named else 'the whole held-out set'} once instead (validation.steps = 0 says so)")
+
+
 def validation_batches(dataset: TokenWindows, local_batch: int, dp_rank: int, dp_world: int,
                        micro_batches: int) -> Iterator[torch.Tensor]:
-    """This rank's micro-batches of the leading windows (wrapping around a small set).
+    """This rank's micro-batches of the leading windows (wrapping around a set smaller than one global
+    batch; validation_steps keeps every other set's reads inside it).
 
     Over all ranks the windows are [0, micro_batches × dp_world × local_batch): with
     micro_batches = steps × gradient-accumulation, that is `steps` global batches whatever the
@@ -165,10 +185,11 @@ def data_changes(saved: object, now: dict[str, dict[str, int]]) -> str:
 
 
 def start_loader_worker(worker_id: int, parent: int) -> None:
-    """Data-loader workers share the trainer's process group, so a terminal's Ctrl-C reaches them too;
-    they must keep serving the step being finished and the loader state being saved. They end with
-    the trainer (`parent`), at once, even when it is killed outright (torch's own check takes seconds)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """Data-loader workers share the trainer's process group, so a stop sent to the group (Ctrl-C,
+    SIGTERM, SIGHUP, SIGUSR1) reaches them too; they must keep serving the step being finished, and ignore
+    it. They end with the trainer (`parent`), at once, even when it is killed outright (torch's own check
+    takes seconds)."""
+    lifeline.ignore_stops(parent)
     lifeline.end_with(parent)
 
 
@@ -204,9 +225,13 @@ class TrainLoader:
     def _start(self) -> Iterator[torch.Tensor]:
         dataset, sampler = self.parts[self.stage]
         sampler.start_step = self.batches_read
-        return iter(torch.utils.data.DataLoader(
-            dataset, batch_sampler=sampler, num_workers=self.num_workers, pin_memory=self.pin_memory,
-            worker_init_fn=functools.partial(start_loader_worker, parent=os.getpid()) if self.num_workers else None))
+        # The workers start here, with the stops held until each ignores them (torch sets SIGTERM to kill
+        # a worker before start_loader_worker runs).
+        with lifeline.signals_held(lifeline.STOP_SIGNALS):
+            return iter(torch.utils.data.DataLoader(
+                dataset, batch_sampler=sampler, num_workers=self.num_workers, pin_memory=self.pin_memory,
+                worker_init_fn=functools.partial(start_loader_worker, parent=os.getpid()) if self.num_workers
+                else None))
 
     def seek(self, batches_read: int) -> None:
         """Global batches read so far; workers, if any, restart from there at the next batch."""

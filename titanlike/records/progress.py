@@ -128,13 +128,20 @@ class Progress:
         width = shutil.get_terminal_size((100, 24)).columns
         line = render(self._step, self.total, rate * self.tokens_per_step if rate else None, self.eta_s(now),
                       self._loss, width)
-        self.stream.write(CLEAR + line)
-        self.stream.flush()
-        self._shown, self._drawn_at = True, now
+        self._shown, self._drawn_at = self._write(CLEAR + line), now
+
+    def _write(self, text: str) -> bool:
+        """Write to the terminal; whether it is still there (a closed one ends the line, never the run)."""
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except OSError:
+            self.terminal = False
+        return self.terminal
 
     def _erase_before_log(self, record: logging.LogRecord) -> bool:
         if self._shown:
-            self.stream.write(CLEAR)
+            self._write(CLEAR)
             self._shown = False
             self._drawn_at = -float("inf")  # redraw at the next step, under the record
         return True
@@ -142,8 +149,7 @@ class Progress:
     def close(self) -> None:
         """Leave the terminal clean: erase the line and detach from logging."""
         if self._shown:
-            self.stream.write(CLEAR)
-            self.stream.flush()
+            self._write(CLEAR)
             self._shown = False
         for handler in self._handlers:
             handler.removeFilter(self._erase_before_log)

@@ -64,8 +64,11 @@ class StopSignals:
             # os.write, not print: a handler can run in the middle of a print to the same stream.
             # \r and erase-line: a progress line (progress.py) may be on the terminal.
             erase = "\r\033[K" if os.isatty(2) else ""
-            os.write(2, f"{erase}Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again stops at once)\n"
-                        .encode())
+            try:
+                os.write(2, f"{erase}Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again stops at "
+                            f"once)\n".encode())
+            except OSError:  # stderr gone (Ctrl-C on `… | tee log` ends tee first): the run still saves
+                pass
 
 
 def stopped_line(request: int, step: int, checkpoint: str) -> str:

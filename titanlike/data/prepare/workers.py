@@ -43,14 +43,8 @@ def stop_signals_held():
     default, waiting for a task, and the shutdown of the multiprocessing.Pool used then waiting on it for
     ever. Held, the signal waits until the worker's own default is in place, and ends it. The main thread
     takes any that arrive meanwhile as soon as the workers have started."""
-    if not _CAN_HOLD:
+    with lifeline.signals_held(_HELD):
         yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _init_worker(spec: str, bos: str, eos: str, own_process: bool = True) -> None:
