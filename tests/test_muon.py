@@ -1,0 +1,359 @@
+"""Muon (titanlike/optim/muon.py): torch.optim.Muon's update and torch.optim.AdamW's in one optimizer; a
+stacked wqkv updated as q, k and v; under FSDP2 over gloo (uneven row shards, HSDP) the same parameters
+as one process, through the checkpoint and with float8 weight wrappers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from conftest import spawn_ranks
+from titanlike.model.decoder import Transformer
+from titanlike.model.shape import ModelArgs
+from titanlike.optim.muon import ADAMW, MUON, Muon, param_groups, transformer_param_groups
+from titanlike.optim.orthogonalize import assign_owners, row_ranges
+
+LR, WD = 0.02, 0.1
+
+
+def _params(shapes: list[tuple[int, ...]], seed: int = 0) -> list[nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+
+
+def _grads(params: list[torch.Tensor], step: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(p.shape, generator=gen) for p in params]
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _set_grads(model: nn.Module, step: int) -> None:
+    """The same whole gradients on every rank and in the one-process model; each rank keeps its shard."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for p, g in zip(model.parameters(), _grads(list(model.parameters()), step)):
+        if isinstance(p, DTensor):
+            g = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
+        p.grad = g
+
+
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return p.full_tensor() if isinstance(p, DTensor) else p.detach()
+
+
+# ---- one process ----------------------------------------------------------------------------------------
+
+MATRICES = [(64, 32), (32, 64), (48, 48), (40, 24)]  # tall (iterated transposed), wide, square, tall
+
+
+@pytest.mark.parametrize("rule", ["match_rms_adamw", "original"])
+@pytest.mark.parametrize("momentum", [0.0, 0.95])
+def test_muon_groups_are_torch_muon(rule, momentum):
+    """Without momentum Newton–Schulz sees the very numbers torch.optim.Muon's does: the same update, to
+    fp32 rounding. With momentum our buffer is 1/(1 - mu) times torch's mean, which the norm divides out
+    but bf16 rounds otherwise: within bf16's few per cent, step after step (a wrong scale, momentum or
+    Nesterov term is off by far more: 15 % for a scale from another matrix's rows)."""
+    ours, theirs = _params(MATRICES), _params(MATRICES)
+    opt = Muon([{"kind": MUON, "params": ours}], lr=LR, weight_decay=WD, momentum=momentum, adjust_lr=rule)
+    ref = torch.optim.Muon(theirs, lr=LR, weight_decay=WD, momentum=momentum, nesterov=True, adjust_lr_fn=rule)
+    for step in range(4):
+        before = [p.detach().clone() for p in ours]
+        for a, b, g in zip(ours, theirs, _grads(ours, step)):
+            a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+        for a, b, w in zip(ours, theirs, before):
+            if momentum == 0.0:
+                torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+            else:
+                assert _relative(a.detach() - w, b.detach() - w) < 0.04, (rule, step, tuple(a.shape))
+        with torch.no_grad():  # the next step from the same weights
+            for a, b in zip(ours, theirs):
+                b.copy_(a)
+
+
+def test_adamw_groups_are_torch_adamw():
+    """The AdamW groups (decay and no decay) step as torch.optim.AdamW, bit for bit, over several steps."""
+    shapes = [(16, 8), (8,), (5, 3, 2)]
+    ours, theirs = _params(shapes), _params(shapes)
+    opt = Muon([{"kind": ADAMW, "params": ours[::2], "weight_decay": WD},
+                {"kind": ADAMW, "params": ours[1:2], "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    ref = torch.optim.AdamW([{"params": theirs[::2], "weight_decay": WD}, {"params": theirs[1:2], "weight_decay": 0.0}],
+                            lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+    for step in range(5):
+        for a, b, g in zip(ours, theirs, _grads(ours, step)):
+            a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+    assert all(torch.equal(opt.state[a]["exp_avg_sq"], ref.state[b]["exp_avg_sq"]) for a, b in zip(ours, theirs))
+
+
+def test_a_stacked_matrix_is_updated_as_its_parts():
+    """wqkv's rows as q, k and v (row_splits): each part orthogonalised and scaled on its own, exactly the
+    update of three separate matrices; beside a matrix of k's shape, which Newton–Schulz batches with k and v."""
+    widths = [32, 16, 16]
+    stacked, beside = _params([(64, 24), (16, 24)])
+    parts = [nn.Parameter(t.clone()) for t in stacked.detach().split(widths)]
+    other = nn.Parameter(beside.detach().clone())
+    opt = Muon([{"kind": MUON, "params": [beside]}, {"kind": MUON, "params": [stacked], "row_splits": widths}],
+               lr=LR, weight_decay=WD)
+    ref = Muon([{"kind": MUON, "params": [other, *parts]}], lr=LR, weight_decay=WD)
+    for step in range(3):
+        g, h = _grads([stacked, beside], step)
+        stacked.grad, beside.grad, other.grad = g, h, h.clone()
+        for p, gp in zip(parts, g.split(widths)):
+            p.grad = gp.clone()
+        opt.step()
+        ref.step()
+        assert torch.equal(stacked, torch.cat([p.detach() for p in parts])) and torch.equal(beside, other)
+
+
+def test_transformer_groups_by_name():
+    """Blocks' attention and feed-forward weights are Muon's (wqkv split as ModelArgs.qkv_widths); the
+    embedding and output layer AdamW's with weight decay, the norm gains AdamW's without."""
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64, qk_norm=True)
+    model = Transformer(args)
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = transformer_param_groups(model, WD)
+    seen = [(g["kind"], g["weight_decay"], g.get("row_splits"), sorted(names[id(p)] for p in g["params"]))
+            for g in groups]
+    blocks = [f"layers.{i}.{m}.weight" for i in range(2) for m in ("attention.wo", "feed_forward.w1",
+                                                                    "feed_forward.w2", "feed_forward.w3")]
+    norms = [n for n in names.values() if n.endswith("norm.weight")]
+    assert seen == [(ADAMW, WD, None, ["output.weight", "tok_embeddings.weight"]),
+                    (ADAMW, 0.0, None, sorted(norms)),
+                    (MUON, WD, [], sorted(blocks)),
+                    (MUON, WD, [32, 16, 16], [f"layers.{i}.attention.wqkv.weight" for i in range(2)])]
+    with pytest.raises(ValueError, match="add up"):
+        param_groups(model.named_parameters(), WD, {"attention.wqkv.weight": [32, 16]})
+
+
+def test_update_rms_is_the_rms_of_the_step_per_unit_of_lr():
+    """update_rms: per kind, the RMS of what the step moved the weights by (weight decay aside) over lr."""
+    model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64))
+    model.init_weights(0, 16)
+    opt = Muon(transformer_param_groups(model, WD), lr=LR, weight_decay=WD)
+    assert opt.update_rms() == {}
+    for step in range(2):
+        before = {p: p.detach().clone() for p in model.parameters()}
+        _set_grads(model, step)
+        opt.step()
+        rms = opt.update_rms()
+        for group in opt.param_groups:
+            group_moves = [(before[p] * (1 - LR * group["weight_decay"]) - p.detach()) / LR for p in group["params"]]
+            group["moves"] = torch.cat([m.reshape(-1) for m in group_moves])
+        for kind in (MUON, ADAMW):
+            moves = torch.cat([g.pop("moves") for g in opt.param_groups if g["kind"] == kind])
+            torch.testing.assert_close(rms[kind], moves.square().mean().sqrt(), rtol=2e-3, atol=0)
+
+
+def test_the_schedule_sets_the_lr_of_every_group():
+    """LambdaLR (build_scheduler) schedules Muon's groups as AdamW's: in warmup the first update is that of
+    an optimizer made with the first update's lr."""
+    from titanlike.optim import build_scheduler
+
+    args = ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64)
+    scheduled, fixed = Transformer(args), Transformer(args)
+    scheduled.init_weights(0, 16)
+    fixed.init_weights(0, 16)
+    opt = Muon(transformer_param_groups(scheduled, WD), lr=LR, weight_decay=WD)
+    build_scheduler(opt, total_steps=10, warmup_steps=4, decay_ratio=0.0, decay_type="linear", min_lr_factor=0.0)
+    ref = Muon(transformer_param_groups(fixed, WD), lr=LR / 5, weight_decay=WD)  # warmup: 1 / (4 + 1)
+    for model, optimizer in ((scheduled, opt), (fixed, ref)):
+        _set_grads(model, 0)
+        optimizer.step()
+    for p, q in zip(scheduled.parameters(), fixed.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_owners_balance_and_rows_follow_fsdp():
+    """Owners: the same list on every call, the costliest spread first; rows: torch.chunk's cut (the last
+    ranks fewer or none), which the sharded step checks against each local shard."""
+    costs = [(100, 1)] * 5 + [(10, 1)] * 10
+    owners = assign_owners(costs, 4)
+    assert owners == assign_owners(costs, 4)
+    loads = [sum(c for (c, _), o in zip(costs, owners) if o == r) for r in range(4)]
+    assert max(loads) - min(loads) <= 100 and sorted(owners[:5]) == [0, 0, 1, 2, 3]
+    assert row_ranges(5, 4) == [(0, 2), (2, 4), (4, 5), (5, 5)]
+    assert [len(c) for c in torch.arange(37).chunk(2)] == [b - a for a, b in row_ranges(37, 2)]
+
+
+# ---- FSDP2 over gloo ---------------------------------------------------------------------------------------
+
+def _tiny(ffn_dim: int) -> ModelArgs:
+    # wqkv (64 × 32) is q, k and v of 32, 16 and 16 rows; w1/w3 have ffn_dim rows: uneven over the ranks
+    return ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=ffn_dim, vocab_size=48)
+
+
+def _sharded_worker(rank: int, world: int, replicate: int, ffn_dim: int) -> None:
+    """Muon over FSDP2 (HSDP when replicate > 1) from the same gradients as one process: the same
+    parameters after each step, two all_to_all_single a step, the same update RMS."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    from titanlike.parallel.fsdp import apply_fsdp
+
+    reference = Transformer(_tiny(ffn_dim))
+    reference.init_weights(0, 16)
+    model = copy.deepcopy(reference)
+    if replicate > 1:
+        mesh = init_device_mesh("cpu", (replicate, world // replicate), mesh_dim_names=("dp_replicate", "dp_shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+    apply_fsdp(model, mesh, None, "always")
+    w1 = model.layers[0].feed_forward.w1.weight
+    assert w1.placements[-1] == Shard(0) and len(w1.placements) == mesh.ndim
+    rows = [b - a for a, b in row_ranges(ffn_dim, world // replicate)]
+    assert len(set(rows)) > 1 and w1.to_local().shape[0] == rows[mesh.get_local_rank(mesh.ndim - 1)]
+
+    opt = Muon(transformer_param_groups(model, WD), lr=LR, weight_decay=WD)
+    ref = Muon(transformer_param_groups(reference, WD), lr=LR, weight_decay=WD)
+    calls = []
+    all_to_all = dist.all_to_all_single
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return all_to_all(*args, **kwargs)
+
+    dist.all_to_all_single = counted  # type: ignore[assignment]
+    try:
+        for step in range(3):
+            _set_grads(model, step)
+            _set_grads(reference, step)
+            opt.step()
+            ref.step()
+            assert len(calls) == 2 * (step + 1)
+            for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+                torch.testing.assert_close(_whole(p), q.detach(), rtol=1e-6, atol=1e-7, msg=name)
+    finally:
+        dist.all_to_all_single = all_to_all  # type: ignore[assignment]
+    ours, theirs = opt.update_rms(), ref.update_rms()
+    assert set(ours) == {MUON, ADAMW}
+    for kind in ours:
+        torch.testing.assert_close(ours[kind], theirs[kind], rtol=1e-5, atol=0)
+
+
+def _checkpoint_worker(rank: int, world: int, folder: str) -> None:
+    """Two steps, a DCP save through the trainer's states (checkpoint/states.py), two more; then a fresh model
+    and optimizer load the save on these ranks and take the last two steps again: the same parameters. Rank
+    0 keeps the uninterrupted run's parameters for a one-process resume."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titanlike.checkpoint.states import ModelState, OptimizerState
+    from titanlike.parallel.fsdp import apply_fsdp
+
+    def build(seed: int) -> tuple[Transformer, Muon]:
+        model = Transformer(_tiny(37))
+        model.init_weights(seed, 16)
+        apply_fsdp(model, init_device_mesh("cpu", (world,)), None, "always")
+        return model, Muon(transformer_param_groups(model, WD), lr=LR, weight_decay=WD)
+
+    model, opt = build(0)
+    for step in range(4):
+        if step == 2:
+            dcp.save({"model": ModelState(model), "optim": OptimizerState(model, opt)}, checkpoint_id=f"{folder}/ckpt")
+        _set_grads(model, step)
+        opt.step()
+    whole = {n: _whole(p) for n, p in model.named_parameters()}
+    if rank == 0:
+        torch.save(whole, f"{folder}/uninterrupted.pt")
+    resumed, resumed_opt = build(1)  # other weights: the load must replace them
+    dcp.load({"model": ModelState(resumed), "optim": OptimizerState(resumed, resumed_opt)},
+             checkpoint_id=f"{folder}/ckpt")
+    for step in (2, 3):
+        _set_grads(resumed, step)
+        resumed_opt.step()
+    for name, p in resumed.named_parameters():
+        assert torch.equal(_whole(p), whole[name]), name
+
+
+def _two_rank_worker(rank: int, world: int, folder: str) -> None:
+    _sharded_worker(rank, world, 1, 37)
+    _checkpoint_worker(rank, world, folder)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP's, for a one-process load
+def test_two_ranks_match_one_process_and_resume_from_their_checkpoint(tmp_path):
+    """Two gloo ranks, w1/w3 of 37 rows (19 and 18 a rank): the parameters of one process after each step.
+    Their checkpoint (momentum and AdamW's moments, sharded) resumes on two ranks and on one: the parameters
+    of the uninterrupted run. One pair of processes for both, to keep the default tier short."""
+    import torch.distributed.checkpoint as dcp
+
+    from titanlike.checkpoint.states import ModelState, OptimizerState
+
+    spawn_ranks(_two_rank_worker, 2, str(tmp_path))
+    model = Transformer(_tiny(37))
+    model.init_weights(1, 16)
+    opt = Muon(transformer_param_groups(model, WD), lr=LR, weight_decay=WD)
+    dcp.load({"model": ModelState(model), "optim": OptimizerState(model, opt)}, checkpoint_id=str(tmp_path / "ckpt"),
+             no_dist=True)
+    for step in (2, 3):
+        _set_grads(model, step)
+        opt.step()
+    uninterrupted = torch.load(tmp_path / "uninterrupted.pt")
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), uninterrupted[name], rtol=1e-6, atol=1e-7, msg=name)
+    momentum = opt.state[model.layers[0].feed_forward.w1.weight]["momentum_buffer"]
+    assert momentum.dtype == torch.float32 and momentum.abs().sum() > 0
+
+
+@pytest.mark.slow
+def test_four_ranks_hsdp_with_empty_shards_match_one_process():
+    """2 replicas × 2 shards (HSDP), and 4 shards of w1/w3's 5 rows (2, 2, 1 and none)."""
+    spawn_ranks(_sharded_worker, 4, 2, 37)
+    spawn_ranks(_sharded_worker, 4, 1, 5)
+
+
+def _float8_worker(rank: int, world: int) -> None:
+    """A model converted by torchao (tensorwise, emulated, float8 all-gather) under FSDP2: its weights are
+    torchao's float8 wrappers inside the DTensors. From the same gradients (the first from its own float8
+    backward) Muon gives the plain model's parameters, the wrappers stay, and the model still runs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from titanlike.parallel.fsdp import apply_fsdp
+
+    args = ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=48, vocab_size=64)  # float8: 16s
+    reference = Transformer(args)
+    reference.init_weights(0, 16)
+    model = copy.deepcopy(reference)
+    config = Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn != "output")
+    apply_fsdp(model, init_device_mesh("cpu", (world,)), None, "always")
+    wqkv = model.layers[0].attention.wqkv.weight
+    assert isinstance(wqkv.to_local(), WeightWithDynamicFloat8CastTensor)
+    opt = Muon(transformer_param_groups(model, WD), lr=LR, weight_decay=WD)
+    ref = Muon(transformer_param_groups(reference, WD), lr=LR, weight_decay=WD)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
+    for step in range(3):
+        if step == 0:
+            model(tokens).float().pow(2).mean().backward()
+            for p, q in zip(model.parameters(), reference.parameters()):
+                q.grad = p.grad.full_tensor()
+        else:
+            _set_grads(model, step)
+            _set_grads(reference, step)
+        opt.step()
+        ref.step()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(_whole(p), q.detach(), rtol=1e-6, atol=1e-7, msg=name)
+    assert isinstance(wqkv.to_local(), WeightWithDynamicFloat8CastTensor)
+    assert torch.isfinite(model(tokens)).all()
+
+
+@pytest.mark.slow
+def test_float8_wrapped_weights_take_the_plain_update():
+    spawn_ranks(_float8_worker, 2)
