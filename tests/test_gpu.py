@@ -632,3 +632,32 @@ def test_step_fence_holds_the_cpu_until_the_backward_is_done():
     assert not update.query(), "the wait held the CPU through the update too"
     assert waited > 0.05
     torch.cuda.synchronize()
+
+
+def test_bf16_moments_compiled_update_is_the_eager_one():
+    """optimizer.state_dtype = bf16 on a GPU: the compiled update over chunks of parameters writes what the
+    eager arithmetic writes (to fp32 rounding of the fused kernel), for every size in a chunk and the last,
+    shorter chunk; and its moments stay bf16."""
+    from titanlike.optim.adamw_bf16 import CHUNK, AdamWBf16Moments, adamw_update
+
+    torch.manual_seed(0)
+    shapes = [(300, 40), (7,), (4096,), (33, 17)] * (CHUNK // 2) + [(5, 5)]
+    weights = [torch.randn(s, device="cuda") for s in shapes]
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    opt = AdamWBf16Moments([{"params": params, "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    eager = [(w.clone(), torch.zeros_like(w, dtype=torch.bfloat16), torch.zeros_like(w, dtype=torch.bfloat16))
+             for w in weights]
+    for step in range(1, 4):
+        grads = [torch.randn(s, device="cuda") for s in shapes]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        for (w, m, v), g in zip(eager, grads):
+            adamw_update(w, g, m, v, torch.tensor(float(step), device="cuda"), torch.tensor(1e-2, device="cuda"),
+                         0.9, 0.95, 1e-8, 0.1)
+    for p, (w, m, v) in zip(params, eager):
+        state = opt.state[p]
+        assert state["exp_avg"].dtype == torch.bfloat16 and state["step"].item() == 3.0
+        assert torch.allclose(p, w, rtol=0, atol=1e-6)
+        for name, mine in (("exp_avg", m), ("exp_avg_sq", v)):
+            assert torch.allclose(state[name].float(), mine.float(), rtol=1e-2, atol=1e-6), name
