@@ -407,6 +407,7 @@ def test_smaller_micro_batches_come_before_offload():
 
     assert [c.value for c in micro_batch_choices(3)] == ["1/3"]
     assert [c.value for c in micro_batch_choices(12)] == ["1/2", "1/3", "1/4", "1/6", "1/12"]
+    assert len(micro_batch_choices(960)) == 12  # a dozen at most, whatever the micro-batch
     costs = [c.cost for c in micro_batch_choices(8)]
     assert costs == sorted(costs) and costs[:3] == [0.03, 0.07, 0.12]
     argv = ["--job.config_file", str(ROOT / C / "rtx5090_1b_8bit.toml"), "--training.fit_gib", "23"]

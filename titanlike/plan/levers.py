@@ -107,23 +107,28 @@ CHOICES: tuple[Choice, ...] = (
            usable=lambda cfg: hasattr(cfg.parallel, "cpu_offload") and not runs_on_cpu(cfg)),
 )
 
-
-
-def micro_batch_choices(local_batch: int) -> tuple[Choice, ...]:
-    """Smaller micro-batches of the same global batch (more gradient-accumulation micro-batches a step): every
-    divisor of the micro-batch `local_batch`, each as a share of it ("1/3": a third)."""
-    out = []
-    for smaller in range(local_batch - 1, 0, -1):
-        if local_batch % smaller == 0:
-            halvings = math.log2(local_batch // smaller)
-            out.append(Choice("training.local_batch_size", f"1/{local_batch // smaller}",
-                              round(0.03 * halvings + 0.005 * halvings * (halvings - 1), 4), MICRO_BATCH_SOURCE))
-    return tuple(out)
-
-
 MICRO_BATCH_SOURCE = ("estimate: 3 % a halving of the micro-batch, 7 % two, 12 % three (more micro-batches, the same "
                       "global batch: each pays fixed per-step work, the weight casts, gathers and gradient "
                       "accumulation)")
+
+
+# The shares of a micro-batch a fit tries (those that divide it, and the micro-batch of one): a dozen at most,
+# so that the combinations stay a few thousand whatever the micro-batch.
+MICRO_BATCH_SHARES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def micro_batch_choices(local_batch: int) -> tuple[Choice, ...]:
+    """Smaller micro-batches of the same global batch (more gradient-accumulation micro-batches a step): each
+    share of MICRO_BATCH_SHARES that divides the micro-batch `local_batch`, and a micro-batch of one (a
+    micro-batch of 3 becomes 1), as "1/k"."""
+    shares = sorted({k for k in MICRO_BATCH_SHARES if local_batch % k == 0} | ({local_batch} - {1}))
+    out = []
+    for k in shares:
+        halvings = math.log2(k)
+        out.append(Choice("training.local_batch_size", f"1/{k}",
+                          round(0.03 * halvings + 0.005 * halvings * (halvings - 1), 4), MICRO_BATCH_SOURCE))
+    return tuple(out)
+
 
 # The AC modes, from the one that keeps most to the one that keeps least, as Choice values spell them.
 AC_ORDER = ("none", "budget:0.5", "selective:op", "selective:op:wqkv,wo,w1@1/8", "selective:op:wqkv,wo,w1@1/4",
