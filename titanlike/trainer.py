@@ -163,8 +163,8 @@ class Trainer:
         """4. Optimizer, LR schedule and the run's counters."""
         cfg = self.cfg
         o, s = cfg.optimizer, cfg.lr_scheduler
-        self.optimizer = build_optimizer(self.model, o.lr, o.weight_decay, o.betas, o.eps, self.device.type,
-                                         o.state_dtype, host_params=cfg.parallel.cpu_offload)
+        # optimizer.name's builder (optim/__init__.py's registry), from the [optimizer] section.
+        self.optimizer = build_optimizer(self.model, o, self.device.type, host_params=cfg.parallel.cpu_offload)
         self.scheduler = build_scheduler(self.optimizer, cfg.training.steps, s.warmup_steps, s.decay_ratio,
                                          s.decay_type, s.min_lr_factor)
         self.state = TrainState()
@@ -269,7 +269,7 @@ class Trainer:
             (loss / accum_steps).backward()
             step_loss += loss.detach() / accum_steps
         self.fence.backward_queued()
-        # The LR this update uses, for the log: a number now (8-bit AdamW's is a tensor the schedule refills).
+        # The LR this update uses, for the log: a number now (an optimizer may keep a tensor the schedule refills).
         self.lr = float(self.optimizer.param_groups[0]["lr"])
         # The update overwrites the weights: a background save's copy of them must be complete first.
         self.checkpoint.before_update()
