@@ -1,0 +1,70 @@
+"""`--optimizer.name muon` through the real trainer: its checkpoints, a resume at another world size, a resume
+with another optimizer (refused) and a new run from the other's weights (checkpoint.initial_load_path), float8
+and compile, and what it logs."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import losses, run_train, train_here
+
+MUON = ("--optimizer.name", "muon")
+# Small steps of the debug model; no warmup, so that two steps move the weights by a visible amount.
+QUICK = ("--data.seq_len", "32", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
+         "--validation.enable", "false", "--lr_scheduler.warmup_steps", "0", "--training.deterministic")
+
+
+def test_a_resume_with_another_optimizer_is_refused_and_its_weights_start_a_new_run(tmp_path, corpus):
+    """A Muon checkpoint resumed by AdamW: one line naming both and the way to its weights alone. That way,
+    checkpoint.initial_load_path, starts an AdamW run from the Muon step and a Muon run from the AdamW step: each
+    first loss is below the first loss of the run whose weights it took (the same batch from the same initial
+    weights; only the two loaded updates differ)."""
+    muon, adamw, back = tmp_path / "muon", tmp_path / "adamw", tmp_path / "back"
+    saved = ("--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "2")
+    train_here(muon, *QUICK, *saved, *MUON, corpus=corpus)
+    step = muon / "checkpoint" / "step-2"
+
+    refused = train_here(muon, *QUICK, "--training.steps", "3", "--checkpoint.enable", corpus=corpus, check=False)
+    lines = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert refused.returncode == 2 and len(lines) == 1, refused.stderr[-3000:]
+    assert (f"{step} was trained with optimizer.name = muon, this run has adamw: resume with --optimizer.name muon "
+            in lines[0]) and f"--checkpoint.initial_load_path {step} in a new --job.dump_folder" in lines[0]
+
+    train_here(adamw, *QUICK, *saved, "--checkpoint.initial_load_path", str(step), corpus=corpus)
+    train_here(back, *QUICK, "--training.steps", "1", *MUON, "--checkpoint.initial_load_path",
+               str(adamw / "checkpoint" / "step-2"), corpus=corpus)
+    assert losses(adamw)[1] < losses(muon)[1] and losses(back)[1] < losses(adamw)[1], (
+        losses(muon), losses(adamw), losses(back))
+
+
+def copy_step(src: Path, step: int, dst: Path) -> None:
+    shutil.copytree(src / "checkpoint" / f"step-{step}", dst / "checkpoint" / f"step-{step}")
+
+
+@pytest.mark.slow  # two two-rank runs and three in this process: about 50 s
+def test_a_muon_run_resumes_at_another_world_size(tmp_path, corpus):
+    """Saved at step 3 on two gloo ranks and resumed on one, and saved on one and resumed on two: steps 4-6
+    take the losses of the uninterrupted run, to the order of fp32 reductions (the ranks sum the gradients in
+    another order; Muon's momentum and AdamW's moments reshard as DTensors). Resumed at the world size that
+    saved it (one rank here; two in test_muon.py's sharded checkpoint test), bit for bit the same."""
+    args = (*QUICK, *MUON, "--training.steps", "6", "--training.global_batch_size", "4", "--checkpoint.enable",
+            "--checkpoint.interval", "3")
+    runs = {name: tmp_path / name for name in ("two", "one", "one_from_two", "two_from_one", "one_again")}
+    run_train(runs["two"], *args, nproc=2, corpus=corpus)
+    train_here(runs["one"], *args, corpus=corpus)
+    for resumed, source, nproc in (("one_from_two", "two", 1), ("two_from_one", "one", 2), ("one_again", "one", 1)):
+        copy_step(runs[source], 3, runs[resumed])
+        if nproc == 1:
+            train_here(runs[resumed], *args, corpus=corpus)
+        else:
+            run_train(runs[resumed], *args, nproc=2, corpus=corpus)
+    got = {name: losses(path) for name, path in runs.items()}
+    assert got["one_again"] == {s: got["one"][s] for s in (4, 5, 6)}, got
+    for resumed, source in (("one_from_two", "two"), ("two_from_one", "one")):
+        assert sorted(got[resumed]) == [4, 5, 6]
+        # Same samples, same weights; another batch would change a loss by ~0.1, far outside this tolerance.
+        for s in (4, 5, 6):
+            assert got[resumed][s] == pytest.approx(got[source][s], rel=2e-5, abs=0), (resumed, s, got)
