@@ -421,3 +421,54 @@ def _float8_worker(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_float8_wrapped_weights_take_the_plain_update():
     spawn_ranks(_float8_worker, 2)
+
+
+def _converter_worker(rank: int, world: int) -> None:
+    """titanlike's Float8Converter (tensorwise, emulated, float8 all-gather with precomputed scales) attached to
+    Muon: after each step every converted weight's precomputed scale is float8's max over the amax of the
+    weight Muon just wrote (its post-step hook ran after the update, not before it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titanlike import parallel
+    from titanlike.config.speed import Fp8
+    from titanlike.float8 import Float8Converter
+    from titanlike.run.state import TrainState
+
+    class NoMetrics:
+        def scalars(self, step, values):
+            pass
+
+        def note(self, values):
+            pass
+
+    args = ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=48, vocab_size=64)
+    with torch.device("meta"):
+        model = Transformer(args)
+    converter = Float8Converter.from_config(Fp8(recipe="tensorwise", emulate=True, auto_filter="false"), dp_shard=world)
+    converter.convert(model, device=torch.device("cpu"), batch=2, seq_len=16)
+    parallel.apply_fsdp(model, init_device_mesh("cpu", (world,)), None, "always")
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0, seq_len=16)
+    opt = Muon(transformer_param_groups(model, WD), lr=LR, weight_decay=WD)
+    converter.attach(opt, counters=TrainState(), metrics=NoMetrics(), log_freq=1)
+    assert converter.options.precompute_scales
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
+    wrapped = [m.weight for m in model.modules() if hasattr(getattr(m, "weight", None), "_local_tensor")
+               and hasattr(m.weight._local_tensor, "_precomputed_scale")]
+    assert len(wrapped) == 5, len(wrapped)  # wqkv, wo, w1, w3, w2: every block matrix, each Muon's
+    for _ in range(2):
+        before = [float(w._local_tensor._precomputed_scale) for w in wrapped]
+        model(tokens).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for w, old in zip(wrapped, before):
+            amax = w._local_tensor._tensor.detach().abs().max().float()
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+            expected = torch.finfo(torch.float8_e4m3fn).max / amax.double()
+            assert float(w._local_tensor._precomputed_scale) == pytest.approx(float(expected), rel=1e-6)
+            assert float(w._local_tensor._precomputed_scale) != old  # the step moved the weight's amax
+
+
+@pytest.mark.slow
+def test_float8_converter_precomputes_scales_after_muons_step():
+    spawn_ranks(_converter_worker, 2)

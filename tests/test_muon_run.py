@@ -68,3 +68,34 @@ def test_a_muon_run_resumes_at_another_world_size(tmp_path, corpus):
         # Same samples, same weights; another batch would change a loss by ~0.1, far outside this tolerance.
         for s in (4, 5, 6):
             assert got[resumed][s] == pytest.approx(got[source][s], rel=2e-5, abs=0), (resumed, s, got)
+
+
+FP8 = ("--fp8.recipe", "tensorwise", "--fp8.emulate", "--fp8.auto_filter", "false", "--compile.enable")
+
+
+def assert_trains(dump: Path) -> None:
+    """Every logged loss finite, and the last below the first by more than step-to-step noise (0.5 nats: the
+    debug model's first steps fall from ln(320) = 5.8 by about 2 in 12 steps at this learning rate)."""
+    got = losses(dump)
+    assert sorted(got) == list(range(1, 13)) and all(v == v and abs(v) < float("inf") for v in got.values()), got
+    assert got[12] < got[1] - 0.5, got
+
+
+@pytest.mark.slow  # compiled, two gloo ranks
+def test_muon_trains_compiled_float8_with_float8_all_gather_on_two_ranks(tmp_path, corpus):
+    """Tensorwise float8 (emulated) and compile on two ranks, where the weights are gathered in float8 with
+    scales the converter precomputes after each of Muon's steps (its post-step hook)."""
+    proc = run_train(tmp_path, *QUICK, *MUON, *FP8, "--training.steps", "12", "--training.global_batch_size", "4",
+                     nproc=2, corpus=corpus)
+    started = proc.stderr
+    assert "float8 tensorwise (emulated): " in started and "float8 all-gather on" in started, started[-3000:]
+    assert_trains(tmp_path)
+
+
+@pytest.mark.slow  # compiled
+def test_muon_trains_compiled_float8_with_delayed_scaling(tmp_path, corpus):
+    """Delayed scaling on one process: the converter's hook rolls the amax history after each of Muon's steps."""
+    proc = train_here(tmp_path, *QUICK, *MUON, *FP8, "--fp8.scaling", "delayed", "--training.steps", "12",
+                      corpus=corpus)
+    assert "delayed scaling (amax history" in proc.stderr, proc.stderr[-3000:]
+    assert_trains(tmp_path)
