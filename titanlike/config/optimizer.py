@@ -121,18 +121,18 @@ and the next iterate, the small Gram matrix and its polynomial (optim/orthogonal
 
 
 def muon_step_bytes(args: ModelArgs, shard: int) -> float:
-    """One rank's transient memory in Muon's step (titanlike/optim/muon.py's docstring), counted as if all of it
-    were alive at once: an upper bound. Sharded over `shard` ranks: its rows of U out in bf16 and its rows of O
-    back (2 + 2 bytes an element of its shard), the whole matrices it owns (about 1/shard of them, U and O:
-    4 bytes an element), and Newton–Schulz's temporaries of its largest batch (the pieces of one shape, about
-    1/shard of them). On one rank U and O of every matrix, whole (4 bytes), and the temporaries."""
-    matrices = muon_params(args)
+    """One rank's transient memory in Muon's step, the largest of its three phases (optim/orthogonalize.py):
+    its rows of U out and every rank's rows of the matrices it owns in (bf16, 2 + 2 bytes an element); the
+    owned matrices whole, U kept while Newton–Schulz makes each O (2 + 2 bytes), with the temporaries of the
+    largest batch it iterates (the pieces of one shape, about 1/shard of them); each O's rows out and its own
+    rows back (2 + 2). It owns about 1/shard of the matrices, balanced by Newton–Schulz FLOPs; on one rank,
+    all of them and nothing moves. Counted from the code, not yet measured on a GPU."""
+    share = muon_params(args) / shard  # the rows it holds, and about the matrices it owns
     by_shape: dict[tuple[int, int], int] = {}
     for rows, cols in block_matrix_pieces(args):
         by_shape[(rows, cols)] = by_shape.get((rows, cols), 0) + args.n_layers
     batch = max(-(-count // shard) * rows * cols for (rows, cols), count in by_shape.items())
-    moved = 4.0 * matrices / shard if shard > 1 else 0.0
-    return moved + 4.0 * matrices / shard + NS_TEMP_BYTES * batch
+    return max(4.0 * share, 4.0 * share + NS_TEMP_BYTES * batch)
 
 
 OPTIMIZERS: dict[str, OptimizerFacts] = {
@@ -151,5 +151,7 @@ OPTIMIZERS: dict[str, OptimizerFacts] = {
 }
 """Each optimizer.name's facts; its builder is optim/__init__.py's OPTIMIZER_BUILDERS entry of the same name."""
 
+DEFAULT = Optimizer().name
+"""optimizer.name when a config does not say."""
 UNRECORDED = "adamw"
 """The optimizer of a checkpoint that records none: saved before optimizer.name existed, by AdamW."""
