@@ -14,6 +14,7 @@ import pytest
 
 from conftest import ROOT, _env
 from titanlike.config import ConfigError, JobConfig, field_docs, load_config, schema, sections, speed, to_toml
+from titanlike.config import optimizer as optimizer_section
 from titanlike.config.dims import resolve_dims
 from titanlike.data.shards import DataError, write_shard
 from titanlike.preflight import check, resolved
@@ -263,6 +264,14 @@ INVALID = [
     (["--optimizer.weight_decay", "-0.1"], "optimizer.weight_decay = -0.1 must be >= 0"),
     (["--optimizer.betas", "0.9"], "optimizer.betas = [0.9] must be two numbers in [0, 1)"),
     (["--optimizer.betas", "0.9,1.0"], "optimizer.betas = [0.9, 1.0] must be two numbers"),
+    (["--optimizer.momentum", "1"], "optimizer.momentum = 1.0 must be in [0, 1)"),
+    (["--optimizer.ns_steps", "0"], "optimizer.ns_steps = 0 must be in 1..99"),
+    (["--optimizer.name", "muon", "--optimizer.state_dtype", "8bit"],
+     "optimizer.state_dtype = 8bit does not go with optimizer.name = muon: its AdamW parameters take fp32 or bf16"),
+    (["--optimizer.name", "muon", "--parallel.cpu_offload", "--training.device", "cuda"],
+     "parallel.cpu_offload runs the optimizer step on the CPU, where with optimizer.name = muon Muon's Newton–Schulz "
+     "iterations (bf16 matmuls over every block matrix) would run on the host's CPU: drop --parallel.cpu_offload, or "
+     "use --optimizer.name adamw"),
     (["--optimizer.eps", "0"], "optimizer.eps = 0.0 must be > 0"),
     (["--lr_scheduler.warmup_steps", "-1"], "lr_scheduler.warmup_steps = -1 must be >= 0"),
     (["--lr_scheduler.decay_ratio", "1.5"], "lr_scheduler.decay_ratio = 1.5 must be in [0, 1]"),
@@ -365,7 +374,8 @@ def test_validation_rejects(argv, expected):
     assert expected in error_of(argv)
 
 
-SCHEMA_FILES = (schema.__file__, speed.__file__)  # the modules whose need(...) calls are the rules
+# The modules whose need(...) calls are the rules.
+SCHEMA_FILES = (schema.__file__, speed.__file__, optimizer_section.__file__)
 
 
 def _need_call_lines() -> list[tuple[str, range]]:

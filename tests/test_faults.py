@@ -85,6 +85,14 @@ def test_oom_message_only_offers_what_is_left(monkeypatch):
             "one GPU") in faults.oom_message(compiled, parallel_dims(compiled, 1), 0, 3, H100)
 
 
+def test_oom_message_offers_only_a_state_dtype_the_optimizer_takes():
+    """Muon's AdamW parameters take fp32 or bf16 moments, not 8bit (a config refusal): its line offers bf16."""
+    cfg = config(optimizer={"name": "muon"})
+    msg = faults.oom_message(cfg, parallel_dims(cfg, 1), 0, 3, H100)
+    assert "--optimizer.state_dtype bf16 (AdamW's moments in 4 bytes a parameter instead of 8)" in msg
+    assert "8bit" not in msg
+
+
 @pytest.mark.slow
 def test_oom_in_a_step_is_one_line_and_exit_2(tmp_path, corpus):
     """The real trainer, its model's forward made to raise torch.OutOfMemoryError in step 3."""

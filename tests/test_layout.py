@@ -209,6 +209,23 @@ def test_the_preflight_and_the_config_import_no_torch():
     assert out.stdout.strip() == "[]"
 
 
+def test_the_trainer_the_checkpoint_and_the_plan_name_no_optimizer():
+    """Optimizers come in through one registry (optim/__init__.py) and one table of facts
+    (config/optimizer.py): the trainer, the checkpoint and the memory plan name none of them, so that a new
+    optimizer is one module and two entries, not edits across the run (docs/architecture.md)."""
+    import re
+
+    from titanlike.config.optimizer import OPTIMIZERS
+
+    names = re.compile("|".join(OPTIMIZERS), re.IGNORECASE)
+    assert names.search("Muon's momentum, AdamW's moments")  # the pattern finds what it guards
+    files = [PACKAGE / "trainer.py", *sorted((PACKAGE / "checkpoint").glob("*.py")),
+             *sorted((PACKAGE / "plan").glob("*.py"))]
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for path in files
+             for n, line in enumerate(path.read_text().splitlines(), 1) if names.search(line)]
+    assert not found, "optimizers named outside optim/ and config/optimizer.py:\n" + "\n".join(found)
+
+
 PROBES_AND_TOOLS = sorted((ROOT / "tests" / "probes").glob("*.py")) + sorted((ROOT / "scripts").glob("*.py"))
 
 

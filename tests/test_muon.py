@@ -189,6 +189,70 @@ def test_owners_balance_and_rows_follow_fsdp():
     assert [len(c) for c in torch.arange(37).chunk(2)] == [b - a for a, b in row_ranges(37, 2)]
 
 
+# ---- the seam: the [optimizer] section, the registry, bf16 moments -----------------------------------------
+
+def test_the_optimizer_section_builds_its_optimizer_through_the_registry():
+    """build_optimizer(model, cfg.optimizer, ...): optimizer.name = muon gives Muon with every key of the section
+    on the groups of its kind (the AdamW groups keep AdamW's); adamw gives torch's AdamW. The registry and the
+    config's table of facts hold the same names, which are the ones optimizer.name takes."""
+    import typing
+
+    from titanlike.config import load_config
+    from titanlike.config.optimizer import OPTIMIZERS, Optimizer
+    from titanlike.optim import OPTIMIZER_BUILDERS, build_optimizer
+
+    model = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64))
+    cfg = load_config(["--optimizer.name", "muon", "--optimizer.lr", "0.01", "--optimizer.momentum", "0.9",
+                       "--optimizer.nesterov", "false", "--optimizer.ns_steps", "3", "--optimizer.adjust_lr",
+                       "original", "--optimizer.betas", "0.8,0.9", "--optimizer.eps", "1e-6",
+                       "--optimizer.weight_decay", "0.05"])
+    opt = build_optimizer(model, cfg.optimizer, "cpu")
+    assert isinstance(opt, Muon)
+    kinds = {g["kind"] for g in opt.param_groups}
+    assert kinds == {MUON, ADAMW}
+    for g in opt.param_groups:
+        assert g["lr"] == 0.01
+        if g["kind"] == MUON:
+            assert (g["momentum"], g["nesterov"], g["ns_steps"], g["adjust_lr"], g["weight_decay"]) == (
+                0.9, False, 3, "original", 0.05)
+        else:
+            assert g["betas"] == (0.8, 0.9) and g["eps"] == 1e-6 and g["weight_decay"] in (0.05, 0.0)
+    assert type(build_optimizer(model, Optimizer(), "cpu")) is torch.optim.AdamW
+    assert set(OPTIMIZER_BUILDERS) == set(OPTIMIZERS) == set(typing.get_args(typing.get_type_hints(Optimizer)["name"]))
+
+
+def test_bf16_moments_take_muons_adamw_groups():
+    """optimizer.state_dtype = bf16 with Muon: its AdamW groups step as AdamWBf16Moments does, bit for bit, their
+    moments in bf16; Muon's momentum stays fp32. A state_dict round trip (what DCP's load calls) keeps each dtype
+    and value: torch's load would make the moments fp32."""
+    from titanlike.optim.adamw_bf16 import AdamWBf16Moments
+
+    shapes = [(16, 8), (8,), (24, 16)]
+    ours, theirs = _params(shapes), _params(shapes)
+    opt = Muon([{"kind": ADAMW, "params": ours[:1], "weight_decay": WD},
+                {"kind": ADAMW, "params": ours[1:2], "weight_decay": 0.0},
+                {"kind": MUON, "params": ours[2:]}], lr=1e-2, weight_decay=WD, state_dtype="bf16")
+    ref = AdamWBf16Moments([{"params": theirs[:1], "weight_decay": WD}, {"params": theirs[1:2], "weight_decay": 0.0}],
+                           lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    for step in range(4):
+        for a, b, g in zip(ours, theirs, _grads(ours, step)):
+            a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    for a, b in zip(ours[:2], theirs[:2]):
+        assert torch.equal(a, b)
+        assert opt.state[a]["exp_avg"].dtype == torch.bfloat16 and torch.equal(opt.state[a]["exp_avg_sq"],
+                                                                                 ref.state[b]["exp_avg_sq"])
+    assert opt.state[ours[2]]["momentum_buffer"].dtype == torch.float32
+    again = Muon([{"kind": ADAMW, "params": ours[:1], "weight_decay": WD},
+                  {"kind": ADAMW, "params": ours[1:2], "weight_decay": 0.0},
+                  {"kind": MUON, "params": ours[2:]}], lr=1e-2, weight_decay=WD, state_dtype="bf16")
+    again.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for p in ours:
+        for key, value in opt.state[p].items():
+            assert again.state[p][key].dtype == value.dtype and torch.equal(again.state[p][key], value), key
+
+
 # ---- FSDP2 over gloo ---------------------------------------------------------------------------------------
 
 def _tiny(ffn_dim: int) -> ModelArgs:
@@ -357,3 +421,54 @@ def _float8_worker(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_float8_wrapped_weights_take_the_plain_update():
     spawn_ranks(_float8_worker, 2)
+
+
+def _converter_worker(rank: int, world: int) -> None:
+    """titanlike's Float8Converter (tensorwise, emulated, float8 all-gather with precomputed scales) attached to
+    Muon: after each step every converted weight's precomputed scale is float8's max over the amax of the
+    weight Muon just wrote (its post-step hook ran after the update, not before it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titanlike import parallel
+    from titanlike.config.speed import Fp8
+    from titanlike.float8 import Float8Converter
+    from titanlike.run.state import TrainState
+
+    class NoMetrics:
+        def scalars(self, step, values):
+            pass
+
+        def note(self, values):
+            pass
+
+    args = ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=48, vocab_size=64)
+    with torch.device("meta"):
+        model = Transformer(args)
+    converter = Float8Converter.from_config(Fp8(recipe="tensorwise", emulate=True, auto_filter="false"), dp_shard=world)
+    converter.convert(model, device=torch.device("cpu"), batch=2, seq_len=16)
+    parallel.apply_fsdp(model, init_device_mesh("cpu", (world,)), None, "always")
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0, seq_len=16)
+    opt = Muon(transformer_param_groups(model, WD), lr=LR, weight_decay=WD)
+    converter.attach(opt, counters=TrainState(), metrics=NoMetrics(), log_freq=1)
+    assert converter.options.precompute_scales
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
+    wrapped = [m.weight for m in model.modules() if hasattr(getattr(m, "weight", None), "_local_tensor")
+               and hasattr(m.weight._local_tensor, "_precomputed_scale")]
+    assert len(wrapped) == 5, len(wrapped)  # wqkv, wo, w1, w3, w2: every block matrix, each Muon's
+    for _ in range(2):
+        before = [float(w._local_tensor._precomputed_scale) for w in wrapped]
+        model(tokens).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for w, old in zip(wrapped, before):
+            amax = w._local_tensor._tensor.detach().abs().max().float()
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+            expected = torch.finfo(torch.float8_e4m3fn).max / amax.double()
+            assert float(w._local_tensor._precomputed_scale) == pytest.approx(float(expected), rel=1e-6)
+            assert float(w._local_tensor._precomputed_scale) != old  # the step moved the weight's amax
+
+
+@pytest.mark.slow
+def test_float8_converter_precomputes_scales_after_muons_step():
+    spawn_ranks(_converter_worker, 2)

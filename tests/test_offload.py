@@ -13,6 +13,7 @@ import torch.distributed as dist
 from titanlike import parallel, preflight
 from titanlike.config import ConfigError
 from titanlike.config.dims import ParallelDims
+from titanlike.config.optimizer import Optimizer
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import ModelArgs
 from titanlike.optim import build_optimizer, clip_and_step
@@ -93,7 +94,7 @@ ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_
 
 
 def train(model: Transformer, steps: int) -> list[float]:
-    optimizer = build_optimizer(model, 1e-2, 0.1, [0.9, 0.95], 1e-8, "cpu", host_params=True)
+    optimizer = build_optimizer(model, Optimizer(lr=1e-2), "cpu", host_params=True)
     gen = torch.Generator().manual_seed(3)
     out = []
     for _ in range(steps):

@@ -700,3 +700,59 @@ def test_fit_gib_and_the_preflight_see_the_later_stage(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "GiB per GPU (the stage from step 50: seq_len 1048576, micro-batch" in err, err
     assert preflight.main([*ONE_B, *far[:-2]]) == 0  # the same stages with no cap: no card is known here
+
+
+def test_muon_state_is_half_of_adamws_for_the_block_matrices_on_8b_over_two_gpus():
+    """--optimizer.name muon on the 8b config over two GPUs: Muon's fp32 momentum (4 bytes) for the blocks'
+    matrices, 7.0B of the 8.03B parameters, where AdamW keeps two fp32 moments (8): 4 bytes × 6.98B / 2 GPUs,
+    13.0 GiB a GPU less state, and that plus the allocator's share of it less at the peak (the start of backward
+    for both: the step's buffers, below, are smaller than what backward holds)."""
+    from titanlike.plan.estimate import ALLOCATOR_SLACK, GIB
+
+    eight_b = ["--job.config_file", str(ROOT / C / "llama3_8b.toml"), "--optimizer.state_dtype", "fp32"]
+    adamw, muon = estimate_run(load_config(eight_b), 2, H200), estimate_run(
+        load_config(eight_b + ["--optimizer.name", "muon"]), 2, H200)
+    a = model_args("8b")
+    kv = a.n_kv_heads * a.head_dim
+    matrices = a.n_layers * (a.dim * (a.dim + 2 * kv) + a.dim * a.dim + 3 * a.dim * a.ffn_dim)
+    assert 6.9e9 < matrices < 7.0e9
+    saved = 4 * matrices / 2 / GIB
+    assert adamw.row("optimizer") - muon.row("optimizer") == pytest.approx(saved, rel=1e-9)
+    assert 12.9 < saved < 13.1
+    assert adamw.reserved_gib - muon.reserved_gib == pytest.approx(saved * (1 + ALLOCATOR_SLACK), rel=1e-9)
+    assert muon.notes[0] == adamw.notes[0] == "the peak comes at the start of backward"
+
+
+def test_muons_step_buffers_are_the_peak_when_activations_are_small():
+    """With little activation memory the optimizer step is the peak: weights, gradients, state, and Muon's
+    buffers of the owner's whole matrices (bf16 U and O: 4 bytes an element of about 1/N of them) and Newton–
+    Schulz's temporaries of its largest batch (6 bytes an element of w1 and w3's pieces, 2 a block, 1/N of
+    them). AdamW's step needs nothing beside its state: its peak stays in backward."""
+    from titanlike.plan.estimate import ALLOCATOR_SLACK, GIB
+
+    small = ["--job.config_file", str(ROOT / C / "llama3_8b.toml"), "--optimizer.state_dtype", "fp32",
+             "--training.local_batch_size", "1", "--training.global_batch_size", "2", "--data.seq_len", "512"]
+    adamw, muon = estimate_run(load_config(small), 2, H200), estimate_run(
+        load_config(small + ["--optimizer.name", "muon"]), 2, H200)
+    a = model_args("8b")
+    kv = a.n_kv_heads * a.head_dim
+    matrices = a.n_layers * (a.dim * (a.dim + 2 * kv) + a.dim * a.dim + 3 * a.dim * a.ffn_dim)
+    buffers = 4 * matrices / 2 + 6 * (2 * a.n_layers // 2) * a.ffn_dim * a.dim
+    assert muon.row("the optimizer step's buffers") == pytest.approx(buffers / GIB, rel=1e-9)
+    assert muon.notes[0] == "the peak comes at the optimizer step"
+    held = muon.row("parameters") + muon.row("gradients") + muon.row("optimizer") + buffers / GIB
+    assert muon.reserved_gib == pytest.approx(held * (1 + ALLOCATOR_SLACK) + muon.row("FSDP all-gather"), rel=1e-9)
+    assert adamw.row("the optimizer step's buffers") == 0 and "optimizer step" not in adamw.notes[0]
+
+
+def test_fit_never_picks_a_state_dtype_or_offload_the_optimizer_does_not_take():
+    """The levers a fit weighs for a Muon run: bf16 moments (its AdamW parameters'), never 8bit nor
+    parallel.cpu_offload, which the config refuses with Muon; for AdamW of the same shape, all three."""
+    from titanlike.plan.fit import candidates
+
+    for name, allowed in (("adamw", True), ("muon", False)):
+        cfg = cli.on_gpus(load_config(["--job.config_file", str(ROOT / ONE), "--optimizer.name", name]))
+        weighed = {(c.key, c.value) for values in candidates(cfg, set()) for c in values if c is not None}
+        assert ("optimizer.state_dtype", "bf16") in weighed, name
+        others = {("optimizer.state_dtype", "8bit"), ("parallel.cpu_offload", True)}
+        assert (others <= weighed) if allowed else not (others & weighed), (name, weighed)

@@ -93,6 +93,7 @@ def test_optimizer_state_load_keeps_the_configured_hyperparameters(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from titanlike.checkpoint.states import OptimizerState
+    from titanlike.config.optimizer import Optimizer
     from titanlike.model.decoder import Transformer
     from titanlike.model.shape import model_args
     from titanlike.optim import build_optimizer
@@ -100,13 +101,13 @@ def test_optimizer_state_load_keeps_the_configured_hyperparameters(tmp_path):
     torch.manual_seed(0)
     model = Transformer(model_args("debug"))
     model.init_weights(seed=1, seq_len=16)
-    saved = build_optimizer(model, 3e-3, 0.1, [0.9, 0.95], 1e-8, "cpu")
+    saved = build_optimizer(model, Optimizer(lr=3e-3), "cpu")
     model(torch.randint(0, 200, (2, 16))).sum().backward()
     saved.step()
     model.zero_grad(set_to_none=True)  # as at a resume: before the first backward
     dcp.save({"optimizer": OptimizerState(model, saved).state_dict()}, checkpoint_id=str(tmp_path), no_dist=True)
 
-    resumed = build_optimizer(model, 1e-5, 0.9, [0.5, 0.5], 1e-6, "cpu")
+    resumed = build_optimizer(model, Optimizer(lr=1e-5, weight_decay=0.9, betas=[0.5, 0.5], eps=1e-6), "cpu")
     piece = OptimizerState(model, resumed)
     state = piece.state_dict()
     dcp.load({"optimizer": state}, checkpoint_id=str(tmp_path), no_dist=True)

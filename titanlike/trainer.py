@@ -30,11 +30,11 @@ from titanlike.hf.initial import load_initial_weights
 from titanlike.model.decoder import Transformer
 from titanlike.model.loss import build_loss, build_token_loss
 from titanlike.model.shape import count_params, describe, flops_per_token
-from titanlike.optim import build_optimizer, build_scheduler, clip_and_step
+from titanlike.optim import build_optimizer, build_scheduler, clip_and_step, update_rms
 from titanlike.plan.estimate import cpu_host_problem
 from titanlike.records import wandb_sink
 from titanlike.records.folder import RunFolder
-from titanlike.records.metrics import MetricsLogger
+from titanlike.records.metrics import MetricsLogger, StepTimer
 from titanlike.records.profiling import Profiler
 from titanlike.records.progress import Progress, wants_terminal_line
 from titanlike.run import stopping
@@ -163,8 +163,8 @@ class Trainer:
         """4. Optimizer, LR schedule and the run's counters."""
         cfg = self.cfg
         o, s = cfg.optimizer, cfg.lr_scheduler
-        self.optimizer = build_optimizer(self.model, o.lr, o.weight_decay, o.betas, o.eps, self.device.type,
-                                         o.state_dtype, host_params=cfg.parallel.cpu_offload)
+        # optimizer.name's builder (optim/__init__.py's registry), from the [optimizer] section.
+        self.optimizer = build_optimizer(self.model, o, self.device.type, host_params=cfg.parallel.cpu_offload)
         self.scheduler = build_scheduler(self.optimizer, cfg.training.steps, s.warmup_steps, s.decay_ratio,
                                          s.decay_type, s.min_lr_factor)
         self.state = TrainState()
@@ -240,9 +240,11 @@ class Trainer:
 
     # ---- one training step ----------------------------------------------------------------------
 
-    def train_step(self) -> torch.Tensor:
-        """Forward and backward over the micro-batches of one global batch, then one update."""
+    def train_step(self, timed: bool = False) -> torch.Tensor:
+        """Forward and backward over the micro-batches of one global batch, then one update; `timed` (a log
+        step): the update's share of the step's time, in self.timer."""
         self.fence.step_start()
+        self.timer = StepTimer(self.device) if timed else None
         self.optimizer.zero_grad(set_to_none=True)
         step_loss = torch.zeros((), device=self.device)
         data_wait = 0.0
@@ -269,14 +271,18 @@ class Trainer:
             (loss / accum_steps).backward()
             step_loss += loss.detach() / accum_steps
         self.fence.backward_queued()
-        # The LR this update uses, for the log: a number now (8-bit AdamW's is a tensor the schedule refills).
+        # The LR this update uses, for the log: a number now (an optimizer may keep a tensor the schedule refills).
         self.lr = float(self.optimizer.param_groups[0]["lr"])
         # The update overwrites the weights: a background save's copy of them must be complete first.
         self.checkpoint.before_update()
         # Clip and update (float8 updates its scales after it, in its own hook). training.nonfinite =
         # skip reads on the host whether to update: one host sync a step, with skip only.
+        if self.timer:
+            self.timer.mark()
         grad_norm, skipped = clip_and_step(self.optimizer, list(self.model.parameters()), self.cfg.training.max_norm,
                                            skip_nonfinite=self.cfg.training.nonfinite == "skip")
+        if self.timer:
+            self.timer.mark()
         self.scheduler.step()
         self.state.step += 1
         self.state.tokens_seen += stage.tokens_per_step
@@ -351,13 +357,13 @@ class Trainer:
         self.metrics.begin()
         while self.state.step < steps:
             self.enter_stage()
-            grad_norm = self.train_step()
-            step = self.state.step
-            self.progress.step_done(step)
+            step = self.state.step + 1
             last = step == steps
+            log = step == first_step or step % cfg.metrics.log_freq == 0 or last
+            grad_norm = self.train_step(timed=log)
+            self.progress.step_done(step)
             # Every rank agrees on how this step ends: saved (interval, last step, a stop request) or not.
             due = self.checkpoint.due(step, last=last, stop_request=self.stop_signals.request)
-            log = step == first_step or step % cfg.metrics.log_freq == 0 or last
             if log or due.save:
                 # The steps since the last check, judged before anything is logged or saved: the weights
                 # of a diverged run are never saved. One host sync per check, none per step.
@@ -371,8 +377,11 @@ class Trainer:
                     continue
                 if log:
                     assert verdict.loss is not None, "a verdict that goes on carries the last loss"
+                    # The optimizer's share of the step's time, and its update RMS by kind where it measures one
+                    # (a collective: every rank logs this step).
                     record = {"loss": verdict.loss, "grad_norm": grad_norm.item(), "lr": self.lr,
-                              **self.guard.counts(), **self.stages.record()}
+                              **self.guard.counts(), **self.stages.record(), **update_rms(self.optimizer),
+                              **(self.timer.record() if self.timer else {})}
                     if self.source_losses is not None:  # a mixture: each source's loss in this step
                         record["loss_by_source"] = self.source_losses.reduce()
                     self.metrics.log_train(step, record, tokens_seen=self.state.tokens_seen,

@@ -45,6 +45,7 @@ from titanlike.checkpoint.states import ModelState, OptimizerState, SchedulerSta
 from titanlike.checkpoint.weights import MODEL_ARGS, CheckpointMismatch, check_model_shape, check_tokenizer
 from titanlike.checkpoint.writer import RNG_FILE, CheckpointError, StepWriter
 from titanlike.config import resumable_settings, resume_note
+from titanlike.config.optimizer import UNRECORDED
 from titanlike.config.run import ResolvedRun
 from titanlike.errors import UserError
 
@@ -96,7 +97,7 @@ class CheckpointManager:
             "lr_scheduler": SchedulerState(parts.scheduler), "dataloader": parts.loader,
             "train_state": parts.counters, "float8": parts.float8}
         self.run = RunRecord(run.global_batch, run.dims.dp, cfg.job.seed, cfg.optimizer.state_dtype,
-                             resumable_settings(cfg, run.schedule, run.stages),
+                             cfg.optimizer.name, resumable_settings(cfg, run.schedule, run.stages),
                              dump_folder=os.path.abspath(cfg.job.dump_folder))
         self.data, self.shape_after, self.step_files = parts.loader, shape_after, dict(step_files or {})
         self.folder_run = folder_run
@@ -307,12 +308,15 @@ class CheckpointManager:
         # The RoPE base the weights trained with last: the stage of the checkpoint's data position.
         read = self.data.batches_in(record.get("states", {}).get("dataloader", {}))
         check_model_shape(self.states["model"].model, self.shape_after(read), path)
-        for key, ours, option in (("optimizer_state_dtype", run.optimizer_state_dtype, "optimizer.state_dtype"),
+        for key, ours, option in (("optimizer", run.optimizer, "optimizer.name"),
+                                  ("optimizer_state_dtype", run.optimizer_state_dtype, "optimizer.state_dtype"),
                                   ("global_batch", run.global_batch, "training.global_batch_size"),
                                   ("seed", run.seed, "job.seed")):
-            theirs = saved_run.get(key)
+            theirs = saved_run.get(key, UNRECORDED if key == "optimizer" else None)
             if theirs is not None and theirs != ours:
-                why = {"optimizer.state_dtype": "the moments cannot be converted",
+                why = {"optimizer.name": f"one optimizer's state is not another's; or start a new run from its weights "
+                                         f"alone: --checkpoint.initial_load_path {path} in a new --job.dump_folder",
+                       "optimizer.state_dtype": "the moments cannot be converted",
                        "training.global_batch_size": "the LR schedule and data order depend on it",
                        "job.seed": "the data order depends on it"}[option]
                 raise CheckpointMismatch(f"{path} was trained with {option} = {theirs}, this run has {ours}: resume "

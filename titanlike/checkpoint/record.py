@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from titanlike.config.optimizer import UNRECORDED
+
 TRAINER_STATE = "trainer_state.json"
 
 
@@ -19,6 +21,8 @@ class RunRecord:
     seed: int
     optimizer_state_dtype: str = "fp32"
     """8-bit moments cannot become fp32 ones, nor back."""
+    optimizer: str = UNRECORDED
+    """optimizer.name: one optimizer's state is not another's (a record without it is from before the name)."""
     settings: dict = field(default_factory=dict)
     """What a resume may change, by config name ("optimizer.lr": 3e-4, ...): each change is one line."""
     load_step: int = -1
@@ -31,7 +35,8 @@ class RunRecord:
 
     def saved(self) -> dict:
         return {"global_batch": self.global_batch, "dp_world": self.dp_world, "seed": self.seed,
-                "optimizer_state_dtype": self.optimizer_state_dtype, "settings": self.settings,
+                "optimizer_state_dtype": self.optimizer_state_dtype, "optimizer": self.optimizer,
+                "settings": self.settings,
                 "load_step": self.load_step, "run_id": self.run_id, "dump_folder": self.dump_folder}
 
 

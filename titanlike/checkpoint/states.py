@@ -56,7 +56,7 @@ class ModelState:
 
 
 class OptimizerState:
-    """The optimizer's per-parameter tensors (AdamW moments and step counts). Its hyperparameters are
+    """The optimizer's per-parameter tensors (moments, momentum buffers, step counts). Its hyperparameters are
     not saved: a resumed run uses the configured ones (trainer_state.json records the old ones)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):

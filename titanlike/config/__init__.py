@@ -63,8 +63,7 @@ def resumable_settings(cfg: JobConfig, schedule: DataSchedule, stages: Stages | 
     one line for each that changed; the configured value applies. `schedule`: [data] as the resolved
     run parsed it; `stages`: the stages it resolved to."""
     o, s = cfg.optimizer, cfg.lr_scheduler
-    return {"optimizer.lr": o.lr, "optimizer.weight_decay": o.weight_decay, "optimizer.betas": list(o.betas),
-            "optimizer.eps": o.eps, "lr_scheduler.warmup_steps": s.warmup_steps,
+    return {**o.settings(), "lr_scheduler.warmup_steps": s.warmup_steps,
             "lr_scheduler.decay_ratio": s.decay_ratio, "lr_scheduler.decay_type": s.decay_type,
             "lr_scheduler.min_lr_factor": s.min_lr_factor, "training.steps": cfg.training.steps,
             "fp8.recipe": cfg.fp8.recipe, "data.schedule": schedule.describe(),

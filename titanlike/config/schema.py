@@ -6,8 +6,8 @@ Each `[section]` is a dataclass; the string literal under a field is its documen
 that tie two sections together. All of them run before a process group or a GPU is touched (the
 preflight imports no torch) and fail as one `ConfigError` line that names the key, the value and
 what would be valid. The sections of how a step runs fast (sharding, float8, compile, recompute) are
-in speed.py. Reading TOML and the command line is loader.py's job; parsing [data]'s mixture strings,
-sources.py's; which model shape a config means, resolve.py's.
+in speed.py, the optimizer's in optimizer.py. Reading TOML and the command line is loader.py's job;
+parsing [data]'s mixture strings, sources.py's; which model shape a config means, resolve.py's.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Literal
 from titanlike.config import sources, speed
 from titanlike.config.host import available_cores
 from titanlike.config.loader import need
+from titanlike.config.optimizer import Optimizer
 from titanlike.config.speed import ActivationCheckpoint, Compile, Fp8, Parallel
 from titanlike.config.stages import check_stages, stage_seq_lens
 from titanlike.model.shape import PRESETS, model_args
@@ -232,34 +233,6 @@ class Training:
              f"training.fit_gib = {self.fit_gib} must be in [0, 1048576] GiB (0 = off) or auto")
         need(0 <= self.gpu_memory_limit_gib <= 2**20, f"training.gpu_memory_limit_gib = {self.gpu_memory_limit_gib} "
                                                       f"must be in [0, 1048576] GiB (0 = no cap)")
-
-
-@dataclass
-class Optimizer:
-    lr: float = 3e-3
-    """Peak learning rate of AdamW."""
-    weight_decay: float = 0.1
-    """Decoupled weight decay of AdamW, applied to weight matrices and embeddings, not to norm gains."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    """AdamW betas, two numbers: --optimizer.betas 0.9,0.95"""
-    eps: float = 1e-8
-    """AdamW epsilon."""
-    state_dtype: Literal["fp32", "bf16", "8bit"] = "fp32"
-    """How AdamW keeps its two moments. fp32: 8 bytes per parameter, torch's fused AdamW. bf16: 4 bytes, the
-    update in fp32 and the moments rounded to bf16 after it, one fused kernel a parameter on a GPU. 8bit:
-    torchao's AdamW8bit, blockwise-quantized moments at about 2 bytes per parameter, each parameter updated
-    by its own compiled kernel (the first step compiles them); a background save copies the 8-bit state to
-    host memory before training goes on. bf16 and 8bit train close to fp32, not bit for bit (docs/memory.md);
-    a resume must keep the value."""
-
-    def validate(self) -> None:
-        need(self.lr > 0, f"optimizer.lr = {self.lr} must be > 0")
-        need(self.weight_decay >= 0, f"optimizer.weight_decay = {self.weight_decay} must be >= 0")
-        need(
-            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-            f"optimizer.betas = {self.betas} must be two numbers in [0, 1), like 0.9,0.95",
-        )
-        need(self.eps > 0, f"optimizer.eps = {self.eps} must be > 0")
 
 
 @dataclass

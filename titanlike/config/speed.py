@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from titanlike.config.loader import need
+from titanlike.config.optimizer import OPTIMIZERS
 from titanlike.model.shape import BLOCK_MATMULS
 
 # `reshard_after_forward = default` keeps the gathered weights from forward to backward (so backward
@@ -240,6 +241,11 @@ def offload_rules(cfg: Any) -> None:
     need(cfg.parallel.gradient_sync == "micro_batch",
          "parallel.gradient_sync = step keeps the whole model's gradients on the GPU between micro-batches, which "
          "parallel.cpu_offload exists to avoid: set --parallel.gradient_sync micro_batch")
+    host_step = OPTIMIZERS[cfg.optimizer.name].host_step
+    need(not host_step,
+         f"parallel.cpu_offload runs the optimizer step on the CPU, where with optimizer.name = {cfg.optimizer.name} "
+         f"{host_step}: drop --parallel.cpu_offload, or use --optimizer.name "
+         f"{' or '.join(n for n, f in OPTIMIZERS.items() if not f.host_step)}")
     need(cfg.parallel.dp_replicate in (1, -1),
          f"parallel.cpu_offload works with plain FSDP, not HSDP (parallel.dp_replicate = {cfg.parallel.dp_replicate}): "
          f"set --parallel.dp_replicate 1")

@@ -76,6 +76,15 @@ MAX_PARAMS = 2**45  # 35 trillion
 # checkpointing names the ones whose outputs it keeps by these names and finds them by this order.
 BLOCK_MATMULS = ("wqkv", "wo", "w1", "w3", "w2")
 
+
+def block_matrix_pieces(args: ModelArgs) -> list[tuple[int, int]]:
+    """(rows, cols) of one block's matrices as Muon orthogonalises them (titanlike/optim/muon.py): wqkv as its
+    q, k and v rows, then wo, w1, w3 and w2 (nn.Linear's weights: out_features × in_features)."""
+    attn = args.n_heads * args.head_dim
+    return [(width, args.dim) for width in args.qkv_widths] + [
+        (args.dim, attn), (args.ffn_dim, args.dim), (args.ffn_dim, args.dim), (args.dim, args.ffn_dim)]
+
+
 PRESETS: dict[str, ModelArgs] = {
     # A few million parameters: trains visibly in a minute on a laptop CPU. Its vocabulary
     # covers the built-in byte tokenizer (258 ids) rounded up to a multiple of 64.

@@ -15,6 +15,7 @@ the update writes the high-precision tensor inside it (overrides/float8.unwrap_w
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -114,31 +115,38 @@ class AdamWBf16Moments(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            # Per device, the lists the update takes (weights, gradients, moments, step counts), flattened.
-            by_device: dict[torch.device, tuple[list[torch.Tensor], ...]] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if not self.state[p]:  # a parameter added to the group after construction
-                    self.allocate_state()
-                state = self.state[p]
-                weight = _local(p)
-                if weight.numel() == 0:  # an FSDP shard with no rows on this rank: only its count moves
-                    state["step"] += 1
-                    continue
-                ps, gs, ms, vs, steps = by_device.setdefault(weight.device, ([], [], [], [], []))
-                ps.append(weight.view(-1))  # views: the update writes through them
-                gs.append(_local(p.grad).reshape(-1))
-                ms.append(_local(state["exp_avg"]).view(-1))
-                vs.append(_local(state["exp_avg_sq"]).view(-1))
-                steps.append(state["step"])
-            beta1, beta2 = group["betas"]
-            for device, (ps, gs, ms, vs, steps) in by_device.items():
-                foreach.add_(steps, 1.0)
-                lr = torch.as_tensor(group["lr"], dtype=torch.float32, device=device)
-                update = _update_fn(device)
-                for i in range(0, len(ps), CHUNK):
-                    part = slice(i, i + CHUNK)
-                    update(ps[part], gs[part], ms[part], vs[part], steps[part], lr, beta1, beta2, group["eps"],
-                           group["weight_decay"])
+            if any(p.grad is not None and not self.state[p] for p in group["params"]):
+                self.allocate_state()  # a parameter added to the group after construction
+            step_group(group, self.state)
         return loss
+
+
+def step_group(group: dict[str, Any], state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
+    """One update of the parameters of `group` that have a gradient (its lr, betas, eps and weight_decay),
+    each with its `state[p]` (bf16 moments, the step count): AdamWBf16Moments' step, and Muon's for its AdamW
+    groups with optimizer.state_dtype = bf16."""
+    # Per device, the lists the update takes (weights, gradients, moments, step counts), flattened.
+    by_device: dict[torch.device, tuple[list[torch.Tensor], ...]] = {}
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        st = state[p]
+        weight = _local(p)
+        if weight.numel() == 0:  # an FSDP shard with no rows on this rank: only its count moves
+            st["step"] += 1
+            continue
+        ps, gs, ms, vs, steps = by_device.setdefault(weight.device, ([], [], [], [], []))
+        ps.append(weight.view(-1))  # views: the update writes through them
+        gs.append(_local(p.grad).reshape(-1))
+        ms.append(_local(st["exp_avg"]).view(-1))
+        vs.append(_local(st["exp_avg_sq"]).view(-1))
+        steps.append(st["step"])
+    beta1, beta2 = group["betas"]
+    for device, (ps, gs, ms, vs, steps) in by_device.items():
+        foreach.add_(steps, 1.0)
+        lr = torch.as_tensor(group["lr"], dtype=torch.float32, device=device)
+        update = _update_fn(device)
+        for i in range(0, len(ps), CHUNK):
+            part = slice(i, i + CHUNK)
+            update(ps[part], gs[part], ms[part], vs[part], steps[part], lr, beta1, beta2, group["eps"],
+                   group["weight_decay"])

@@ -2,8 +2,9 @@
 
 The API (what the trainer, the config, the checkpoint and the planner use):
 
+    optimizer = build(model, cfg.optimizer, device_type, host_params)   # optim.build_optimizer, optimizer.name = muon
     groups = transformer_param_groups(model, weight_decay)     # or param_groups(named_params, ...)
-    optimizer = Muon(groups, lr=..., weight_decay=..., betas=..., eps=..., fused=...)
+    optimizer = Muon(groups, lr=..., weight_decay=..., betas=..., eps=..., fused=..., state_dtype=...)
     optimizer.step()                                          # after clipping, like any optimizer
     optimizer.update_rms()                                    # at log steps: {"muon": t, "adamw": t}
 
@@ -15,13 +16,15 @@ The API (what the trainer, the config, the checkpoint and the planner use):
   embeddings and the output layer: >= 2-D, as build_optimizer), AdamW without (norm gains, < 2-D), Muon
   (the blocks' attention.wqkv, attention.wo, feed_forward.w1/w2/w3 weights), then one Muon group per
   stacked layout with its "row_splits" (wqkv: ModelArgs.qkv_widths). param_groups[0] is AdamW's, as before.
-- State, made in the constructor (before the first step, beside the weights: optim/__init__.py's
+- State, made in the constructor (before the first step, beside the weights: optim/adamw.py's
   allocate_state says why): Muon, state["momentum_buffer"], fp32, a DTensor sharded like its parameter
   (4 bytes a parameter); AdamW, torch.optim.AdamW's own ("step", "exp_avg", "exp_avg_sq": 8 bytes a
-  parameter). Both reshard on load like any DTensor state.
+  parameter; with state_dtype = bf16 the moments in bf16, 4 bytes). Both reshard on load like any DTensor
+  state.
 
 The AdamW groups are torch.optim.AdamW: its functional form (torch.optim.adamw.adamw), fused on CUDA and
-foreach on the CPU unless `fused` says otherwise, decoupled weight decay.
+foreach on the CPU unless `fused` says otherwise, decoupled weight decay; with state_dtype = bf16,
+adamw_bf16.py's update (fp32 arithmetic, bf16 moments), as optimizer.state_dtype = bf16 gives AdamW alone.
 
 A Muon matrix W with gradient G (momentum mu, learning rate lr, weight decay wd):
     B <- mu·B + G;  U = G + mu·B (Nesterov, the default) or B
@@ -52,12 +55,16 @@ AdamW, a pass over its moments, so call it at log steps only.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 from torch.optim.adamw import adamw
 
+if TYPE_CHECKING:
+    from titanlike.config.optimizer import Optimizer as OptimizerConfig
+
+from titanlike.optim.adamw_bf16 import step_group
 from titanlike.optim.orthogonalize import (
     ADJUST_LR,
     NS_COEFFICIENTS,
@@ -119,6 +126,17 @@ def transformer_param_groups(model: nn.Module, weight_decay: float) -> list[dict
     return param_groups(model.named_parameters(), weight_decay, {"attention.wqkv.weight": widths})
 
 
+def build(model: nn.Module, section: OptimizerConfig, device_type: str, host_params: bool) -> Muon:
+    """optimizer.name = muon (optim.build_optimizer's arguments): Muon for a Transformer's block matrices, AdamW
+    for the rest (transformer_param_groups), every setting from the [optimizer] section."""
+    if host_params:  # the config refuses it (config/optimizer.py: OPTIMIZERS["muon"].host_step)
+        raise ValueError("Muon steps where the model computes: not with parallel.cpu_offload")
+    return Muon(transformer_param_groups(model, section.weight_decay), lr=section.lr,
+                weight_decay=section.weight_decay, momentum=section.momentum, nesterov=section.nesterov,
+                ns_steps=section.ns_steps, adjust_lr=section.adjust_lr, betas=(section.betas[0], section.betas[1]),
+                eps=section.eps, fused=device_type == "cuda", state_dtype=section.state_dtype)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (a float8 weight wrapper stays wrapped: in-place ops reach its data); a plain
     tensor as it is."""
@@ -146,13 +164,15 @@ class Muon(torch.optim.Optimizer):
                  momentum: float = 0.95, nesterov: bool = True,
                  ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, ns_steps: int = NS_STEPS,
                  ns_eps: float = NS_EPS, adjust_lr: str = "match_rms_adamw",
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, fused: bool | None = None):
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, fused: bool | None = None,
+                 state_dtype: str = "fp32"):
         """`fused`: AdamW's fused kernel (None: on CUDA; foreach on the CPU). Set it for parameters that live
-        on the host while the model computes on a GPU (CPU offload), as build_optimizer does."""
+        on the host while the model computes on a GPU (CPU offload), as build_optimizer does. `state_dtype`:
+        the AdamW groups' moments, fp32 (torch's AdamW) or bf16 (adamw_bf16.py's update)."""
         self._kind_defaults = {
             MUON: {"momentum": momentum, "nesterov": nesterov, "ns_coefficients": tuple(ns_coefficients),
                    "ns_steps": ns_steps, "ns_eps": ns_eps, "adjust_lr": adjust_lr, "row_splits": []},
-            ADAMW: {"betas": tuple(betas), "eps": eps, "fused": fused},
+            ADAMW: {"betas": tuple(betas), "eps": eps, "fused": fused, "state_dtype": state_dtype},
         }
         self._shards: dict[torch.Tensor, ShardGroup | None] = {}
         self._owners: dict[int, dict[torch.Tensor, int]] = {}
@@ -173,6 +193,11 @@ class Muon(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         if kind == ADAMW:
+            if group["state_dtype"] not in ("fp32", "bf16"):
+                raise ValueError(f"an AdamW group's state_dtype = {group['state_dtype']!r}: must be fp32 or bf16")
+            if group["state_dtype"] == "bf16":  # adamw_bf16's own update: neither fused nor foreach
+                group["fused"] = group["foreach"] = False
+                return
             if group["fused"] is None:
                 group["fused"] = any(p.device.type == "cuda" for p in group["params"])
             group["foreach"] = not group["fused"]
@@ -200,6 +225,11 @@ class Muon(torch.optim.Optimizer):
                 if group["kind"] == MUON:
                     state["momentum_buffer"] = _fp32_zeros_like(p)
                     continue
+                if group["state_dtype"] == "bf16":  # as AdamWBf16Moments makes them
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
+                    continue
                 # AdamW's own (torch.optim.Adam._init_group): the step count on the device for the fused
                 # kernel, on the host for foreach.
                 state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if group["fused"]
@@ -208,14 +238,18 @@ class Muon(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's, then the momentum back in fp32 (torch casts state to each parameter's dtype)."""
+        """torch's, then each state tensor back in its own dtype (torch casts them to their parameter's): the
+        momentum in fp32, bf16 AdamW moments in bf16 (bf16 → fp32 → bf16 is exact)."""
         super().load_state_dict(state_dict)
         for group in self.param_groups:
-            if group["kind"] == MUON:
-                for p in group["params"]:
-                    buf = self.state[p].get("momentum_buffer")
-                    if buf is not None and buf.dtype != torch.float32:
-                        self.state[p]["momentum_buffer"] = buf.float()
+            dtypes = ({"momentum_buffer": torch.float32} if group["kind"] == MUON else
+                      {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16} if group["state_dtype"] == "bf16"
+                      else {})
+            for p in group["params"]:
+                for key, dtype in dtypes.items():
+                    value = self.state[p].get(key)
+                    if value is not None and value.dtype != dtype:
+                        self.state[p][key] = value.to(dtype)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -236,6 +270,10 @@ class Muon(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
+            self._last_adamw += [(group, p) for p in params]
+            if group["state_dtype"] == "bf16":
+                step_group(group, self.state)
+                continue
             states = [self.state[p] for p in params]
             beta1, beta2 = group["betas"]
             adamw(
@@ -243,7 +281,6 @@ class Muon(torch.optim.Optimizer):
                 [], [s["step"] for s in states], foreach=group["foreach"], fused=group["fused"], amsgrad=False,
                 beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
                 maximize=False)
-            self._last_adamw += [(group, p) for p in params]
 
     def _muon_step(self) -> None:
         # Momentum on each rank's own rows (U is made where it is sent: Matrix.write_update).

@@ -5,8 +5,8 @@ calibrated against the peaks that `metrics.jsonl` recorded on H100s and H200s (`
 peak reserved since start); tests/test_plan.py holds those measurements and checks every estimate
 against them. Where memory goes, by category:
 
-- the fp32 weights, their fp32 gradients and AdamW's two moments: sharded over dp_shard under FSDP,
-  whole on one process;
+- the fp32 weights, their fp32 gradients and the optimizer's state (config/optimizer.py OPTIMIZERS: its bytes
+  for the model): sharded over dp_shard under FSDP, whole on one process;
 - what each block keeps for backward, by activation-checkpointing mode (the matmul outputs selective
   `op` keeps were measured tensor by tensor on `8b`: docs/benchmarks/2026-11-26-8b-memory-breakdown.md);
 - the output layer's logits and their gradient, or with training.loss_chunk_tokens one chunk's logits
@@ -14,9 +14,10 @@ against them. Where memory goes, by category:
 - FSDP's gathered weights (blocks resharded after forward or kept), its all-gather stream's own pool;
 - the caching allocator's slack between what is allocated and what it reserves.
 
-The peak is the larger of two moments of a step: the start of backward (every block's activations and
-the logits' gradient; gradients only when an earlier micro-batch left them) and the end of backward
-(gradients whole, activations gone).
+The peak is the largest of the moments of a step: the start of backward (every block's activations and
+the logits' gradient; gradients only when an earlier micro-batch left them), the end of backward
+(gradients whole, activations gone), the first recomputed block of backward, and the optimizer step (its
+transient buffers beside the state and the gradients: OPTIMIZERS' step_bytes).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 from titanlike.config.dims import ParallelDims
+from titanlike.config.optimizer import DEFAULT, OPTIMIZERS
 from titanlike.config.schema import JobConfig
 from titanlike.config.speed import matmul_outputs_kept, named_blocks, resolve_reshard
 from titanlike.config.stages import Stage
@@ -64,10 +66,6 @@ NCCL_GIB = 0.5
 # of backward on `1b` and `8b` at 65,536 tokens a GPU (cp 2, tensorwise float8; two H200s): 5.7 and 9.7 GiB
 # against 3.7 and 6.1 (docs/benchmarks/2026-11-28-cp-long-window-memory.md).
 RECOMPUTE_WORKING = 1.57
-
-# AdamW's two moments: fp32 (8 bytes a parameter), bf16 (4), or torchao's 8-bit blockwise moments (1 byte each
-# and an fp32 scale per block of 256 values).
-MOMENT_BYTES = {"fp32": 8.0, "bf16": 4.0, "8bit": 2.0 * (1 + 4 / 256)}
 
 
 @dataclass(frozen=True)
@@ -117,6 +115,7 @@ class Shape:
     reduce_bytes: int = 4  # bytes a gradient value takes in FSDP's reduce-scatter (training.mixed_precision_reduce)
     grads_in_compute_pool: bool = True  # the override gradients_in_compute_pool (parallel.overrides)
     sync_once_a_step: bool = False  # parallel.gradient_sync = step: micro-batches add gradients up unsharded
+    optimizer: str = DEFAULT  # optimizer.name: its state and its step's buffers (config/optimizer.py OPTIMIZERS)
 
 
 def shape_of(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, card_gib: float | None,
@@ -139,7 +138,7 @@ def shape_of(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, card_gib: floa
                  override_chosen(cfg.parallel.overrides, "cp_attention_kernels"),
                  2 if t.mixed_precision_reduce == "bf16" and dims.dp_replicate * dims.fsdp_shard > 1 else 4,
                  override_chosen(cfg.parallel.overrides, "gradients_in_compute_pool"),
-                 getattr(cfg.parallel, "gradient_sync", "micro_batch") == "step")
+                 getattr(cfg.parallel, "gradient_sync", "micro_batch") == "step", cfg.optimizer.name)
 
 
 def override_chosen(overrides: str, name: str) -> bool:
@@ -253,7 +252,8 @@ def estimate(s: Shape) -> Estimate:
     on_gpu = 0.0 if s.cpu_offload else 1.0  # FSDP's CPU offload keeps these three in host memory
     weights = on_gpu * 4 * total / shard
     grads = on_gpu * 4 * total / shard
-    moments = on_gpu * MOMENT_BYTES[s.state_dtype] * total / shard
+    optimizer = OPTIMIZERS[s.optimizer]
+    moments = on_gpu * optimizer.state_bytes(a, s.state_dtype) / shard
     # FSDP's own reduce-scatter buffers (HSDP, where the override gradients_in_compute_pool does not act, or
     # that override off) put the gradients in that stream's pool, which the activations freed in backward
     # never refill (8b on two GPUs before they moved: +14.96 GiB, measured). Gradients summed in bf16 land
@@ -326,26 +326,34 @@ def estimate(s: Shape) -> Estimate:
     first = 0.0
     if s.ac_mode == "full":
         first = weights + moments + held_grads + kept + embedding_out + working + output_grad + gathered
-    allocated = max(start, end, first)
+    # The optimizer step: the gradients whole, the gathered weights and activations gone, its own buffers.
+    step_buffers = on_gpu * optimizer.step_bytes(a, shard)
+    step = weights + moments + grads + step_buffers
+    allocated = max(start, end, first, step)
     reserved = allocated * (1 + ALLOCATOR_SLACK) + ag_pool + rs_pool + offload_rs_pool
-    at_start = start >= max(end, first)
-    at_first = not at_start and first > end
-    where = "start of backward" if at_start else "first recomputed block" if at_first else "end of backward"
+    at_start = start >= max(end, first, step)
+    at_first = not at_start and first > max(end, step)
+    at_step = not (at_start or at_first) and step > end
+    where = ("start of backward" if at_start else "first recomputed block" if at_first else
+             "optimizer step" if at_step else "end of backward")
+    in_backward = 0.0 if at_step else 1.0  # what only backward holds
     rows = [
         ("parameters (fp32" + (f", 1/{shard} each" if sharded else "") + ")", weights),
         ("gradients (" + ("the micro-batches' unsharded sums" if unsharded_sums and (at_start or at_first)
                           else "fp32") + ")",
          held_grads if at_start or at_first else grads),
-        (f"optimizer state (AdamW, {s.state_dtype} moments)", moments),
-        ("activations kept for backward" + ac_words(s), kept + embedding_out if at_start or at_first else recompute),
+        (f"optimizer state ({optimizer.describe(s.state_dtype)})", moments),
+        ("the optimizer step's buffers (counted from its code)", step_buffers if at_step else 0.0),
+        ("activations kept for backward" + ac_words(s),
+         kept + embedding_out if at_start or at_first else recompute * in_backward),
         ("the recomputed block's activations and gradients, and the hidden states' gradient",
          working if at_first else 0.0),
         ("FSDP: the output layer's gradient, being reduce-scattered", output_grad if at_first else 0.0),
         ("logits and their gradient" + (f" (chunks of {s.chunk_tokens} tokens)" if s.chunk_tokens else " (whole)"),
          head + final_norm if at_start else 0.0),
         ("FSDP gathered weights" + (" (all, kept from forward to backward)" if s.reshard == "never" else
-                                    " (the output layer, kept)"), gathered),
-        ("FSDP one block's unsharded gradient", unsharded_grad if not (at_start or at_first) else 0.0),
+                                    " (the output layer, kept)"), gathered * in_backward),
+        ("FSDP one block's unsharded gradient", unsharded_grad * in_backward if not (at_start or at_first) else 0.0),
         ("allocator slack (reserved beyond allocated)", allocated * ALLOCATOR_SLACK),
         ("FSDP all-gather stream's pool (weights being gathered)", ag_pool),
         ("gradients in the reduce-scatter stream's pool (HSDP, bf16 sums, FSDP's own buffers)", rs_pool),
@@ -353,9 +361,9 @@ def estimate(s: Shape) -> Estimate:
     ]
     notes = [f"the peak comes at the {where}"]
     if s.cpu_offload:
-        host = (8 + MOMENT_BYTES[s.state_dtype]) * total / shard
-        notes.append("parallel.cpu_offload: weights, gradients and AdamW's moments live in host memory "
-                     f"({host / GIB:.1f} GiB of it a rank, {s.state_dtype} moments)")
+        host = (8 * total + optimizer.state_bytes(a, s.state_dtype)) / shard
+        notes.append("parallel.cpu_offload: weights, gradients and the optimizer's state live in host memory "
+                     f"({host / GIB:.1f} GiB of it a rank; {optimizer.describe(s.state_dtype)})")
     exact = weights + moments + (held_grads if at_start or at_first else grads) + rs_pool
     return Estimate(tuple((n, b / GIB) for n, b in rows if b), allocated / GIB, reserved / GIB, tuple(notes),
                     exact / GIB)

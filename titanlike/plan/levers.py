@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from titanlike.config.host import runs_on_cpu
+from titanlike.config.optimizer import OPTIMIZERS
 from titanlike.config.schema import JobConfig
 
 B = "docs/benchmarks/"
@@ -53,6 +54,22 @@ def _has(section: str, key: str) -> Callable[[JobConfig], bool]:
     return lambda cfg: hasattr(getattr(cfg, section), key)
 
 
+def _takes(state_dtype: str) -> Callable[[JobConfig], bool]:
+    """Whether the run's optimizer keeps its state in `state_dtype` (config/optimizer.py OPTIMIZERS)."""
+    return lambda cfg: state_dtype in OPTIMIZERS[cfg.optimizer.name].state_dtypes
+
+
+def _steps_on_host(cfg: JobConfig) -> bool:
+    """Whether the run's optimizer can step on the CPU while the model computes on a GPU (offload)."""
+    return not OPTIMIZERS[cfg.optimizer.name].host_step
+
+
+# Not a lever: optimizer.name. Another optimizer has other state bytes (config/optimizer.py), but it changes
+# the update itself, its speed cost is not measured, and a checkpoint resumes only with the optimizer that
+# saved it: a fit that picked one at one world size and not at another would leave a run its own checkpoints
+# refuse. The optimizer is the user's choice (docs/optimizers.md).
+
+
 CHOICES: tuple[Choice, ...] = (
     Choice("training.loss_chunk_tokens", 4096, 0.0,
            f"{B}2026-11-23-one-gpu-fused-chunked-loss-1b-32gb.md: 124m fused chunks +0.3 % (noise), 3.8 GiB less; "
@@ -65,11 +82,12 @@ CHOICES: tuple[Choice, ...] = (
     Choice("parallel.reshard_after_forward", "always", 0.029,
            f"{B}2026-11-26-cp-long-windows-1b-levers.md: 1b over two H200s 0.971× for 1.4 GiB; keeping 1b's "
            f"gathered weights was worth 1.8-1.9 % before ({B}2026-11-22-bf16-residual-fused-clip.md)"),
-    Choice("optimizer.state_dtype", "bf16", BF16_MOMENTS_COST, BF16_MOMENTS_SOURCE, exact=False),
+    Choice("optimizer.state_dtype", "bf16", BF16_MOMENTS_COST, BF16_MOMENTS_SOURCE, exact=False, usable=_takes("bf16")),
     Choice("optimizer.state_dtype", "8bit", 0.046,
            f"{B}2026-11-23-one-gpu-fused-chunked-loss-1b-32gb.md: torchao's 8-bit step, 4.6 % of a 1b step; over "
            f"two H200s 1b ran 0.963× for 4.3 GiB ({B}2026-11-26-cp-long-windows-1b-levers.md), 8b 0.959× "
-           f"for 22.3 GiB ({B}2026-11-26-8b-levers-chunked-loss-context-parallel.md)", cost_sharded=0.04, exact=False),
+           f"for 22.3 GiB ({B}2026-11-26-8b-levers-chunked-loss-context-parallel.md)", cost_sharded=0.04, exact=False,
+           usable=_takes("8bit")),
     Choice("activation_checkpoint.mode", "selective:op", 0.03,
            "estimate: op recomputes elementwise ops only (norms, RoPE, SwiGLU), no matmul; on 1b over two H200s "
            "op:wqkv,wo,w1, which recomputes more, cost 3.5 % from none "
@@ -101,10 +119,10 @@ CHOICES: tuple[Choice, ...] = (
            f"GPU in 31 GiB full recompute ran 0.84 of the uncapped speed "
            f"({B}2026-11-23-one-gpu-fused-chunked-loss-1b-32gb.md)"),
     Choice("parallel.cpu_offload", True, 0.7,
-           f"{B}2026-11-26-cp-kernels-fit-to-target.md: 8b over two H200s with weights, gradients and AdamW's "
+           f"{B}2026-11-26-cp-kernels-fit-to-target.md: 8b over two H200s with weights, gradients and the optimizer's "
            "state in host memory and the optimizer step on the CPU ran 0.30× the speed; 1b 0.354× "
            f"({B}2026-11-26-cp-long-windows-1b-levers.md)",
-           usable=lambda cfg: hasattr(cfg.parallel, "cpu_offload") and not runs_on_cpu(cfg)),
+           usable=lambda cfg: hasattr(cfg.parallel, "cpu_offload") and not runs_on_cpu(cfg) and _steps_on_host(cfg)),
 )
 
 MICRO_BATCH_SOURCE = ("estimate: 3 % a halving of the micro-batch, 7 % two, 12 % three (more micro-batches, the same "

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from titanlike.config.dims import ParallelDims, parallel_dims
+from titanlike.config.optimizer import OPTIMIZERS
 from titanlike.config.stages import Stage
 from titanlike.parallel.device import allocator_settings
 
@@ -91,8 +92,11 @@ def oom_message(cfg, dims: ParallelDims, rank: int, step: int | None, memory: di
         knobs[-1] += " (local batch is already 1)"
     if not t.loss_chunk_tokens:
         knobs.append("--training.loss_chunk_tokens 4096 (the logits then never exist whole)")
-    if cfg.optimizer.state_dtype == "fp32":
-        knobs.append("--optimizer.state_dtype 8bit (AdamW's moments in about 2 bytes a parameter instead of 8)")
+    if cfg.optimizer.state_dtype == "fp32":  # the smallest state dtype the run's optimizer takes
+        if "8bit" in OPTIMIZERS[cfg.optimizer.name].state_dtypes:
+            knobs.append("--optimizer.state_dtype 8bit (AdamW's moments in about 2 bytes a parameter instead of 8)")
+        else:
+            knobs.append("--optimizer.state_dtype bf16 (AdamW's moments in 4 bytes a parameter instead of 8)")
     if cfg.fp8.recipe != "tensorwise" and dims.sharded:
         knobs.append(f"--fp8.recipe tensorwise (now {cfg.fp8.recipe}): FSDP then gathers weights in float8")
     elif cfg.fp8.recipe != "tensorwise" and cfg.compile.enable:

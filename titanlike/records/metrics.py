@@ -95,6 +95,36 @@ def _quiet_tensorboard_thread_errors() -> None:
     threading.excepthook = hook
 
 
+class StepTimer:
+    """The wall time of one step and of its update (gradient clipping and the optimizer step), made only for
+    the steps that are logged: CUDA events on a GPU (on the compute stream; read when the record is written,
+    which waits for the GPU anyway), perf_counter on the CPU. Other steps make none: no event, no sync."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+        self.mark()  # the step starts
+
+    def mark(self) -> None:
+        """The update starts; then, the update is done."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def record(self) -> dict:
+        """`optimizer_s` (seconds of the update) and `optimizer_share` (of the step's time)."""
+        start, update, end = self.marks
+        if self.cuda:
+            end.synchronize()
+            step_s, update_s = start.elapsed_time(end) / 1e3, update.elapsed_time(end) / 1e3
+        else:
+            step_s, update_s = end - start, end - update
+        return {"optimizer_s": update_s, "optimizer_share": update_s / step_s if step_s > 0 else None}
+
+
 class MetricsLogger:
     def __init__(self, folder: str, *, is_writer: bool, tensorboard: bool, device: torch.device,
                  float8_matmul_share: float, purge_step: int | None = None,
