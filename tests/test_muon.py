@@ -15,7 +15,7 @@ from conftest import spawn_ranks
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import ModelArgs
 from titanlike.optim.muon import ADAMW, MUON, Muon, param_groups, transformer_param_groups
-from titanlike.optim.orthogonalize import assign_owners, row_ranges
+from titanlike.optim.orthogonalize import NS_COEFFICIENTS, assign_owners, row_ranges
 
 LR, WD = 0.02, 0.1
 
@@ -175,6 +175,24 @@ def test_the_schedule_sets_the_lr_of_every_group():
         optimizer.step()
     for p, q in zip(scheduled.parameters(), fixed.parameters()):
         assert torch.equal(p, q)
+
+
+def test_newton_schulz_in_capped_batches_gives_the_whole_batchs_result(monkeypatch):
+    """Same-shape pieces go through Newton–Schulz at most NS_BATCH_ELEMENTS elements a call (the memory of
+    its temporaries): a cap of one matrix a call gives what one call for all of them gives."""
+    from titanlike.optim import orthogonalize
+
+    torch.manual_seed(0)
+    grads = [torch.randn(24, 16) for _ in range(5)]
+    made = [orthogonalize.Matrix(g, torch.zeros_like(g), None, 24, 16, ((0, 8), (8, 24)), (NS_COEFFICIENTS, 5, 1e-7),
+                                 "match_rms_adamw") for g in grads]
+    for m, g in zip(made, grads):
+        m.momentum.copy_(g)
+    whole, whole_rms = orthogonalize.orthogonalize_local(made)
+    monkeypatch.setattr(orthogonalize, "NS_BATCH_ELEMENTS", 16 * 16)  # one 16 x 16 piece a call
+    capped, capped_rms = orthogonalize.orthogonalize_local(made)
+    assert all(torch.equal(a, b) for a, b in zip(whole, capped))
+    assert torch.allclose(whole_rms, capped_rms, rtol=1e-6)  # the same squares, summed in another order
 
 
 def test_owners_balance_and_rows_follow_fsdp():

@@ -726,8 +726,10 @@ def test_muon_state_is_half_of_adamws_for_the_block_matrices_on_8b_over_two_gpus
 def test_muons_step_buffers_are_the_peak_when_activations_are_small():
     """With little activation memory the optimizer step is the peak: weights, gradients, state, and Muon's
     buffers of the owner's whole matrices (bf16 U and O: 4 bytes an element of about 1/N of them) and Newton–
-    Schulz's temporaries of its largest batch (6 bytes an element of w1 and w3's pieces, 2 a block, 1/N of
-    them). AdamW's step needs nothing beside its state: its peak stays in backward."""
+    Schulz's temporaries of its largest batch (6 bytes an element: at most NS_BATCH_ELEMENTS a call, which the
+    4,096 × 4,096 pieces, q and wo, 2 a block, 1/N of them, fill; w1's and w3's four to a call hold less).
+    AdamW's step needs nothing beside its state: its peak stays in backward."""
+    from titanlike.config.optimizer import NS_BATCH_ELEMENTS
     from titanlike.plan.estimate import ALLOCATOR_SLACK, GIB
 
     small = ["--job.config_file", str(ROOT / C / "llama3_8b.toml"), "--optimizer.state_dtype", "fp32",
@@ -737,7 +739,10 @@ def test_muons_step_buffers_are_the_peak_when_activations_are_small():
     a = model_args("8b")
     kv = a.n_kv_heads * a.head_dim
     matrices = a.n_layers * (a.dim * (a.dim + 2 * kv) + a.dim * a.dim + 3 * a.dim * a.ffn_dim)
-    buffers = 4 * matrices / 2 + 6 * (2 * a.n_layers // 2) * a.ffn_dim * a.dim
+    square = min(2 * a.n_layers // 2, NS_BATCH_ELEMENTS // (a.dim * a.dim)) * a.dim * a.dim
+    feed_forward = min(2 * a.n_layers // 2, NS_BATCH_ELEMENTS // (a.ffn_dim * a.dim)) * a.ffn_dim * a.dim
+    assert square == NS_BATCH_ELEMENTS > feed_forward
+    buffers = 4 * matrices / 2 + 6 * square
     assert muon.row("the optimizer step's buffers") == pytest.approx(buffers / GIB, rel=1e-9)
     assert muon.notes[0] == "the peak comes at the optimizer step"
     held = muon.row("parameters") + muon.row("gradients") + muon.row("optimizer") + buffers / GIB

@@ -118,6 +118,10 @@ def muon_state_bytes(args: ModelArgs, state_dtype: str) -> float:
 NS_TEMP_BYTES = 6.0
 """Newton–Schulz's bf16 temporaries per element of the batch it iterates: the stacked input, the normalised
 and the next iterate, the small Gram matrix and its polynomial (optim/orthogonalize.py newton_schulz)."""
+NS_BATCH_ELEMENTS = 2**28
+"""The most elements Newton–Schulz iterates in one batched call (optim/orthogonalize.py reads it): same-shape
+pieces beyond it go in several calls. 2^28 bf16 elements and their temporaries are about 3 GiB; batched whole,
+8b's 64 feed-forward matrices of 14,336 × 4,096 took 22 GiB on one GPU."""
 
 
 def muon_step_bytes(args: ModelArgs, shard: int) -> float:
@@ -131,7 +135,8 @@ def muon_step_bytes(args: ModelArgs, shard: int) -> float:
     by_shape: dict[tuple[int, int], int] = {}
     for rows, cols in block_matrix_pieces(args):
         by_shape[(rows, cols)] = by_shape.get((rows, cols), 0) + args.n_layers
-    batch = max(-(-count // shard) * rows * cols for (rows, cols), count in by_shape.items())
+    batch = max(min(-(-count // shard), max(1, NS_BATCH_ELEMENTS // (rows * cols))) * rows * cols
+                for (rows, cols), count in by_shape.items())
     return max(4.0 * share, 4.0 * share + NS_TEMP_BYTES * batch)
 
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from titanlike.config.optimizer import NS_BATCH_ELEMENTS
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """(a, b, c) of the quintic iteration X <- a X + (b A + c A²) X with A = X Xᵀ: the coefficients of Keller
 Jordan's Muon, chosen for the steepest slope at zero (singular values end near, not at, 1)."""
@@ -188,14 +190,17 @@ def orthogonalize_whole(matrices: list[Matrix], wholes: list[torch.Tensor]) -> t
     outs: list[dict[int, torch.Tensor]] = [{} for _ in matrices]
     device = wholes[0].device if wholes else torch.device("cpu")
     square_sum = torch.zeros((), dtype=torch.float32, device=device)
-    for (rows, cols, (coefficients, steps, eps), adjust_lr), members in batches.items():
-        stacked = torch.stack([wholes[i][slice(*matrices[i].pieces[j])] for i, j in members])
-        result = newton_schulz(stacked, coefficients, steps, eps)
-        del stacked
-        norms = torch.linalg.vector_norm(result, dim=(1, 2), dtype=torch.float32)
-        square_sum += norms.square().sum() * update_scale(rows, cols, adjust_lr) ** 2
-        for k, (i, j) in enumerate(members):
-            outs[i][j] = result[k]
+    for (rows, cols, (coefficients, steps, eps), adjust_lr), same_shape in batches.items():
+        per_call = max(1, NS_BATCH_ELEMENTS // (rows * cols))  # a cap on the temporaries of one call
+        for first in range(0, len(same_shape), per_call):
+            members = same_shape[first:first + per_call]
+            stacked = torch.stack([wholes[i][slice(*matrices[i].pieces[j])] for i, j in members])
+            result = newton_schulz(stacked, coefficients, steps, eps)
+            del stacked
+            norms = torch.linalg.vector_norm(result, dim=(1, 2), dtype=torch.float32)
+            square_sum += norms.square().sum() * update_scale(rows, cols, adjust_lr) ** 2
+            for k, (i, j) in enumerate(members):
+                outs[i][j] = result[k]
     # A stacked matrix's pieces back in row order (their batches ran in the order their shapes came).
     return [out[0] if len(out) == 1 else torch.cat([out[j] for j in range(len(out))]) for out in outs], square_sum
 

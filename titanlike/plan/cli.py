@@ -93,7 +93,7 @@ def card_line(cfg, argv: list[str], world: int, card_gib: float) -> str:
     if best is None:
         smallest = min(every, key=lambda f: f.reserved_gib)
         return (f"{verdict}; no lever is enough (at best {smallest.reserved_gib:.1f} GiB with "
-                f"{' '.join(smallest.flags)}; {kept_words(given)})")
+                f"{' '.join(smallest.flags) or 'none of them'}; {kept_words(given)})")
     return (f"{verdict}; --training.fit_gib auto chooses {' '.join(best.flags)} → {best.reserved_gib:.1f} GiB, "
             f"about {best.speed:.0%} of the speed ({kept_words(given)})")
 
