@@ -312,7 +312,9 @@ INVALID = [
     (["--fp8.recipe", "rowwise", "--fp8.scaling", "delayed"],
      "fp8.scaling = delayed needs fp8.recipe = tensorwise (got 'rowwise')"),
     (["--fp8.scaling", "late"], "fp8.scaling = 'late' is not one of dynamic, delayed"),
-    (["--fp8.recipe", "tensorwise", "--fp8.amax_history", "0"], "fp8.amax_history = 0 must be >= 1"),
+    (["--fp8.recipe", "tensorwise", "--fp8.amax_history", "0"], "fp8.amax_history = 0 must be in [1, 1024]"),
+    (["--fp8.recipe", "tensorwise", "--fp8.scaling", "delayed", "--fp8.amax_history", str(10**18)],
+     "fp8.amax_history = 1000000000000000000 must be in [1, 1024] (default 16)"),
     (["--fp8.recipe", "tensorwise", "--fp8.amax_every", "0"], "fp8.amax_every = 0 must be >= 1"),
     (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "ops"],
      "activation_checkpoint.selective_ac_option = 'ops': after 'op:' name the Linears"),
@@ -555,6 +557,18 @@ def test_non_utf8_config_file_is_one_line(tmp_path):
     bad.write_bytes(b"[job]\nseed = 1\n# \xff\xfe\n")
     assert error_of(["--job.config_file", str(bad)]) == (
         f"job.config_file = '{bad}' is not UTF-8 text (byte 17): TOML files are UTF-8")
+
+
+def test_a_config_file_nested_past_the_toml_reader_is_one_line_in_the_preflight(tmp_path, monkeypatch):
+    """tomllib recurses once a level: an array nested 5,000 deep was a RecursionError traceback."""
+    from conftest import call
+    from titanlike import preflight
+
+    deep = write_toml(tmp_path, "[training]\nsteps = " + "[" * 5000 + "]" * 5000 + "\n")
+    monkeypatch.setenv(preflight.WORLD_ENV, "1")
+    rc, err = call(preflight.main, "--job.config_file", deep)
+    assert rc == 2 and err == (f"error: job.config_file = {deep!r} nests arrays or inline tables deeper than the TOML "
+                               f"reader goes: no option takes such a value\n"), err
 
 
 def test_a_config_file_that_is_not_a_file_is_one_line_that_says_so(tmp_path):

@@ -435,6 +435,15 @@ def test_plan_refuses_bad_input_in_one_line(args, says):
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], out.stderr
 
 
+def test_plan_refuses_an_amax_history_that_would_overflow_its_storage(capsys):
+    """--fp8.amax_history 10^18 with delayed scaling overflowed the history's storage at the first step, while
+    the plan and the preflight passed it: the config check bounds it, for both."""
+    rc = cli.main(["--fp8.recipe", "tensorwise", "--fp8.scaling", "delayed", "--fp8.amax_history", str(10**18)])
+    assert rc == 2
+    assert capsys.readouterr().err == ("error: fp8.amax_history = 1000000000000000000 must be in [1, 1024] "
+                                       "(default 16)\n")
+
+
 def test_plan_help():
     assert cli.main(["--help"]) == 0
 

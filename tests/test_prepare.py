@@ -613,3 +613,22 @@ def test_a_worker_that_dies_is_one_line():
             worker.take()
     finally:
         worker.stop()
+
+
+@pytest.mark.parametrize("line, says", [
+    ("[" * 100_000 + "]" * 100_000, "deep.jsonl:2: its JSON nests arrays or objects deeper than the JSON reader goes"),
+    ('{"text": "x", "n": ' + "9" * 100_000 + "}", "deep.jsonl:2: a value the JSON reader cannot take (Exceeds the "
+                                                   "limit (4300 digits) for integer string conversion"),
+], ids=["nested-100000-deep", "integer-of-100000-digits"])
+def test_a_json_line_the_json_reader_cannot_take_is_one_line(tmp_path, line, says):
+    """Python's JSON reader raises RecursionError on deep nesting and ValueError on a huge integer: both were
+    tracebacks. In this process, one worker: what a worker raises is what the main process says."""
+    from conftest import call, error_lines
+    from titanlike.data.prepare.cli import main
+
+    (tmp_path / "deep.jsonl").write_text('{"text": "fine"}\n' + line + "\n")
+    rc, err = call(main, str(tmp_path / "out"), str(tmp_path / "deep.jsonl"), "--workers", "1")
+    assert rc == 2 and "Traceback" not in err, err
+    (message,) = error_lines(err)
+    assert says in message, message
+    assert not (tmp_path / "out").exists()

@@ -261,6 +261,9 @@ def read_toml(path: str) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"job.config_file = {path!r} is not valid TOML: {e}") from None
+    except RecursionError:  # arrays or tables nested thousands deep: tomllib recurses once a level
+        raise ConfigError(f"job.config_file = {path!r} nests arrays or inline tables deeper than the TOML reader "
+                          f"goes: no option takes such a value") from None
 
 
 def load(root_cls: type[Root], argv: list[str] | None, validate: Callable[[Root], None],

@@ -14,7 +14,6 @@ run's own training (titanlike-export's checks); an exported folder through confi
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -26,6 +25,10 @@ import torch.nn.functional as F
 from titanlike import fs
 from titanlike.errors import ArgumentParser, UserError, error_exit
 from titanlike.model.decoder import Transformer
+
+# --temperature: logits divided by it must stay finite float32 numbers (1e-320 made them inf, 1e308 made the
+# masked ones NaN). Well inside both ends sampling is already greedy, or uniform, in effect.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 1e4
 
 
 class KVCache:
@@ -240,8 +243,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)} must be >= 0")
     if not 0 <= a.seed < 2**63:
         p.error(f"--seed {a.seed} must be in [0, 2^63)")
-    if not math.isfinite(a.temperature) or a.temperature < 0:
-        p.error(f"--temperature {a.temperature} must be a finite number >= 0")
+    if not (a.temperature == 0 or MIN_TEMPERATURE <= a.temperature <= MAX_TEMPERATURE):
+        p.error(f"--temperature {a.temperature:g} must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, "
+                f"{MAX_TEMPERATURE:g}]: past those the logits divided by it overflow (or all become 0), and the "
+                f"probabilities are not numbers")
     try:
         a.prompt.encode("utf-8")
     except UnicodeEncodeError:

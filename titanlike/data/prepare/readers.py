@@ -18,6 +18,7 @@ import gzip
 import io
 import json
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,7 +186,7 @@ def _first_record_keys(lines: bytes) -> list[str]:
         if line.strip():
             try:
                 record = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError):
+            except (ValueError, RecursionError):  # not JSON, too deep, a too long number, not UTF-8
                 return ["text"]  # a broken first line: reading it reports it, with its line number
             return list(record) if isinstance(record, dict) else ["text"]
     return ["text"]
@@ -266,7 +267,15 @@ def _json_lines(text: str, path: str, first_line, text_field: str) -> list[str]:
             continue
         try:
             value = json.loads(line)[text_field]
-        except (json.JSONDecodeError, KeyError, TypeError, IndexError):
+        except RecursionError:  # Python's JSON reader recurses once a level of nesting
+            raise InputError(f"{path}:{first_line() + n}: its JSON nests arrays or objects deeper than the JSON "
+                             f"reader goes ({sys.getrecursionlimit()} levels is past it)") from None
+        except json.JSONDecodeError:
+            raise InputError(f"{path}:{first_line() + n} is not a JSON object with a {text_field!r} field") from None
+        except ValueError as e:  # valid JSON that Python will not convert: an integer of more than 4300 digits
+            raise InputError(f"{path}:{first_line() + n}: a value the JSON reader cannot take "
+                             f"({str(e).split(';')[0]})") from None
+        except (KeyError, TypeError, IndexError):
             raise InputError(f"{path}:{first_line() + n} is not a JSON object with a {text_field!r} field") from None
         if not isinstance(value, str):
             raise InputError(f"{path}:{first_line() + n}: field {text_field!r} is {type(value).__name__}, not text")
