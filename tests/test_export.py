@@ -164,6 +164,43 @@ def test_import_refuses_a_config_that_disagrees(tmp_path, field, change, message
     assert str(e.value).startswith(f"{tmp_path}/hf/config.json")
 
 
+@pytest.mark.parametrize("change, says", [
+    ({"rope_theta": 0, "rope_parameters": {"rope_type": "default", "rope_theta": 0}},
+     "rope_theta is 0; it must be a finite number > 0"),
+    ({"rope_theta": -1.0, "rope_parameters": None}, "rope_theta is -1.0; it must be a finite number > 0"),
+    ({"rope_theta": float("nan")}, "rope_theta is nan; it must be a finite number > 0"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": float("inf")}},
+     "rope_parameters.rope_theta is inf; it must be a finite number > 0"),
+    ({"rope_theta": "10000"}, "rope_theta is '10000'; it must be a finite number > 0"),
+    ({"rope_theta": 500000.0}, "rope_theta is 500000.0 but rope_parameters' rope_theta 10000.0: transformers 4 reads"),
+    ({"rms_norm_eps": float("-inf")}, "rms_norm_eps is -inf; it must be a finite number > 0"),
+    ({"hidden_size": 256.5}, "hidden_size is 256.5, not a whole number"),
+    ({"vocab_size": True}, "vocab_size is True, not a whole number"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings is 'false', not true or false"),
+], ids=["theta-0", "theta-negative", "theta-nan", "parameters-theta-inf", "theta-string", "thetas-disagree",
+        "eps-negative-inf", "fractional-width", "boolean-vocab", "string-tie"])
+def test_a_config_json_with_a_number_that_is_none_is_refused_wherever_it_is_read(tmp_path, change, says):
+    """Every read of a Hugging Face config.json (--model.flavor hf in the preflight and the trainer, an
+    initial_load_path against a preset's shape, generate on an exported folder) goes through one reader,
+    which takes no number that is not one: rope_theta 0 became 10000 unsaid, a string was converted."""
+    from titanlike.config.resolve import read_hf_config
+    from titanlike.hf.config import check_hf_config
+    from titanlike.model.hf_names import hf_config
+    from titanlike.preflight import check
+
+    args = model_args("debug", rope_theta=10000.0)
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**hf_config(args, "float32"), **change}))
+    where = f"{folder}/config.json: "
+    hf_run = ["--model.flavor", "hf", "--checkpoint.initial_load_path", str(folder)]
+    for read in (lambda: read_hf_config(str(folder)), lambda: check_hf_config(str(folder), args),
+                 lambda: check(load_config(hf_run), 1)):
+        with pytest.raises(UserError) as e:
+            read()
+        assert str(e.value).startswith(where) and says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
 def test_export_ships_the_runs_tokenizer_and_refuses_a_too_large_one(tmp_path):
     step_dir = tmp_path / "run" / "checkpoint" / "step-1"
     step_dir.mkdir(parents=True)
