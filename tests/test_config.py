@@ -559,6 +559,21 @@ def test_non_utf8_config_file_is_one_line(tmp_path):
         f"job.config_file = '{bad}' is not UTF-8 text (byte 17): TOML files are UTF-8")
 
 
+def test_a_warmup_as_long_as_the_run_is_said_at_start(trained_run):
+    """A warmup of training.steps or more never reaches optimizer.lr: one start line says so (a trial run of a few
+    steps with the default warmup stays legal), in train.log as on the console."""
+    from titanlike.config.run import resolve_run
+
+    said = "lr_scheduler.warmup_steps = 10 is not below training.steps = 4: the LR still rises at the last step"
+    assert said in (trained_run / "train.log").read_text()  # 4 steps, the default warmup of 10
+    for warmup, steps, noted in ((20, 20, True), (10**6, 20, True), (19, 20, False), (0, 1, False)):
+        cfg = load_config(["--training.steps", str(steps), "--lr_scheduler.warmup_steps", str(warmup)])
+        notes = [n for n in resolve_run(cfg, 1).notes if n.startswith("lr_scheduler.warmup_steps")]
+        assert notes == ([f"lr_scheduler.warmup_steps = {warmup} is not below training.steps = {steps}: the LR still "
+                          f"rises at the last step and never reaches optimizer.lr = 0.003 (no stable or decay phase); "
+                          f"set --lr_scheduler.warmup_steps below {steps} to train at the peak"] if noted else [])
+
+
 def test_a_config_file_nested_past_the_toml_reader_is_one_line_in_the_preflight(tmp_path, monkeypatch):
     """tomllib recurses once a level: an array nested 5,000 deep was a RecursionError traceback."""
     from conftest import call

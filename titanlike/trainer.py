@@ -95,7 +95,7 @@ class Trainer:
         if self.is_main:
             logger.info(f"run folder {os.path.abspath(cfg.job.dump_folder)}: the config, metrics and "
                         f"{'checkpoints' if cfg.checkpoint.enable else 'logs'} of this run go there")
-            for note in self.run.model.notes:
+            for note in self.run.notes:
                 logger.info(note)
 
     def _build_data(self) -> None:
