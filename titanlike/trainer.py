@@ -97,6 +97,9 @@ class Trainer:
                         f"{'checkpoints' if cfg.checkpoint.enable else 'logs'} of this run go there")
             for note in self.run.notes:
                 logger.info(note)
+            busy = parallel.cpu_threads_note(self.device)  # compute threads on cores that other work holds
+            if busy:
+                logger.warning(busy)
 
     def _build_data(self) -> None:
         """2. Data: every rank reads its own slice of each global batch, at the stage's seq_len."""
