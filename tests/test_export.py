@@ -33,6 +33,7 @@ from conftest import (
     seal,
     step_losses,
     train_here,
+    words_tokenizer,
 )
 from titanlike.config import load_config
 from titanlike.errors import UserError
@@ -220,6 +221,38 @@ def test_export_ships_the_runs_tokenizer_and_refuses_a_too_large_one(tmp_path):
     proc = export(step_dir, tmp_path / "hf2", "--dtype", "fp32", "--tokenizer", str(big))
     assert proc.returncode == 2 and "the tokenizer has 401 ids but the model only 320" in proc.stderr
     assert not (tmp_path / "hf2").exists()
+
+
+def test_a_tokenizer_smaller_than_the_models_own_is_refused(tmp_path, capsys):
+    """--tokenizer byte on a model that trained with 400 ids printed garbage: a tokenizer with fewer ids than the
+    one the run recorded is refused in one line, before any weight is read. A smaller one where nothing records
+    the model's is taken as given (a preset's vocabulary over data without dataset.json), and none is guessed
+    for a model larger than the byte tokenizer's."""
+    from titanlike.data.tokenizer import ByteTokenizer, byte_tokenizer_json
+    from titanlike.hf.export import run_tokenizer
+
+    step = tmp_path / "run" / "checkpoint" / "step-1"
+    words_tokenizer(step / "tokenizer.json", 400)
+    with pytest.raises(UserError) as e:
+        run_tokenizer(str(step), "byte", 448)
+    assert str(e.value) == (f"the tokenizer has 258 ids, fewer than the 400 of the one this model trained with "
+                            f"({step}/tokenizer.json): the model would write ids it cannot decode, and the others "
+                            f"would read as other tokens; leave out --tokenizer to use that one")
+    assert run_tokenizer(str(step), "", 448).vocab_size == 400  # its own
+    assert run_tokenizer(str(step), str(step / "tokenizer.json"), 448).vocab_size == 400  # its own, named
+    assert run_tokenizer(str(step), words_tokenizer(tmp_path / "more.json", 420), 448).vocab_size == 420
+    # The embedded corpus's byte tokenizer under a preset's vocabulary (124m: 32768) is the run's own.
+    (step / "tokenizer.json").write_text(json.dumps(byte_tokenizer_json(), ensure_ascii=False))
+    assert isinstance(run_tokenizer(str(step), "", 32768), ByteTokenizer)
+    assert isinstance(run_tokenizer(str(step), "byte", 32768), ByteTokenizer)
+    # Nothing records the model's tokenizer: no guess past the byte tokenizer's padded 320, a choice as given.
+    bare = tmp_path / "bare" / "step-1"
+    bare.mkdir(parents=True)
+    with pytest.raises(UserError, match="no tokenizer.json next to .*, and the model's 32768 ids are more than the "
+                                        r"byte tokenizer's \(258, padded to 320\): name the tokenizer it trained with"):
+        run_tokenizer(str(bare), "", 32768)
+    assert isinstance(run_tokenizer(str(bare), "", 320), ByteTokenizer) and "is assumed" in capsys.readouterr().err
+    assert isinstance(run_tokenizer(str(bare), "byte", 32768), ByteTokenizer)
 
 
 def test_an_earlier_runs_checkpoint_exports_with_its_own_tokenizer(tmp_path, corpus):

@@ -199,6 +199,20 @@ def test_generate_refuses_a_tokenizer_larger_than_the_vocabulary(tmp_path):
     assert "the tokenizer has 258 ids but the model only 97" in line, line
 
 
+def test_generate_refuses_a_tokenizer_smaller_than_the_folders_own(tmp_path):
+    """As export does: --tokenizer byte on an exported model whose own tokenizer has 400 ids printed garbage."""
+    from conftest import words_tokenizer
+    from titanlike.hf import generate as cmd
+
+    folder = hf_folder(tmp_path, model(dataclasses.replace(SHAPE, vocab_size=448)))
+    words_tokenizer(folder / "tokenizer.json", 400)
+    line = one_error(cmd.main, str(folder), "--tokenizer", "byte", "--device", "cpu")
+    assert line.startswith("error: the tokenizer has 258 ids, fewer than the 400 of the one this model trained with ("
+                           f"{folder}/tokenizer.json)"), line
+    rc, err = call(cmd.main, str(folder), "--device", "cpu", "--max-new-tokens", "2")  # its own
+    assert rc == 0, err
+
+
 def test_a_long_prompt_builds_no_dense_mask_and_one_position_of_logits(monkeypatch):
     """The prompt goes through attention with is_causal (no prompt × prompt mask: 17 GB at 130k tokens) and
     only its last position through the output layer (not prompt × vocabulary logits)."""

@@ -184,7 +184,7 @@ def load(source: str, tokenizer: str, device: torch.device, trust_pickled_dcp: b
     from titanlike.checkpoint.weights import is_dcp_folder, read_model_weights
     from titanlike.config.resolve import read_hf_config
     from titanlike.data.tokenizer import load_tokenizer, tokenizer_from_folder
-    from titanlike.hf.export import first_nonfinite, run_tokenizer
+    from titanlike.hf.export import first_nonfinite, run_tokenizer, tokenizer_fits
     from titanlike.hf.interchange import read_hf_folder
 
     if not os.path.isdir(source):
@@ -192,15 +192,17 @@ def load(source: str, tokenizer: str, device: torch.device, trust_pickled_dcp: b
     if os.path.isfile(os.path.join(source, "config.json")) and not is_dcp_folder(source):
         margs = read_hf_config(source)
         state = read_hf_folder(source, margs)
-        if tokenizer:
-            tok = load_tokenizer(tokenizer)
-        elif os.path.isfile(os.path.join(source, "tokenizer.json")):
-            tok = tokenizer_from_folder(source)
-        else:
+        own = None
+        if os.path.isfile(os.path.join(source, "tokenizer.json")):
+            try:
+                own = tokenizer_from_folder(source)
+            except UserError:
+                if not tokenizer:  # unreadable, and nothing given instead
+                    raise
+        if not tokenizer and own is None:
             raise UserError(f"{source} has no tokenizer.json; name one with --tokenizer")
-        if tok.vocab_size > margs.vocab_size:  # as export refuses it: ids past the embedding
-            raise UserError(f"the tokenizer has {tok.vocab_size} ids but the model only {margs.vocab_size}: "
-                            f"it is not the tokenizer this model was trained with (choose one with --tokenizer)")
+        tok = load_tokenizer(tokenizer) if tokenizer else own
+        tokenizer_fits(tok, margs.vocab_size, own, os.path.join(source, "tokenizer.json"))  # as export checks it
     else:
         margs, state = read_model_weights(source, trust_pickled_dcp, flag="--trust-pickled-dcp")
         tok = run_tokenizer(source, tokenizer, margs.vocab_size)
