@@ -135,6 +135,40 @@ def test_toml_errors(tmp_path):
     assert "comma-separated list" in error_of(["--job.config_file", write_toml(tmp_path, "[optimizer]\nbetas = 0.9\n")])
 
 
+def test_a_mistyped_config_file_gets_a_did_you_mean(tmp_path, monkeypatch):
+    """The closest .toml name in the folder given, or in the shipped train_configs/ when the folder is mistyped
+    too; no hint when nothing is close."""
+    (tmp_path / "mine.toml").write_text("[training]\nsteps = 3\n")
+    assert error_of(["--job.config_file", str(tmp_path / "mien.toml")]) == (
+        f"job.config_file = '{tmp_path}/mien.toml': no such file; did you mean {tmp_path}/mine.toml?")
+    assert error_of(["--job.config_file", str(tmp_path / "zzzz.toml")]).endswith(": no such file")
+    monkeypatch.chdir(ROOT)
+    assert error_of(["--job.config_file", "train_configs/llama3_8B.toml"]).endswith(
+        "no such file; did you mean train_configs/llama3_8b.toml?")
+    assert error_of(["--job.config_file", "train_config/debug_model.toml"]).endswith(
+        "no such file; did you mean train_configs/debug_model.toml?")
+
+
+def test_a_toml_string_where_a_number_goes_is_refused_as_on_the_command_line(tmp_path):
+    """`seq_len = "128"` was read as 128 while `--training.steps ten` is refused: TOML has numbers, booleans and
+    arrays, and a quoted one is a string; refused in the command line's words, saying how to write it."""
+    quoted = "(a TOML string in quotes is text: write the value without quotes)"
+    cases = [('[data]\nseq_len = "128"\n', f"data.seq_len = '128' is not valid: expected an integer {quoted}"),
+             ('[optimizer]\nlr = "3e-4"\n', f"optimizer.lr = '3e-4' is not valid: expected a number {quoted}"),
+             ('[compile]\nenable = "true"\n', f"compile.enable = 'true' is not valid: expected true or false {quoted}"),
+             ('[optimizer]\nbetas = "0.9,0.95"\n',
+              "optimizer.betas = '0.9,0.95' is not valid: expected a comma-separated list of a number (a TOML string "
+              "in quotes is text: write an array, [a, b])"),
+             ('[training]\nfit_gib = "31"\n', "training.fit_gib = '31' is not valid: expected a number or auto")]
+    for text, expected in cases:
+        assert error_of(["--job.config_file", write_toml(tmp_path, text)]) == expected
+    # Where a string is one of the values (auto, none, a list of names), and on the command line, as before.
+    strings = '[training]\nfit_gib = "auto"\n[model]\ntie_embeddings = "none"\n[fp8]\nfilter_fqns = "output"\n'
+    cfg = load_config(["--job.config_file", write_toml(tmp_path, strings), "--data.seq_len", "128"])
+    assert (cfg.training.fit_gib, cfg.model.tie_embeddings, cfg.fp8.filter_fqns, cfg.data.seq_len) == (
+        "auto", None, ["output"], 128)
+
+
 # ---- what a mistake looks like ---------------------------------------------------------------------
 
 
