@@ -718,6 +718,25 @@ def test_export_of_a_run_folder_names_its_newest_intact_step(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_the_export_says_the_longest_window_the_weights_trained_on(trained_run, tmp_path):
+    """max_position_embeddings was model.max_seq_len (131072 for the presets) for a model trained on 64-token
+    windows: transformers and serving stacks read it as the context the model works in. It is the longest window
+    trained by the saved step, a long-context stage counted once it has begun, at most model.max_seq_len."""
+    from titanlike.hf.export import main
+
+    rc, err = call(main, str(trained_run / "checkpoint" / "step-4"), str(tmp_path / "hf"))
+    assert rc == 0, err
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["max_position_embeddings"] == 64
+    assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["model_max_length"] == 64
+    from titanlike.config.stages import Stage, trained_window
+
+    later = "; ".join(Stage(start, seq_len, 1e6, 8, 4, 2).describe() for start, seq_len in ((5, 256), (9, 1024)))
+    settings = {"data.seq_len": 64, "data.stages": later}
+    assert [trained_window(settings, step) for step in (4, 5, 8, 9, 10)] == [64, 256, 256, 1024, 1024]
+    assert trained_window({"data.seq_len": 64, "data.stages": "none"}, 4) == 64
+    assert trained_window({}, 4) is None and trained_window(None, 4) is None  # then model.max_seq_len
+
+
 def test_export_of_a_folder_with_garbage_is_one_line(trained_run, tmp_path):
     from titanlike.hf import export
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import shutil
 import sys
@@ -113,6 +114,24 @@ def tokenizer_fits(tok, vocab_size: int, own, own_path: str) -> None:
         raise UserError(f"the tokenizer has {tok.vocab_size} ids, fewer than the {own.vocab_size} of the one this "
                         f"model trained with ({own_path}): the model would write ids it cannot decode, and the others "
                         f"would read as other tokens; leave out --tokenizer to use that one")
+
+
+def trained_window_of(step_dir: str) -> int | None:
+    """The longest window the step's weights trained on (data.seq_len, and any long-context stage begun by
+    then), which the export writes as max_position_embeddings, at most model.max_seq_len: transformers and
+    serving stacks read it as the context the model works in, and RoPE positions past the trained windows were
+    never trained (131072 was written for a model trained on 128-token windows). None where the step's
+    trainer_state.json records no seq_len (then model.max_seq_len)."""
+    from titanlike.config.stages import trained_window
+
+    try:
+        state = fs.read_json(Path(step_dir) / "trainer_state.json", "the trainer state")
+    except UserError:
+        return None
+    if not isinstance(state, dict) or not isinstance(state.get("run"), dict):
+        return None
+    step = state.get("step")
+    return trained_window(state["run"].get("settings"), step if isinstance(step, int) else 2**63)
 
 
 EXPORT_RECORD = "titanlike-export.json"  # written last: the files of this export, as the manifest describes them
@@ -234,6 +253,7 @@ def _export(step_dir: str, out_dir: str, dtype: str, tokenizer: str, trust_pickl
     shape = step_model_args(step_dir)
     tok = run_tokenizer(step_dir, tokenizer, shape.vocab_size)  # before the weights: a wrong choice costs nothing
     margs, state = read_model_weights(step_dir, trust_pickled_dcp, flag="--trust-pickled-dcp")
+    margs = dataclasses.replace(margs, max_seq_len=min(margs.max_seq_len, trained_window_of(step_dir) or 2**63))
     bad = None if allow_nonfinite else first_nonfinite(state)
     if bad:  # before anything is written or removed
         raise UserError(f"{step_dir}: {bad}; the run diverged before this step, so export an earlier checkpoint "
