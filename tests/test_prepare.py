@@ -632,3 +632,28 @@ def test_a_json_line_the_json_reader_cannot_take_is_one_line(tmp_path, line, say
     (message,) = error_lines(err)
     assert says in message, message
     assert not (tmp_path / "out").exists()
+
+
+def test_a_dotted_text_field_reaches_into_nested_objects_and_struct_columns(tmp_path):
+    """`--text-field request.context` read nothing of a JSON line {"request": {"context": ...}}: a dotted name is a
+    path into nested objects (or parquet struct columns), unless a record has it as a key of its own."""
+    lines = [{"request": {"context": "first"}}, {"request": {"context": "second", "id": 2}},
+             {"request.context": "a key with a dot", "request": {"context": "not this"}}]
+    (tmp_path / "nested.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    prepare(str(tmp_path / "out"), [str(tmp_path / "nested.jsonl")], workers=1, val_fraction=0,
+            text_field="request.context")
+    read = documents(shard_tokens(tmp_path / "out" / "train"), ByteTokenizer())
+    assert read == ["first", "second", "a key with a dot"]
+    (tmp_path / "broken.jsonl").write_text('{"request": {"context": "ok"}}\n{"request": "flat"}\n')
+    with pytest.raises(UserError, match="broken.jsonl:2 is not a JSON object with a 'request.context' field"):
+        prepare(str(tmp_path / "out2"), [str(tmp_path / "broken.jsonl")], workers=1, text_field="request.context")
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"request": pa.array([{"context": "from a struct", "id": 1}, {"context": "two", "id": 2}]),
+                             "n": [1, 2]}), tmp_path / "nested.parquet")
+    prepare(str(tmp_path / "out3"), [str(tmp_path / "nested.parquet")], workers=1, val_fraction=0,
+            text_field="request.context")
+    assert documents(shard_tokens(tmp_path / "out3" / "train"), ByteTokenizer()) == ["from a struct", "two"]
+    with pytest.raises(UserError, match=r"nested.parquet has no column 'request.nope' \(columns: request, n\)"):
+        prepare(str(tmp_path / "out4"), [str(tmp_path / "nested.parquet")], workers=1, text_field="request.nope")

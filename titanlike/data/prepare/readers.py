@@ -7,8 +7,9 @@ on the input files, never on the number of workers, and `read_chunk()` turns a c
 documents in file order, so the documents in chunk order are the same sequence for any N.
 Compressed JSON lines cannot be read from the middle: the main process decompresses them and hands
 the raw lines over; everything else a worker reads itself. The text of a JSON line or parquet row is
-in the field --text-field names (one for every input, or one per input), or else in the first of
-TEXT_FIELDS that the file's first record (or its columns) has.
+in the field --text-field names (one for every input, or one per input; a dotted name is a path into
+nested objects or struct columns), or else in the first of TEXT_FIELDS that the file's first record
+(or its columns) has.
 """
 
 from __future__ import annotations
@@ -226,6 +227,19 @@ def _plan_compressed(path: str, text_field: str) -> Iterator[Chunk]:
             line_no += block.count(b"\n")
 
 
+def _nested_column(schema, name: str) -> bool:
+    """Whether a dotted name is a path through struct columns (`request.context`) to a field of the schema."""
+    import pyarrow as pa
+
+    fields = schema
+    for part in name.split("."):
+        if fields is None or fields.get_field_index(part) < 0:
+            return False
+        kind = fields.field(part).type
+        fields = pa.schema(list(kind)) if pa.types.is_struct(kind) else None
+    return True
+
+
 def _plan_parquet(path: str, size: int, text_field: str) -> Iterator[Chunk]:
     from titanlike.data.tokenizer import need_extra
 
@@ -239,7 +253,7 @@ def _plan_parquet(path: str, size: int, text_field: str) -> Iterator[Chunk]:
         raise InputError(f"{path}: not a parquet file ({why})") from None
     names = meta.schema_arrow.names
     text_field = text_field or pick_field(path, names, "column")
-    if text_field not in names:
+    if text_field not in names and not _nested_column(meta.schema_arrow, text_field):
         raise InputError(f"{path} has no column {text_field!r} (columns: {', '.join(names)}); "
                          f"choose one with --text-field")
     groups = meta.num_row_groups
@@ -266,7 +280,7 @@ def _json_lines(text: str, path: str, first_line, text_field: str) -> list[str]:
         if not line.strip():
             continue
         try:
-            value = json.loads(line)[text_field]
+            value = field_of(json.loads(line), text_field)
         except RecursionError:  # Python's JSON reader recurses once a level of nesting
             raise InputError(f"{path}:{first_line() + n}: its JSON nests arrays or objects deeper than the JSON "
                              f"reader goes ({sys.getrecursionlimit()} levels is past it)") from None
@@ -287,6 +301,20 @@ def _json_lines(text: str, path: str, first_line, text_field: str) -> list[str]:
                                  f"(\\u{ord(value[e.start]):04x}), which is not Unicode text") from None
         docs.append(value)
     return docs
+
+
+def field_of(record: object, name: str) -> object:
+    """record[name]; a dotted name that the record does not have as a key of its own is a path into nested
+    objects (`request.context`: record["request"]["context"]). KeyError or TypeError where there is none."""
+    if not isinstance(record, dict):
+        raise TypeError(name)
+    if name in record or "." not in name:
+        return record[name]
+    for part in name.split("."):
+        if not isinstance(record, dict):
+            raise TypeError(name)
+        record = record[part]
+    return record
 
 
 def _line_number(path: str, offset: int) -> int:
@@ -320,7 +348,13 @@ def read_chunk(chunk: Chunk) -> list[str]:
     import pyarrow.parquet as pq
 
     try:
-        column = pq.ParquetFile(path).read_row_group(chunk.start, columns=[chunk.text_field]).column(0)
+        table = pq.ParquetFile(path).read_row_group(chunk.start, columns=[chunk.text_field])
+        column = table.column(0)
+        if table.column_names[0] != chunk.text_field:  # a path into struct columns: read as its top-level column
+            import pyarrow.compute as pc
+
+            for part in chunk.text_field.split(".")[1:]:
+                column = pc.struct_field(column, part)
         values = column.to_pylist()
     except Exception as e:  # damaged pages, bad compression, strings that are not UTF-8: pyarrow's own errors
         why = str(e).splitlines()[0] if str(e) else ""
