@@ -36,7 +36,8 @@ HEADER = """\
 Every option is `--section.key value` (or `--section.key=value`) on the command line, over the TOML
 file named by `--job.config_file`, over the default below. Booleans take `--compile.enable` alone or
 `--compile.enable false`; lists are comma-separated on the command line (`--optimizer.betas 0.9,0.95`)
-and TOML arrays in a file. An option shown as *unset* by default means "decide for me" (see its
+and TOML arrays in a file, where numbers and booleans go without quotes (`"128"` is text, and refused
+where a number goes). An option shown as *unset* by default means "decide for me" (see its
 description) and can be set back to unset with `none` or `auto`. `--help` prints this list, each
 option with the value a run with the other arguments uses, in TOML (`./run_train.sh --help`: those of
 `train_configs/debug_model.toml`, the launcher's default config file, such as

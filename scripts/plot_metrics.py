@@ -166,7 +166,10 @@ def draw(records: list[dict], title: str, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    # The first paragraph whole (its first line alone stopped mid-sentence), the rest after the options.
+    first, _, rest = __doc__.partition("\n\n")
+    parser = ArgumentParser(description=first, epilog=rest,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", type=Path, help="a run's job.dump_folder (holding metrics.jsonl)")
     parser.add_argument("--out", type=Path, help="the PNG to write (default RUN/metrics.png)")
     args = parser.parse_args(argv)

@@ -363,6 +363,16 @@ def copy_run(run: Path, dump: Path) -> Path:
     return dump
 
 
+def words_tokenizer(path: Path, ids: int) -> str:
+    """A tokenizer.json of `ids` ids (a word-level one; the last id the end-of-text token `</s>`)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"w{i}": i for i in range(ids - 1)} | {"</s>": ids - 1}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return str(path)
+
+
 def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error:")]
 

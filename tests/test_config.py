@@ -136,6 +136,40 @@ def test_toml_errors(tmp_path):
     assert "comma-separated list" in error_of(["--job.config_file", write_toml(tmp_path, "[optimizer]\nbetas = 0.9\n")])
 
 
+def test_a_mistyped_config_file_gets_a_did_you_mean(tmp_path, monkeypatch):
+    """The closest .toml name in the folder given, or in the shipped train_configs/ when the folder is mistyped
+    too; no hint when nothing is close."""
+    (tmp_path / "mine.toml").write_text("[training]\nsteps = 3\n")
+    assert error_of(["--job.config_file", str(tmp_path / "mien.toml")]) == (
+        f"job.config_file = '{tmp_path}/mien.toml': no such file; did you mean {tmp_path}/mine.toml?")
+    assert error_of(["--job.config_file", str(tmp_path / "zzzz.toml")]).endswith(": no such file")
+    monkeypatch.chdir(ROOT)
+    assert error_of(["--job.config_file", "train_configs/llama3_8B.toml"]).endswith(
+        "no such file; did you mean train_configs/llama3_8b.toml?")
+    assert error_of(["--job.config_file", "train_config/debug_model.toml"]).endswith(
+        "no such file; did you mean train_configs/debug_model.toml?")
+
+
+def test_a_toml_string_where_a_number_goes_is_refused_as_on_the_command_line(tmp_path):
+    """`seq_len = "128"` was read as 128 while `--training.steps ten` is refused: TOML has numbers, booleans and
+    arrays, and a quoted one is a string; refused in the command line's words, saying how to write it."""
+    quoted = "(a TOML string in quotes is text: write the value without quotes)"
+    cases = [('[data]\nseq_len = "128"\n', f"data.seq_len = '128' is not valid: expected an integer {quoted}"),
+             ('[optimizer]\nlr = "3e-4"\n', f"optimizer.lr = '3e-4' is not valid: expected a number {quoted}"),
+             ('[compile]\nenable = "true"\n', f"compile.enable = 'true' is not valid: expected true or false {quoted}"),
+             ('[optimizer]\nbetas = "0.9,0.95"\n',
+              "optimizer.betas = '0.9,0.95' is not valid: expected a comma-separated list of a number (a TOML string "
+              "in quotes is text: write an array, [a, b])"),
+             ('[training]\nfit_gib = "31"\n', "training.fit_gib = '31' is not valid: expected a number or auto")]
+    for text, expected in cases:
+        assert error_of(["--job.config_file", write_toml(tmp_path, text)]) == expected
+    # Where a string is one of the values (auto, none, a list of names), and on the command line, as before.
+    strings = '[training]\nfit_gib = "auto"\n[model]\ntie_embeddings = "none"\n[fp8]\nfilter_fqns = "output"\n'
+    cfg = load_config(["--job.config_file", write_toml(tmp_path, strings), "--data.seq_len", "128"])
+    assert (cfg.training.fit_gib, cfg.model.tie_embeddings, cfg.fp8.filter_fqns, cfg.data.seq_len) == (
+        "auto", None, ["output"], 128)
+
+
 # ---- what a mistake looks like ---------------------------------------------------------------------
 
 
@@ -321,7 +355,9 @@ INVALID = [
     (["--fp8.recipe", "rowwise", "--fp8.scaling", "delayed"],
      "fp8.scaling = delayed needs fp8.recipe = tensorwise (got 'rowwise')"),
     (["--fp8.scaling", "late"], "fp8.scaling = 'late' is not one of dynamic, delayed"),
-    (["--fp8.recipe", "tensorwise", "--fp8.amax_history", "0"], "fp8.amax_history = 0 must be >= 1"),
+    (["--fp8.recipe", "tensorwise", "--fp8.amax_history", "0"], "fp8.amax_history = 0 must be in [1, 1024]"),
+    (["--fp8.recipe", "tensorwise", "--fp8.scaling", "delayed", "--fp8.amax_history", str(10**18)],
+     "fp8.amax_history = 1000000000000000000 must be in [1, 1024] (default 16)"),
     (["--fp8.recipe", "tensorwise", "--fp8.amax_every", "0"], "fp8.amax_every = 0 must be >= 1"),
     (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "ops"],
      "activation_checkpoint.selective_ac_option = 'ops': after 'op:' name the Linears"),
@@ -565,6 +601,33 @@ def test_non_utf8_config_file_is_one_line(tmp_path):
     bad.write_bytes(b"[job]\nseed = 1\n# \xff\xfe\n")
     assert error_of(["--job.config_file", str(bad)]) == (
         f"job.config_file = '{bad}' is not UTF-8 text (byte 17): TOML files are UTF-8")
+
+
+def test_a_warmup_as_long_as_the_run_is_said_at_start(trained_run):
+    """A warmup of training.steps or more never reaches optimizer.lr: one start line says so (a trial run of a few
+    steps with the default warmup stays legal), in train.log as on the console."""
+    from titanlike.config.run import resolve_run
+
+    said = "lr_scheduler.warmup_steps = 10 is not below training.steps = 4: the LR still rises at the last step"
+    assert said in (trained_run / "train.log").read_text()  # 4 steps, the default warmup of 10
+    for warmup, steps, noted in ((20, 20, True), (10**6, 20, True), (19, 20, False), (0, 1, False)):
+        cfg = load_config(["--training.steps", str(steps), "--lr_scheduler.warmup_steps", str(warmup)])
+        notes = [n for n in resolve_run(cfg, 1).notes if n.startswith("lr_scheduler.warmup_steps")]
+        assert notes == ([f"lr_scheduler.warmup_steps = {warmup} is not below training.steps = {steps}: the LR still "
+                          f"rises at the last step and never reaches optimizer.lr = 0.003 (no stable or decay phase); "
+                          f"set --lr_scheduler.warmup_steps below {steps} to train at the peak"] if noted else [])
+
+
+def test_a_config_file_nested_past_the_toml_reader_is_one_line_in_the_preflight(tmp_path, monkeypatch):
+    """tomllib recurses once a level: an array nested 5,000 deep was a RecursionError traceback."""
+    from conftest import call
+    from titanlike import preflight
+
+    deep = write_toml(tmp_path, "[training]\nsteps = " + "[" * 5000 + "]" * 5000 + "\n")
+    monkeypatch.setenv(preflight.WORLD_ENV, "1")
+    rc, err = call(preflight.main, "--job.config_file", deep)
+    assert rc == 2 and err == (f"error: job.config_file = {deep!r} nests arrays or inline tables deeper than the TOML "
+                               f"reader goes: no option takes such a value\n"), err
 
 
 def test_a_config_file_that_is_not_a_file_is_one_line_that_says_so(tmp_path):

@@ -33,6 +33,7 @@ from conftest import (
     seal,
     step_losses,
     train_here,
+    words_tokenizer,
 )
 from titanlike.config import load_config
 from titanlike.errors import UserError
@@ -164,6 +165,43 @@ def test_import_refuses_a_config_that_disagrees(tmp_path, field, change, message
     assert str(e.value).startswith(f"{tmp_path}/hf/config.json")
 
 
+@pytest.mark.parametrize("change, says", [
+    ({"rope_theta": 0, "rope_parameters": {"rope_type": "default", "rope_theta": 0}},
+     "rope_theta is 0; it must be a finite number > 0"),
+    ({"rope_theta": -1.0, "rope_parameters": None}, "rope_theta is -1.0; it must be a finite number > 0"),
+    ({"rope_theta": float("nan")}, "rope_theta is nan; it must be a finite number > 0"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": float("inf")}},
+     "rope_parameters.rope_theta is inf; it must be a finite number > 0"),
+    ({"rope_theta": "10000"}, "rope_theta is '10000'; it must be a finite number > 0"),
+    ({"rope_theta": 500000.0}, "rope_theta is 500000.0 but rope_parameters' rope_theta 10000.0: transformers 4 reads"),
+    ({"rms_norm_eps": float("-inf")}, "rms_norm_eps is -inf; it must be a finite number > 0"),
+    ({"hidden_size": 256.5}, "hidden_size is 256.5, not a whole number"),
+    ({"vocab_size": True}, "vocab_size is True, not a whole number"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings is 'false', not true or false"),
+], ids=["theta-0", "theta-negative", "theta-nan", "parameters-theta-inf", "theta-string", "thetas-disagree",
+        "eps-negative-inf", "fractional-width", "boolean-vocab", "string-tie"])
+def test_a_config_json_with_a_number_that_is_none_is_refused_wherever_it_is_read(tmp_path, change, says):
+    """Every read of a Hugging Face config.json (--model.flavor hf in the preflight and the trainer, an
+    initial_load_path against a preset's shape, generate on an exported folder) goes through one reader,
+    which takes no number that is not one: rope_theta 0 became 10000 unsaid, a string was converted."""
+    from titanlike.config.resolve import read_hf_config
+    from titanlike.hf.config import check_hf_config
+    from titanlike.model.hf_names import hf_config
+    from titanlike.preflight import check
+
+    args = model_args("debug", rope_theta=10000.0)
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**hf_config(args, "float32"), **change}))
+    where = f"{folder}/config.json: "
+    hf_run = ["--model.flavor", "hf", "--checkpoint.initial_load_path", str(folder)]
+    for read in (lambda: read_hf_config(str(folder)), lambda: check_hf_config(str(folder), args),
+                 lambda: check(load_config(hf_run), 1)):
+        with pytest.raises(UserError) as e:
+            read()
+        assert str(e.value).startswith(where) and says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
 def test_export_ships_the_runs_tokenizer_and_refuses_a_too_large_one(tmp_path):
     step_dir = tmp_path / "run" / "checkpoint" / "step-1"
     step_dir.mkdir(parents=True)
@@ -183,6 +221,38 @@ def test_export_ships_the_runs_tokenizer_and_refuses_a_too_large_one(tmp_path):
     proc = export(step_dir, tmp_path / "hf2", "--dtype", "fp32", "--tokenizer", str(big))
     assert proc.returncode == 2 and "the tokenizer has 401 ids but the model only 320" in proc.stderr
     assert not (tmp_path / "hf2").exists()
+
+
+def test_a_tokenizer_smaller_than_the_models_own_is_refused(tmp_path, capsys):
+    """--tokenizer byte on a model that trained with 400 ids printed garbage: a tokenizer with fewer ids than the
+    one the run recorded is refused in one line, before any weight is read. A smaller one where nothing records
+    the model's is taken as given (a preset's vocabulary over data without dataset.json), and none is guessed
+    for a model larger than the byte tokenizer's."""
+    from titanlike.data.tokenizer import ByteTokenizer, byte_tokenizer_json
+    from titanlike.hf.export import run_tokenizer
+
+    step = tmp_path / "run" / "checkpoint" / "step-1"
+    words_tokenizer(step / "tokenizer.json", 400)
+    with pytest.raises(UserError) as e:
+        run_tokenizer(str(step), "byte", 448)
+    assert str(e.value) == (f"the tokenizer has 258 ids, fewer than the 400 of the one this model trained with "
+                            f"({step}/tokenizer.json): the model would write ids it cannot decode, and the others "
+                            f"would read as other tokens; leave out --tokenizer to use that one")
+    assert run_tokenizer(str(step), "", 448).vocab_size == 400  # its own
+    assert run_tokenizer(str(step), str(step / "tokenizer.json"), 448).vocab_size == 400  # its own, named
+    assert run_tokenizer(str(step), words_tokenizer(tmp_path / "more.json", 420), 448).vocab_size == 420
+    # The embedded corpus's byte tokenizer under a preset's vocabulary (124m: 32768) is the run's own.
+    (step / "tokenizer.json").write_text(json.dumps(byte_tokenizer_json(), ensure_ascii=False))
+    assert isinstance(run_tokenizer(str(step), "", 32768), ByteTokenizer)
+    assert isinstance(run_tokenizer(str(step), "byte", 32768), ByteTokenizer)
+    # Nothing records the model's tokenizer: no guess past the byte tokenizer's padded 320, a choice as given.
+    bare = tmp_path / "bare" / "step-1"
+    bare.mkdir(parents=True)
+    with pytest.raises(UserError, match="no tokenizer.json next to .*, and the model's 32768 ids are more than the "
+                                        r"byte tokenizer's \(258, padded to 320\): name the tokenizer it trained with"):
+        run_tokenizer(str(bare), "", 32768)
+    assert isinstance(run_tokenizer(str(bare), "", 320), ByteTokenizer) and "is assumed" in capsys.readouterr().err
+    assert isinstance(run_tokenizer(str(bare), "byte", 32768), ByteTokenizer)
 
 
 def test_an_earlier_runs_checkpoint_exports_with_its_own_tokenizer(tmp_path, corpus):
@@ -646,6 +716,25 @@ def test_export_of_a_run_folder_names_its_newest_intact_step(tmp_path, capsys):
     assert capsys.readouterr().err.splitlines() == [
         f"error: {run}/checkpoint holds checkpoints, it is not one: pass a step folder, e.g. {run}/checkpoint/step-6"]
     assert not (tmp_path / "out").exists()
+
+
+def test_the_export_says_the_longest_window_the_weights_trained_on(trained_run, tmp_path):
+    """max_position_embeddings was model.max_seq_len (131072 for the presets) for a model trained on 64-token
+    windows: transformers and serving stacks read it as the context the model works in. It is the longest window
+    trained by the saved step, a long-context stage counted once it has begun, at most model.max_seq_len."""
+    from titanlike.hf.export import main
+
+    rc, err = call(main, str(trained_run / "checkpoint" / "step-4"), str(tmp_path / "hf"))
+    assert rc == 0, err
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["max_position_embeddings"] == 64
+    assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["model_max_length"] == 64
+    from titanlike.config.stages import Stage, trained_window
+
+    later = "; ".join(Stage(start, seq_len, 1e6, 8, 4, 2).describe() for start, seq_len in ((5, 256), (9, 1024)))
+    settings = {"data.seq_len": 64, "data.stages": later}
+    assert [trained_window(settings, step) for step in (4, 5, 8, 9, 10)] == [64, 256, 256, 1024, 1024]
+    assert trained_window({"data.seq_len": 64, "data.stages": "none"}, 4) == 64
+    assert trained_window({}, 4) is None and trained_window(None, 4) is None  # then model.max_seq_len
 
 
 def test_export_of_a_folder_with_garbage_is_one_line(trained_run, tmp_path):

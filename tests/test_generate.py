@@ -155,12 +155,62 @@ def test_generate_refuses_a_seed_out_of_range(tmp_path):
         assert line.startswith(f"error: --seed {seed} must be"), line
 
 
+@pytest.mark.parametrize("temperature", ["1e308", "1e-320", "5e-5", "2e4", "nan", "-1"])
+def test_generate_refuses_a_temperature_past_its_bounds(tmp_path, temperature):
+    """1e308 divided the masked logits into NaN and 1e-320 the others into inf: a traceback from the sampler."""
+    from titanlike.hf import generate as cmd
+
+    folder = hf_folder(tmp_path, model(dataclasses.replace(SHAPE, vocab_size=320)))
+    line = one_error(cmd.main, str(folder), "--tokenizer", "byte", "--device", "cpu", "--temperature", temperature)
+    expected = f"error: --temperature {float(temperature):g} must be 0 (greedy) or in [0.0001, 10000]"
+    assert line.startswith(expected), line
+
+
+def test_the_temperature_bounds_sample_finite_probabilities():
+    """At either bound the logits divided by the temperature stay finite: sampling works, and at the low one
+    it is the greedy choice."""
+    from titanlike.hf.generate import MAX_TEMPERATURE, MIN_TEMPERATURE
+
+    m, prompt = model(), [1, 2, 3]
+    for t in (MIN_TEMPERATURE, MAX_TEMPERATURE):
+        out = generate(m, prompt, 8, temperature=t, vocab_limit=90, generator=torch.Generator().manual_seed(0))
+        assert len(out) == 8 and all(0 <= i < 90 for i in out)
+    greedy = generate(m, prompt, 8, temperature=0.0, vocab_limit=90)
+    assert generate(m, prompt, 8, temperature=MIN_TEMPERATURE, vocab_limit=90,
+                    generator=torch.Generator().manual_seed(0)) == greedy
+
+
+def test_a_config_json_nested_past_the_json_reader_is_one_line(tmp_path):
+    """Every JSON file a user may hand over is read through fs.read_json: nesting 100,000 deep was a traceback."""
+    from titanlike.hf import generate as cmd
+
+    folder = hf_folder(tmp_path, model(dataclasses.replace(SHAPE, vocab_size=320)))
+    (folder / "config.json").write_text('{"model_type": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    line = one_error(cmd.main, str(folder), "--tokenizer", "byte", "--device", "cpu")
+    assert "config.json is not valid JSON for titanlike: it nests arrays or objects deeper than the JSON reader" \
+        in line, line
+
+
 def test_generate_refuses_a_tokenizer_larger_than_the_vocabulary(tmp_path):
     """As export does: the byte tokenizer's 258 ids into a model of 97."""
     from titanlike.hf import generate as cmd
 
     line = one_error(cmd.main, str(hf_folder(tmp_path, model())), "--tokenizer", "byte", "--device", "cpu")
     assert "the tokenizer has 258 ids but the model only 97" in line, line
+
+
+def test_generate_refuses_a_tokenizer_smaller_than_the_folders_own(tmp_path):
+    """As export does: --tokenizer byte on an exported model whose own tokenizer has 400 ids printed garbage."""
+    from conftest import words_tokenizer
+    from titanlike.hf import generate as cmd
+
+    folder = hf_folder(tmp_path, model(dataclasses.replace(SHAPE, vocab_size=448)))
+    words_tokenizer(folder / "tokenizer.json", 400)
+    line = one_error(cmd.main, str(folder), "--tokenizer", "byte", "--device", "cpu")
+    assert line.startswith("error: the tokenizer has 258 ids, fewer than the 400 of the one this model trained with ("
+                           f"{folder}/tokenizer.json)"), line
+    rc, err = call(cmd.main, str(folder), "--device", "cpu", "--max-new-tokens", "2")  # its own
+    assert rc == 0, err
 
 
 def test_a_long_prompt_builds_no_dense_mask_and_one_position_of_logits(monkeypatch):

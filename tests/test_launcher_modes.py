@@ -141,3 +141,41 @@ def test_a_world_size_of_zero_is_one_line(monkeypatch, capsys):
     monkeypatch.setenv(preflight.WORLD_ENV, "0")
     assert preflight.main(["--job.dump_folder", "/nonexistent-dump"]) == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_titanlike_train_help_names_the_command_typed_and_survives_a_closed_pipe(tmp_path, monkeypatch, capsys):
+    """`titanlike-train --help` said `usage: run_train.sh`; `titanlike-train --help | head -1` ended in a
+    BrokenPipeError traceback (the preflight's help did not)."""
+    import logging
+
+    from titanlike import train
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # what main() would set, put back
+    handlers, level = list(logging.root.handlers), logging.root.level
+    try:
+        for argv0, usage in (("/usr/bin/titanlike-train", "usage: titanlike-train "),
+                             ("/repo/run_train.sh", "usage: run_train.sh ")):  # torchrun runs the launcher's file
+            monkeypatch.setattr(sys, "argv", [argv0])
+            assert train.main(["--help"]) == 0
+            assert capsys.readouterr().out.startswith(usage)
+        stand_in = os.open(tmp_path / "stdout", os.O_WRONLY | os.O_CREAT)
+
+        class ClosedPipe:
+            def write(self, text):
+                raise BrokenPipeError(32, "Broken pipe")
+
+            def flush(self):
+                raise BrokenPipeError(32, "Broken pipe")
+
+            def fileno(self):
+                return stand_in
+
+        for args in (["--help"], ["--job.print_config"]):
+            monkeypatch.setattr(sys, "stdout", ClosedPipe())
+            assert train.main(args) == 0
+            monkeypatch.setattr(sys, "stdout", sys.__stdout__)
+        os.close(stand_in)
+    finally:
+        logging.root.handlers[:] = handlers
+        logging.root.setLevel(level)
+    assert "Traceback" not in capsys.readouterr().err

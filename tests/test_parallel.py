@@ -574,3 +574,38 @@ def test_a_gpu_memory_cap_on_a_cpu_run_is_said_to_do_nothing(caplog):
         configure_device(torch.device("cpu"), 0.05, False)
     assert [r.getMessage() for r in caplog.records] == [
         "training.gpu_memory_limit_gib = 0.05 caps a GPU's memory; this run trains on the CPU, where it does nothing"]
+
+
+def test_a_busy_cpu_is_said_when_the_compute_threads_outnumber_the_idle_cores(tmp_path, monkeypatch):
+    """On a busy CPU the default threads made training many times slower than one thread (docs/performance.md):
+    a CPU run says so at start when other work leaves fewer idle cores than it has threads."""
+    from titanlike.parallel import device
+
+    loadavg = tmp_path / "loadavg"
+    for text, busy in (("2.50 1.90 1.50 3/300 99", 2.0),  # two others runnable besides the reader
+                       ("3.00 2.00 1.00 1/300 99", 0.0),  # a run that just ended: a load average, nothing running
+                       ("0.40 0.30 0.20 5/300 99", 0.4)):
+        loadavg.write_text(text)
+        assert device.other_busy_cores(str(loadavg)) == busy
+    monkeypatch.setattr(device.os, "getloadavg", lambda: (1.25, 1.0, 1.0))  # no /proc/loadavg: the load average
+    assert device.other_busy_cores(str(tmp_path / "none")) == 1.25
+    for threads, cores, busy, said in ((2, 2, 1.0, True), (2, 2, 0.4, False), (1, 2, 5.0, False),
+                                       (4, 8, 4.5, False), (4, 8, 5.0, True), (2, 2, None, False)):
+        note = device.busy_cpu_note(threads, cores, busy)
+        assert (note is not None) == said, (threads, cores, busy, note)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert device.busy_cpu_note(2, 2, 1.0) == (
+        "the CPU is busy: other work holds about 1.0 cores' worth of its 2, and this run computes with 2 threads "
+        "(OMP_NUM_THREADS=2), which wait on one another whenever one is descheduled; OMP_NUM_THREADS=1, or the "
+        "number of idle cores, can train many times faster here (docs/performance.md, \"Training on a CPU\")")
+    # What the trainer logs: this process's threads on the CPU, none on another device.
+    monkeypatch.setattr(device, "other_busy_cores", lambda: 64.0)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert device.cpu_threads_note(torch.device("cpu")).startswith("the CPU is busy")
+        assert device.cpu_threads_note(torch.device("meta")) is None
+        torch.set_num_threads(1)
+        assert device.cpu_threads_note(torch.device("cpu")) is None
+    finally:
+        torch.set_num_threads(threads)

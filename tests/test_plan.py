@@ -436,6 +436,15 @@ def test_plan_refuses_bad_input_in_one_line(args, says):
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], out.stderr
 
 
+def test_plan_refuses_an_amax_history_that_would_overflow_its_storage(capsys):
+    """--fp8.amax_history 10^18 with delayed scaling overflowed the history's storage at the first step, while
+    the plan and the preflight passed it: the config check bounds it, for both."""
+    rc = cli.main(["--fp8.recipe", "tensorwise", "--fp8.scaling", "delayed", "--fp8.amax_history", str(10**18)])
+    assert rc == 2
+    assert capsys.readouterr().err == ("error: fp8.amax_history = 1000000000000000000 must be in [1, 1024] "
+                                       "(default 16)\n")
+
+
 def test_plan_help():
     assert cli.main(["--help"]) == 0
 
@@ -575,6 +584,31 @@ def test_a_gpu_config_on_a_machine_without_a_gpu_is_refused_in_the_preflight(mon
     assert "fewer tokens a step (now --training.local_batch_size" in err and "--data.seq_len 131072)" in err, err
     monkeypatch.setattr(host, "gpu_visible", lambda: True)  # the same config where a GPU is: the GPUs' business
     assert preflight.main(["--job.config_file", str(ROOT / C / "llama3_8b.toml")]) == 0
+
+
+def test_the_cpu_memory_refusal_advises_what_fits_the_run(monkeypatch):
+    """It said "run it where its GPUs are" for the debug model, the CPU's own: GPUs only for a GPU config that
+    found none (not for training.device = cpu either), a smaller model where there is one, fewer processes."""
+    from titanlike.config import host
+    from titanlike.config.resolve import resolve_model
+    from titanlike.plan.estimate import cpu_host_problem
+
+    monkeypatch.setattr(host, "host_available_bytes", lambda: 2**20)  # 1 MiB: nothing fits
+
+    def advice(*argv: str, processes: int = 1) -> str:
+        cfg = load_config(list(argv))
+        problem = cpu_host_problem(cfg, processes, processes, resolve_model(cfg).args)
+        assert problem is not None
+        return problem.partition("GiB available; ")[2]
+
+    assert advice() == "choose fewer tokens a step (now --training.local_batch_size 16 of --data.seq_len 256)"
+    assert advice("--model.dim", "4096", processes=2) == (
+        "choose smaller --model.* sizes (now dim 4096) or fewer processes on this host (now 2: NGPU) or fewer tokens "
+        "a step (now --training.local_batch_size 16 of --data.seq_len 256)")
+    eight = ["--job.config_file", str(ROOT / C / "llama3_8b.toml")]
+    assert advice(*eight).startswith("run it where its GPUs are, or choose a smaller model (--model.flavor debug) or "
+                                     "fewer tokens a step")
+    assert advice(*eight, "--training.device", "cpu").startswith("choose a smaller model (--model.flavor debug)")
 
 
 def test_a_cp_that_cannot_split_the_ranks_is_said_before_the_windows_rules(monkeypatch, capsys):

@@ -77,3 +77,14 @@ def test_resumes_rollbacks_and_stage_switches_are_marked_and_the_first_loss_does
     low, high = script.loss_limits([r["loss"] for r in records if "loss" in r])
     assert high < 3.1 and low < 2.6  # the first step's 10.0 is off the top; every later loss is inside
     assert script.loss_limits([3.0, 2.9, 2.8, 2.7, 2.6, 2.5]) is None  # nothing squashed: the axis fits all
+
+
+def test_help_gives_the_whole_description(capsys):
+    """--help cut its description after the docstring's first line, mid-sentence."""
+    script = load_script()
+    with pytest.raises(SystemExit) as e:
+        script.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert script.__doc__.split("\n\n")[0] in out  # the first paragraph, line for line
+    assert "pip install 'titanlike[plot]'" in out  # and the rest after the options

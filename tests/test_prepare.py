@@ -613,3 +613,47 @@ def test_a_worker_that_dies_is_one_line():
             worker.take()
     finally:
         worker.stop()
+
+
+@pytest.mark.parametrize("line, says", [
+    ("[" * 100_000 + "]" * 100_000, "deep.jsonl:2: its JSON nests arrays or objects deeper than the JSON reader goes"),
+    ('{"text": "x", "n": ' + "9" * 100_000 + "}", "deep.jsonl:2: a value the JSON reader cannot take (Exceeds the "
+                                                   "limit (4300 digits) for integer string conversion"),
+], ids=["nested-100000-deep", "integer-of-100000-digits"])
+def test_a_json_line_the_json_reader_cannot_take_is_one_line(tmp_path, line, says):
+    """Python's JSON reader raises RecursionError on deep nesting and ValueError on a huge integer: both were
+    tracebacks. In this process, one worker: what a worker raises is what the main process says."""
+    from conftest import call, error_lines
+    from titanlike.data.prepare.cli import main
+
+    (tmp_path / "deep.jsonl").write_text('{"text": "fine"}\n' + line + "\n")
+    rc, err = call(main, str(tmp_path / "out"), str(tmp_path / "deep.jsonl"), "--workers", "1")
+    assert rc == 2 and "Traceback" not in err, err
+    (message,) = error_lines(err)
+    assert says in message, message
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_dotted_text_field_reaches_into_nested_objects_and_struct_columns(tmp_path):
+    """`--text-field request.context` read nothing of a JSON line {"request": {"context": ...}}: a dotted name is a
+    path into nested objects (or parquet struct columns), unless a record has it as a key of its own."""
+    lines = [{"request": {"context": "first"}}, {"request": {"context": "second", "id": 2}},
+             {"request.context": "a key with a dot", "request": {"context": "not this"}}]
+    (tmp_path / "nested.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    prepare(str(tmp_path / "out"), [str(tmp_path / "nested.jsonl")], workers=1, val_fraction=0,
+            text_field="request.context")
+    read = documents(shard_tokens(tmp_path / "out" / "train"), ByteTokenizer())
+    assert read == ["first", "second", "a key with a dot"]
+    (tmp_path / "broken.jsonl").write_text('{"request": {"context": "ok"}}\n{"request": "flat"}\n')
+    with pytest.raises(UserError, match="broken.jsonl:2 is not a JSON object with a 'request.context' field"):
+        prepare(str(tmp_path / "out2"), [str(tmp_path / "broken.jsonl")], workers=1, text_field="request.context")
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"request": pa.array([{"context": "from a struct", "id": 1}, {"context": "two", "id": 2}]),
+                             "n": [1, 2]}), tmp_path / "nested.parquet")
+    prepare(str(tmp_path / "out3"), [str(tmp_path / "nested.parquet")], workers=1, val_fraction=0,
+            text_field="request.context")
+    assert documents(shard_tokens(tmp_path / "out3" / "train"), ByteTokenizer()) == ["from a struct", "two"]
+    with pytest.raises(UserError, match=r"nested.parquet has no column 'request.nope' \(columns: request, n\)"):
+        prepare(str(tmp_path / "out4"), [str(tmp_path / "nested.parquet")], workers=1, text_field="request.nope")

@@ -392,5 +392,8 @@ def read_json(path: str | os.PathLike, what: str, *, limit: int = MAX_SMALL_FILE
     text = read_text(path, what, limit=limit)
     try:
         return json.loads(text)
-    except ValueError as e:
+    except RecursionError:  # arrays or objects nested thousands deep: Python's reader recurses once a level
+        raise FileError(f"{what} {os.fspath(path)} is not valid JSON for titanlike: it nests arrays or objects "
+                        f"deeper than the JSON reader goes") from None
+    except ValueError as e:  # not JSON, or a number of more digits than Python converts (4300)
         raise FileError(f"{what} {os.fspath(path)} is not valid JSON ({e})") from None

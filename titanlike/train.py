@@ -6,6 +6,7 @@ understood."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 
@@ -16,7 +17,7 @@ from titanlike.config import help_text, load_config, to_toml
 from titanlike.config.dims import world_from_env
 from titanlike.errors import EXIT_CODE, UserError, error_exit
 from titanlike.plan.fit import fitted
-from titanlike.preflight import resolved
+from titanlike.preflight import printed, resolved
 from titanlike.process import faults, lifeline
 from titanlike.process.logs import say, setup_logging
 from titanlike.run import stopping
@@ -43,13 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     publish = True  # whether every rank reaches the end together (a failure of one rank alone: no)
     try:
         if any(a in ("-h", "--help") for a in argv):
-            if rank == 0:
-                print(help_text(argv))
+            if rank == 0:  # run_train.sh under torchrun runs this with its own name; else titanlike-train was typed
+                launcher = os.path.basename(sys.argv[0]) == "run_train.sh"
+                printed(help_text(argv, prog="run_train.sh" if launcher else "titanlike-train") + "\n")
             return 0
         cfg = load_config(argv, world)
         if cfg.job.print_config:
             if rank == 0:
-                print(to_toml(resolved(cfg)), end="")
+                printed(to_toml(resolved(cfg)))  # also into a pipe whose reader stopped early (`| head`)
             return 0
         # training.fit_gib: the fastest levers whose estimate fits, one line saying which (config.toml records them).
         cfg = fitted(cfg, argv, world, say=logger.info if rank == 0 else None, card=parallel.this_gpu())

@@ -95,8 +95,11 @@ class Trainer:
         if self.is_main:
             logger.info(f"run folder {os.path.abspath(cfg.job.dump_folder)}: the config, metrics and "
                         f"{'checkpoints' if cfg.checkpoint.enable else 'logs'} of this run go there")
-            for note in self.run.model.notes:
+            for note in self.run.notes:
                 logger.info(note)
+            busy = parallel.cpu_threads_note(self.device)  # compute threads on cores that other work holds
+            if busy:
+                logger.warning(busy)
 
     def _build_data(self) -> None:
         """2. Data: every rank reads its own slice of each global batch, at the stage's seq_len."""

@@ -23,7 +23,7 @@ from titanlike.config.stages import Stages
 __all__ = ["ConfigError", "JobConfig", "field_docs", "help_text", "load_config", "resume_note", "resumable_settings",
            "sections", "to_toml", "validate"]
 
-USAGE = "usage: run_train.sh [--section.key value ...]   (TOML file via --job.config_file)"
+USAGE = "usage: {prog} [--section.key value ...]   (TOML file via --job.config_file)"
 
 
 def sections() -> dict[str, type]:
@@ -50,12 +50,13 @@ def load_config(argv: list[str] | None = None, world: int | None = None) -> JobC
             check_cp_divides(world, cp)
         validate(cfg)
 
-    return loader.load(JobConfig, argv, checked, USAGE)
+    return loader.load(JobConfig, argv, checked, USAGE.format(prog="run_train.sh"))
 
 
-def help_text(argv: list[str] | None = None) -> str:
-    """--help: every option with the value a run with `argv` would use, its type, default and meaning."""
-    return loader.help_text(JobConfig, USAGE, argv)
+def help_text(argv: list[str] | None = None, prog: str = "run_train.sh") -> str:
+    """--help: every option with the value a run with `argv` would use, its type, default and meaning; the usage
+    line names `prog`, the command that was typed (run_train.sh, titanlike-train)."""
+    return loader.help_text(JobConfig, USAGE.format(prog=prog), argv)
 
 
 def resumable_settings(cfg: JobConfig, schedule: DataSchedule, stages: Stages | None = None) -> dict:

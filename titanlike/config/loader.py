@@ -106,12 +106,19 @@ class _BareFlag(str):
 BARE_FLAG = _BareFlag("true")
 
 
-def coerce(key: str, raw: object, tp: Any) -> object:
-    """Turn a TOML value or a command-line string into the field's type, or raise ConfigError."""
+def coerce(key: str, raw: object, tp: Any, typed: bool = False) -> object:
+    """Turn a TOML value or a command-line string into the field's type, or raise ConfigError. `typed`: the value
+    is TOML's, which has numbers, booleans and arrays of its own: a string in their place is refused, as the
+    command line refuses a word where a number goes (`seq_len = "128"` as `--training.steps ten`)."""
     if isinstance(raw, _BareFlag) and bool not in (tp, *typing.get_args(tp)) and "true" not in typing.get_args(tp):
         raise ConfigError(f"--{key} needs a value: {describe_type(tp)}")
     origin = typing.get_origin(tp)
     bad = ConfigError(f"{key} = {raw!r} is not valid: expected {describe_type(tp)}")
+    if typed and isinstance(raw, str) and (tp in (int, float, bool) or origin is list and typing.get_args(tp)[0] in
+                                           (int, float, bool)):
+        what = "an array, [a, b]" if origin is list else "the value without quotes"
+        raise ConfigError(f"{key} = {raw!r} is not valid: expected {describe_type(tp)} (a TOML string in quotes is "
+                          f"text: write {what})")
     if _is_union(tp):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         optional = len(args) < len(typing.get_args(tp))  # X | None: None is "decide for me"
@@ -119,11 +126,11 @@ def coerce(key: str, raw: object, tp: Any) -> object:
             return None
         for alternative in args[:-1]:  # float | Literal["auto"]: the first that takes the value
             try:
-                return coerce(key, raw, alternative)
+                return coerce(key, raw, alternative, typed)
             except ConfigError:
                 continue
         try:
-            return coerce(key, raw, args[-1])
+            return coerce(key, raw, args[-1], typed)
         except ConfigError:
             if len(args) == 1:
                 raise
@@ -144,7 +151,7 @@ def coerce(key: str, raw: object, tp: Any) -> object:
             items = list(raw)
         else:
             raise bad
-        return [coerce(key, item, elem) for item in items]
+        return [coerce(key, item, elem, typed) for item in items]
     if tp is bool:
         if isinstance(raw, bool):
             return raw
@@ -181,6 +188,9 @@ def coerce(key: str, raw: object, tp: Any) -> object:
     raise bad
 
 
+COMMAND_LINE = "the command line"  # where an override came from, as error lines say it
+
+
 def _closest(name: str, candidates: list[str]) -> str:
     close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
     return f"; did you mean {close[0]}?" if close else f"; valid: {', '.join(candidates)}"
@@ -205,7 +215,8 @@ def _set(cfg: object, section: str, key: str, raw: object, source: str) -> None:
             raw = form(raw)
         except ValueError as e:
             raise ConfigError(f"{section}.{key} in {source}: {e}") from None
-    setattr(getattr(cfg, section), key, coerce(f"{section}.{key}", raw, types_[key]))
+    typed = source != COMMAND_LINE  # a TOML file's value: numbers and booleans come typed, not in quotes
+    setattr(getattr(cfg, section), key, coerce(f"{section}.{key}", raw, types_[key], typed))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,7 +256,7 @@ def read_toml(path: str) -> dict[str, Any]:
     from titanlike import fs
 
     if not os.path.exists(path):
-        raise ConfigError(f"job.config_file = {path!r}: no such file")
+        raise ConfigError(f"job.config_file = {path!r}: no such file{_config_file_hint(path)}")
     if os.path.isdir(path):
         raise ConfigError(f"job.config_file = {path!r} is a folder; name the TOML file in it")
     try:
@@ -261,6 +272,32 @@ def read_toml(path: str) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"job.config_file = {path!r} is not valid TOML: {e}") from None
+    except RecursionError:  # arrays or tables nested thousands deep: tomllib recurses once a level
+        raise ConfigError(f"job.config_file = {path!r} nests arrays or inline tables deeper than the TOML reader "
+                          f"goes: no option takes such a value") from None
+
+
+# The TOML files shipped beside the package (a source checkout, an editable install), a mistyped name's last resort.
+SHIPPED_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                               "train_configs")
+
+
+def _config_file_hint(path: str) -> str:
+    """`; did you mean <file>?` for a config file that is not there: the closest .toml name in its folder or in
+    the shipped train_configs/ (a folder mistyped too), the folder's own first on a tie; "" when none is close."""
+    folder, name = os.path.split(path)
+    shipped = os.path.relpath(SHIPPED_CONFIGS)  # said from here when it is below here
+    best, best_score = "", 0.6  # difflib's ratio; below it, no hint
+    for where, shown in ((folder or ".", folder), (SHIPPED_CONFIGS, SHIPPED_CONFIGS if ".." in shipped else shipped)):
+        try:
+            names = sorted(n for n in os.listdir(where) if n.endswith(".toml"))
+        except OSError:  # no such folder, or not one we may read
+            continue
+        for candidate in names:
+            score = difflib.SequenceMatcher(None, name, candidate).ratio()
+            if score > best_score:
+                best, best_score = os.path.join(shown, candidate), score
+    return f"; did you mean {best}?" if best else ""
 
 
 def load(root_cls: type[Root], argv: list[str] | None, validate: Callable[[Root], None],
@@ -292,7 +329,7 @@ def _read(root_cls: type[Root], argv: list[str]) -> Root:
             for key, value in table.items():
                 _set(cfg, section, key, value, path)
     for section, key, value in overrides:
-        _set(cfg, section, key, value, "the command line")
+        _set(cfg, section, key, value, COMMAND_LINE)
     return cfg
 
 

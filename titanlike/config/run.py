@@ -52,6 +52,12 @@ class ResolvedRun:
         """Micro-batches per rank per optimizer step."""
         return self.dims.accum_steps
 
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """Lines the trainer logs once at start: what the resolution derived, and settings that do something
+        other than their names suggest."""
+        return self.model.notes + tuple(note for note in (warmup_note(self.cfg),) if note)
+
     def resolved_config(self) -> JobConfig:
         """The config with [model] as resolved: what config.toml records."""
         return with_resolved_shape(self.cfg, self.model)
@@ -66,3 +72,15 @@ def resolve_run(cfg: JobConfig, world_size: int) -> ResolvedRun:
     stages = resolve_stages(cfg, model.args, dims.dp, schedule)
     checkpoints = in_dump_folder(cfg.job.dump_folder, cfg.checkpoint.folder)
     return ResolvedRun(cfg, model, dims, schedule, stages, cfg.job.dump_folder, checkpoints)
+
+
+def warmup_note(cfg: JobConfig) -> str | None:
+    """A warmup as long as the run, or longer: the LR still rises at the last step and never reaches its peak.
+    Said, not refused: a short trial run (`--training.steps 5`) with the default warmup of 10 steps is common and
+    harmless, while a long run that never leaves its warmup trains at a fraction of the LR without a word."""
+    warmup, steps = cfg.lr_scheduler.warmup_steps, cfg.training.steps
+    if warmup < steps:
+        return None
+    return (f"lr_scheduler.warmup_steps = {warmup} is not below training.steps = {steps}: the LR still rises at the "
+            f"last step and never reaches optimizer.lr = {cfg.optimizer.lr:g} (no stable or decay phase); set "
+            f"--lr_scheduler.warmup_steps below {steps} to train at the peak")

@@ -74,8 +74,8 @@ class Model:
     qk_norm: bool | None = None
     """RMSNorm over each head's queries and keys before RoPE (QK-norm, exported as Qwen3); unset = the preset's."""
     max_seq_len: int = 0
-    """Longest sequence the model is meant for (config.json's max_position_embeddings); data.seq_len must not
-    exceed it."""
+    """Longest sequence the model is meant for: no stage's data.seq_len exceeds it. An export's config.json gives
+    the longest window the saved weights trained on (max_position_embeddings), at most this."""
     attn_mask: Literal["causal", "block_causal"] = "causal"
     """causal: every token attends to all earlier tokens of its window. block_causal: only to those of its
     own document, split at the data's end-of-document id (dataset.json's eos_id; the byte tokenizer's for

@@ -79,6 +79,10 @@ class Parallel:
 # two chunks must be whole tiles, so that its query tiles are tiles of the whole window.
 FLEX_BLOCK = 128
 
+# fp8.amax_history: each converted Linear keeps 3 × this many floats, rolled every step; 10^18 overflowed
+# the storage at the first step while the config check passed it.
+MAX_AMAX_HISTORY = 1024
+
 
 def validate_context_parallel(cp: int, seq_len: int, attn_mask: str, device: str, where: str = "data.seq_len") -> None:
     """parallel.cp against a window (`where`: the option that sets its seq_len): 2·cp equal chunks, and
@@ -118,7 +122,8 @@ class Fp8:
     Weights that FSDP all-gathers in float8 keep their precomputed dynamic scales either way.
     Ignored with recipe = none; rowwise recipes need dynamic."""
     amax_history: int = 16
-    """Measurements of the largest magnitudes that delayed scaling takes the maximum of."""
+    """Measurements of the largest magnitudes that delayed scaling takes the maximum of; at most 1024
+    (TransformerEngine's default length: amaxes from further back would only make the scale lag)."""
     amax_every: int = 1
     """Delayed scaling measures the largest magnitudes on every this-many-th step only (1 = every
     step): the steps between skip the measuring and run faster; a value that grew since the last
@@ -143,7 +148,8 @@ class Fp8:
             f"fp8.scaling = delayed needs fp8.recipe = tensorwise (got {self.recipe!r}): rowwise scales are per "
             f"row of each tensor, which changes from step to step",
         )
-        need(self.amax_history >= 1, f"fp8.amax_history = {self.amax_history} must be >= 1")
+        need(1 <= self.amax_history <= MAX_AMAX_HISTORY,
+             f"fp8.amax_history = {self.amax_history} must be in [1, {MAX_AMAX_HISTORY}] (default 16)")
         need(self.amax_every >= 1, f"fp8.amax_every = {self.amax_every} must be >= 1")
         need(
             not (self.precompute_float8_dynamic_scale_for_fsdp and self.enable_fsdp_float8_all_gather is False),

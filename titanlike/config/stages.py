@@ -14,6 +14,7 @@ and a resume at any step finds the same stage from the checkpoint's data positio
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -105,6 +106,22 @@ def _seq_len_option(step: int) -> str:
     return "data.seq_len" if step == 1 else f"data.phase: the stage from step {step}: seq_len"
 
 
+# A later stage as Stage.describe writes it into a checkpoint's run settings ("data.stages").
+_DESCRIBED = re.compile(r"from step (\d+): seq_len (\d+)")
+
+
+def trained_window(settings: object, step: int) -> int | None:
+    """The longest window a checkpoint's weights trained on by its `step`, from the settings its run records
+    (config.resumable_settings: data.seq_len, and data.stages as Stage.describe wrote the later stages); a stage
+    that starts after `step` has not trained them. None where the settings say no seq_len."""
+    first = settings.get("data.seq_len") if isinstance(settings, dict) else None
+    if isinstance(first, bool) or not isinstance(first, int) or first < 1:
+        return None
+    later = settings.get("data.stages") if isinstance(settings, dict) else None
+    return max([first, *(int(n) for start, n in _DESCRIBED.findall(later if isinstance(later, str) else "")
+                          if int(start) <= step)])
+
+
 def check_stages(cfg: Any, max_seq_len: int | None, schedule: DataSchedule) -> None:
     """The rules a stage table must keep at any world size; `max_seq_len`: the model's (None for an hf
     shape, checked once its config.json is read). ConfigError (one line) naming the stage. The one place
@@ -116,8 +133,8 @@ def check_stages(cfg: Any, max_seq_len: int | None, schedule: DataSchedule) -> N
                               f"{SHAPE_LIMITS['max_seq_len']:,} tokens")
         if max_seq_len is not None and s["seq_len"] > max_seq_len:
             raise ConfigError(f"{_seq_len_option(step)} = {s['seq_len']} exceeds model.max_seq_len = {max_seq_len}: "
-                              f"set --model.max_seq_len {s['seq_len']} or more (it is the model's limit, exported "
-                              f"as max_position_embeddings, and is not raised for you)")
+                              f"set --model.max_seq_len {s['seq_len']} or more (it is the model's limit, which an "
+                              f"export's max_position_embeddings never passes, and is not raised for you)")
     for step, s in settings[1:]:
         where = f"data.phase: the stage from step {step}"
         if not 1 < step <= steps:

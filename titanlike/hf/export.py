@@ -22,13 +22,14 @@ anything, unless --allow-nonfinite asks for them as they are.
 The tokenizer is the one the run trained with: the tokenizer.json that titanlike-train left in the
 run folder (from the data's dataset.json, or the byte tokenizer of the built-in corpus), found next
 to the checkpoint folder; --tokenizer names another (a tokenizer.json, a prepared data folder, or
-'byte').
+'byte'), but not one with fewer ids than the run's own.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import shutil
 import sys
@@ -37,6 +38,7 @@ from pathlib import Path
 
 from titanlike import fs
 from titanlike.errors import ArgumentParser, UserError, error_exit
+from titanlike.model.shape import round_vocab
 
 DTYPES = ("bf16", "fp32")
 
@@ -71,25 +73,65 @@ def _records_of(folder: Path) -> str | None:
 
 
 def run_tokenizer(step_dir: str, choice: str, vocab_size: int):
-    """The tokenizer to ship with an export of `step_dir` (see the module docstring)."""
+    """The tokenizer to ship with an export of `step_dir` (see the module docstring), checked against the model
+    (tokenizer_fits)."""
     from titanlike.data.tokenizer import ByteTokenizer, load_tokenizer, tokenizer_from_folder
 
+    folder = find_run_tokenizer(step_dir)
     if choice:
         if os.path.isdir(choice) and not os.path.isfile(os.path.join(choice, "tokenizer.json")):
             raise UserError(f"--tokenizer {choice}: that folder has no tokenizer.json")
         tok = tokenizer_from_folder(choice) if os.path.isdir(choice) else load_tokenizer(choice)
+        own = None
+        if folder is not None:
+            with contextlib.suppress(UserError):  # the run's copy unreadable: --tokenizer may be what replaces it
+                own = tokenizer_from_folder(folder)
+    elif folder is None:
+        if round_vocab(ByteTokenizer.vocab_size) < vocab_size:  # no guess for a model the byte tokenizer is not
+            raise UserError(f"no tokenizer.json next to {step_dir}, and the model's {vocab_size} ids are more than "
+                            f"the byte tokenizer's ({ByteTokenizer.vocab_size}, padded to "
+                            f"{round_vocab(ByteTokenizer.vocab_size)}): name the tokenizer it trained with, "
+                            f"--tokenizer tokenizer.json (or a prepared data folder)")
+        print(f"note: no tokenizer.json next to {step_dir}: the byte tokenizer is assumed "
+              f"(--tokenizer names another)", file=sys.stderr)
+        tok = own = ByteTokenizer()
     else:
-        folder = find_run_tokenizer(step_dir)
-        if folder is None:
-            print(f"note: no tokenizer.json next to {step_dir}: the byte tokenizer is assumed "
-                  f"(--tokenizer names another)", file=sys.stderr)
-            tok = ByteTokenizer()
-        else:
-            tok = tokenizer_from_folder(folder)
+        tok = own = tokenizer_from_folder(folder)
+    tokenizer_fits(tok, vocab_size, own, os.path.join(folder or step_dir, "tokenizer.json"))
+    return tok
+
+
+def tokenizer_fits(tok, vocab_size: int, own, own_path: str) -> None:
+    """Refuse, in one line, a tokenizer that cannot be the model's: more ids than its vocabulary (ids past the
+    embedding), or fewer than the tokenizer it trained with (`own`, where known, at `own_path`): the model
+    would write ids it cannot decode, and every id would mean another token (--tokenizer byte on a model of
+    65,536 printed garbage). Where nothing records the model's tokenizer, a smaller one is taken as given: a
+    model may have more rows than its data's tokenizer (a preset's vocabulary over data without dataset.json)."""
     if tok.vocab_size > vocab_size:
         raise UserError(f"the tokenizer has {tok.vocab_size} ids but the model only {vocab_size}: "
                         f"it is not the tokenizer this model was trained with (choose one with --tokenizer)")
-    return tok
+    if own is not None and tok.vocab_size < own.vocab_size and tok.to_json() != own.to_json():
+        raise UserError(f"the tokenizer has {tok.vocab_size} ids, fewer than the {own.vocab_size} of the one this "
+                        f"model trained with ({own_path}): the model would write ids it cannot decode, and the others "
+                        f"would read as other tokens; leave out --tokenizer to use that one")
+
+
+def trained_window_of(step_dir: str) -> int | None:
+    """The longest window the step's weights trained on (data.seq_len, and any long-context stage begun by
+    then), which the export writes as max_position_embeddings, at most model.max_seq_len: transformers and
+    serving stacks read it as the context the model works in, and RoPE positions past the trained windows were
+    never trained (131072 was written for a model trained on 128-token windows). None where the step's
+    trainer_state.json records no seq_len (then model.max_seq_len)."""
+    from titanlike.config.stages import trained_window
+
+    try:
+        state = fs.read_json(Path(step_dir) / "trainer_state.json", "the trainer state")
+    except UserError:
+        return None
+    if not isinstance(state, dict) or not isinstance(state.get("run"), dict):
+        return None
+    step = state.get("step")
+    return trained_window(state["run"].get("settings"), step if isinstance(step, int) else 2**63)
 
 
 EXPORT_RECORD = "titanlike-export.json"  # written last: the files of this export, as the manifest describes them
@@ -211,6 +253,7 @@ def _export(step_dir: str, out_dir: str, dtype: str, tokenizer: str, trust_pickl
     shape = step_model_args(step_dir)
     tok = run_tokenizer(step_dir, tokenizer, shape.vocab_size)  # before the weights: a wrong choice costs nothing
     margs, state = read_model_weights(step_dir, trust_pickled_dcp, flag="--trust-pickled-dcp")
+    margs = dataclasses.replace(margs, max_seq_len=min(margs.max_seq_len, trained_window_of(step_dir) or 2**63))
     bad = None if allow_nonfinite else first_nonfinite(state)
     if bad:  # before anything is written or removed
         raise UserError(f"{step_dir}: {bad}; the run diverged before this step, so export an earlier checkpoint "

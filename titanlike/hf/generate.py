@@ -14,7 +14,6 @@ run's own training (titanlike-export's checks); an exported folder through confi
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -26,6 +25,10 @@ import torch.nn.functional as F
 from titanlike import fs
 from titanlike.errors import ArgumentParser, UserError, error_exit
 from titanlike.model.decoder import Transformer
+
+# --temperature: logits divided by it must stay finite float32 numbers (1e-320 made them inf, 1e308 made the
+# masked ones NaN). Well inside both ends sampling is already greedy, or uniform, in effect.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 1e4
 
 
 class KVCache:
@@ -181,7 +184,7 @@ def load(source: str, tokenizer: str, device: torch.device, trust_pickled_dcp: b
     from titanlike.checkpoint.weights import is_dcp_folder, read_model_weights
     from titanlike.config.resolve import read_hf_config
     from titanlike.data.tokenizer import load_tokenizer, tokenizer_from_folder
-    from titanlike.hf.export import first_nonfinite, run_tokenizer
+    from titanlike.hf.export import first_nonfinite, run_tokenizer, tokenizer_fits
     from titanlike.hf.interchange import read_hf_folder
 
     if not os.path.isdir(source):
@@ -189,15 +192,17 @@ def load(source: str, tokenizer: str, device: torch.device, trust_pickled_dcp: b
     if os.path.isfile(os.path.join(source, "config.json")) and not is_dcp_folder(source):
         margs = read_hf_config(source)
         state = read_hf_folder(source, margs)
-        if tokenizer:
-            tok = load_tokenizer(tokenizer)
-        elif os.path.isfile(os.path.join(source, "tokenizer.json")):
-            tok = tokenizer_from_folder(source)
-        else:
+        own = None
+        if os.path.isfile(os.path.join(source, "tokenizer.json")):
+            try:
+                own = tokenizer_from_folder(source)
+            except UserError:
+                if not tokenizer:  # unreadable, and nothing given instead
+                    raise
+        if not tokenizer and own is None:
             raise UserError(f"{source} has no tokenizer.json; name one with --tokenizer")
-        if tok.vocab_size > margs.vocab_size:  # as export refuses it: ids past the embedding
-            raise UserError(f"the tokenizer has {tok.vocab_size} ids but the model only {margs.vocab_size}: "
-                            f"it is not the tokenizer this model was trained with (choose one with --tokenizer)")
+        tok = load_tokenizer(tokenizer) if tokenizer else own
+        tokenizer_fits(tok, margs.vocab_size, own, os.path.join(source, "tokenizer.json"))  # as export checks it
     else:
         margs, state = read_model_weights(source, trust_pickled_dcp, flag="--trust-pickled-dcp")
         tok = run_tokenizer(source, tokenizer, margs.vocab_size)
@@ -240,8 +245,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)} must be >= 0")
     if not 0 <= a.seed < 2**63:
         p.error(f"--seed {a.seed} must be in [0, 2^63)")
-    if not math.isfinite(a.temperature) or a.temperature < 0:
-        p.error(f"--temperature {a.temperature} must be a finite number >= 0")
+    if not (a.temperature == 0 or MIN_TEMPERATURE <= a.temperature <= MAX_TEMPERATURE):
+        p.error(f"--temperature {a.temperature:g} must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, "
+                f"{MAX_TEMPERATURE:g}]: past those the logits divided by it overflow (or all become 0), and the "
+                f"probabilities are not numbers")
     try:
         a.prompt.encode("utf-8")
     except UnicodeEncodeError:

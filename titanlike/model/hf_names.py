@@ -55,9 +55,41 @@ def hf_config(a: ModelArgs, dtype_name: str, bos_id: int | None = None, eos_id: 
     return config
 
 
-def _rope_theta(config: dict) -> float | None:
-    params = config.get("rope_parameters") or {}
-    return params.get("rope_theta", config.get("rope_theta")) if isinstance(params, dict) else None
+def _whole(config: dict, key: str, where: str, default: int | None = None) -> int:
+    """config[key] as a whole number (`default` where it is absent or null; none: it must be there). A bool, a
+    string or a fraction is refused rather than converted: int() would read 256.7 as 256 and true as 1."""
+    value = config.get(key)
+    if value is None:
+        if default is None:
+            raise UserError(f"{where} lacks {key}, which the model's shape needs")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UserError(f"{where}: {key} is {value!r}, not a whole number")
+    return value
+
+
+def _positive(value: object, key: str, where: str) -> float:
+    """A number of config.json that must be finite and > 0 (rope_theta, rms_norm_eps): anything else, one line.
+    JSON's NaN and Infinity literals parse as floats, and a rope_theta of 0 once became 10000 unsaid."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise UserError(f"{where}: {key} is {value!r}; it must be a finite number > 0")
+    return float(value)
+
+
+def _rope_theta(config: dict, where: str) -> float:
+    """The RoPE base: rope_theta (transformers 4) and rope_parameters' (transformers 5), each checked where
+    given; two that disagree would load as two models, one in each version. Neither: Llama's 10000."""
+    params = config.get("rope_parameters")
+    given = {key: value for key, value in (("rope_theta", config.get("rope_theta")),
+                                           ("rope_parameters.rope_theta",
+                                            params.get("rope_theta") if isinstance(params, dict) else None))
+             if value is not None}
+    thetas = {key: _positive(value, key, where) for key, value in given.items()}
+    if len(set(thetas.values())) > 1:
+        raise UserError(f"{where}: rope_theta is {thetas['rope_theta']!r} but rope_parameters' rope_theta "
+                        f"{thetas['rope_parameters.rope_theta']!r}: transformers 4 reads the first and 5 the second; "
+                        f"make them the same")
+    return next(iter(thetas.values()), 10000.0)
 
 
 def _rope_scaling(config: dict) -> str | None:
@@ -96,19 +128,18 @@ def args_from_hf_config(config: object, where: str) -> ModelArgs:
     for bad, what in unsupported:
         if bad:
             raise UserError(f"{where}: {what} is not supported by titanlike's decoder")
-    try:
-        dim, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-        args = ModelArgs(dim=dim, n_layers=int(config["num_hidden_layers"]), n_heads=heads,
-                         n_kv_heads=int(config.get("num_key_value_heads") or heads),
-                         ffn_dim=int(config["intermediate_size"]), vocab_size=int(config["vocab_size"]),
-                         rope_theta=float(_rope_theta(config) or 10000.0),
-                         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-                         max_seq_len=int(config.get("max_position_embeddings") or 131072), qk_norm=kind == "qwen3",
-                         attn_mask=str(config.get(ATTN_MASK_KEY, "causal")))
-    except (KeyError, TypeError, ValueError) as e:
-        raise UserError(f"{where} lacks a usable {e.args[0] if isinstance(e, KeyError) else 'value'} "
-                        f"({type(e).__name__}: {e})") from None
+    heads = _whole(config, "num_attention_heads", where)
+    tied = config.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):
+        raise UserError(f"{where}: tie_word_embeddings is {tied!r}, not true or false")
+    eps = config.get("rms_norm_eps")
+    args = ModelArgs(dim=_whole(config, "hidden_size", where), n_layers=_whole(config, "num_hidden_layers", where),
+                     n_heads=heads, n_kv_heads=_whole(config, "num_key_value_heads", where, default=heads),
+                     ffn_dim=_whole(config, "intermediate_size", where), vocab_size=_whole(config, "vocab_size", where),
+                     rope_theta=_rope_theta(config, where),
+                     norm_eps=1e-6 if eps is None else _positive(eps, "rms_norm_eps", where), tie_embeddings=tied,
+                     max_seq_len=_whole(config, "max_position_embeddings", where, default=131072),
+                     qk_norm=kind == "qwen3", attn_mask=str(config.get(ATTN_MASK_KEY, "causal")))
     problems = args.problems()
     if problems:
         raise UserError(f"{where}: {problems[0]}")

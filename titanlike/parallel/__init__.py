@@ -29,6 +29,7 @@ from titanlike.parallel.device import (
     StepFence,
     allocator_settings,
     configure_device,
+    cpu_threads_note,
     default_allocator_settings,
     device_memory_bytes,
     pick_device,
@@ -38,7 +39,7 @@ from titanlike.parallel.fsdp import apply_fsdp, reduce_dtype, resolve_reshard, s
 from titanlike.parallel.mesh import context_mesh, destroy_process_group, init_distributed, mean_over_ranks
 
 __all__ = ["ContextParallel", "StepFence", "allocator_settings", "apply_activation_checkpointing", "apply_compile",
-           "apply_context_parallel", "apply_fsdp", "configure_device", "context_mesh",
+           "apply_context_parallel", "apply_fsdp", "configure_device", "context_mesh", "cpu_threads_note",
            "default_allocator_settings", "destroy_process_group", "device_memory_bytes", "init_distributed",
            "mean_over_ranks", "offload", "pick_device", "reduce_dtype", "resolve_reshard", "shard_model", "sync_after",
            "this_gpu"]

@@ -1,6 +1,7 @@
 """The device a rank trains on and how it is set up: the CUDA caching allocator's settings, a cap on
 the GPU memory a run may use (training.gpu_memory_limit_gib), and deterministic kernels
-(training.deterministic); and how far the CPU may queue work ahead of the GPU (StepFence)."""
+(training.deterministic); and how far the CPU may queue work ahead of the GPU (StepFence). On the CPU,
+whether its compute threads outnumber the idle cores (a start line)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from titanlike.config import ConfigError
+from titanlike.config.host import available_cores
 
 if TYPE_CHECKING:
     from titanlike.model.decoder import Transformer
@@ -63,6 +65,42 @@ def configure_device(device: torch.device, memory_limit_gib: float, deterministi
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
+
+
+def other_busy_cores(loadavg: str = "/proc/loadavg") -> float | None:
+    """About how many cores other work keeps busy: the 1-minute load average, capped on Linux by the tasks that
+    are runnable right now less the one reading (a run that just ended leaves a load average behind and nothing
+    running). None where the system says neither."""
+    try:
+        with open(loadavg) as f:
+            fields = f.read().split()
+        return max(0.0, min(float(fields[0]), int(fields[3].split("/")[0]) - 1))
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
+def busy_cpu_note(threads: int, cores: int, busy: float | None) -> str | None:
+    """The start line for a CPU run whose compute threads outnumber the cores other work leaves idle. Each
+    parallel region waits for its slowest thread, so one thread that shares its core holds all back: on two busy
+    cores 20 steps of the debug model took 1.7-1.9x as long with the default threads as with OMP_NUM_THREADS=1,
+    with the same losses; 14x in another measurement (docs/performance.md)."""
+    if threads <= 1 or busy is None or busy < cores - threads + 1:
+        return None
+    return (f"the CPU is busy: other work holds about {busy:.1f} cores' worth of its {cores}, and this run computes "
+            f"with {threads} threads (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}), which wait on "
+            f"one another whenever one is descheduled; OMP_NUM_THREADS=1, or the number of idle cores, can train "
+            f"many times faster here (docs/performance.md, \"Training on a CPU\")")
+
+
+def cpu_threads_note(device: torch.device) -> str | None:
+    """busy_cpu_note for this process on `device` (None off the CPU)."""
+    if device.type != "cpu":
+        return None
+    return busy_cpu_note(torch.get_num_threads(), available_cores(), other_busy_cores())
 
 
 def device_memory_bytes(device: torch.device, cap_gib: float) -> int | None:

@@ -429,8 +429,16 @@ def cpu_host_problem(cfg: JobConfig, world: int, local_processes: int, args: Mod
     each = (f"each of the {local_processes} processes of this host needs at least {per_process:.1f} GiB of memory "
             f"(titanlike-plan's estimate), {need:.1f} GiB in all" if local_processes > 1 else
             f"it needs at least {need:.1f} GiB of memory (titanlike-plan's estimate)")
-    smaller = [] if cfg.model.flavor == "debug" else ["a smaller model (--model.flavor debug)"]
+    # Advice that fits the run: GPUs for a GPU config that found none (the debug model is the CPU's own, and
+    # training.device = cpu was asked for), a smaller model where there is one, fewer processes, fewer tokens.
+    m, debug = cfg.model, cfg.model.flavor == "debug"
+    resized = [f"{key} {getattr(m, key)}" for key in ("dim", "n_layers", "ffn_dim", "vocab_size") if getattr(m, key)]
+    smaller = (["a smaller model (--model.flavor debug)"] if not debug else
+               [f"smaller --model.* sizes (now {', '.join(resized)})"] if resized else [])
+    if local_processes > 1:
+        smaller.append(f"fewer processes on this host (now {local_processes}: NGPU)")
     smaller.append(f"fewer tokens a step (now --training.local_batch_size {cfg.training.local_batch_size} of "
                    f"--data.seq_len {cfg.data.seq_len})")
+    gpus = "run it where its GPUs are, or " if not debug and cfg.training.device != "cpu" else ""
     return (f"this run trains on the CPU (no GPU is visible, or training.device = cpu), where {each}, and this "
-            f"host has {have:.1f} GiB available; run it where its GPUs are, or choose {' or '.join(smaller)}")
+            f"host has {have:.1f} GiB available; {gpus}choose {' or '.join(smaller)}")

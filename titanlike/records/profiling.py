@@ -26,6 +26,7 @@ every allocation the training steps made; earlier allocations appear without one
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -37,8 +38,16 @@ from torch.profiler import ProfilerAction, ProfilerActivity
 from titanlike.overrides import cuda
 
 logger = logging.getLogger("titanlike")
-# Each window's trace holds that window's events only, which is what we want; torch warns about it.
-warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
+
+
+@contextlib.contextmanager
+def _each_window_alone():
+    """Each window's trace holds that window's events only, which is what we want; torch warns about it as it
+    starts a window (in start() and step()). Quieted where it is said, not for the process: a filter set once at
+    import is lost wherever the filters are reset (pytest resets them for every test)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
+        yield
 
 # Allocator events kept in the memory history ring buffer (the PyTorch docs' suggested size).
 MEMORY_HISTORY_ENTRIES = 100_000
@@ -64,7 +73,8 @@ class Profiler:
             self.torch_profiler = torch.profiler.profile(
                 activities=activities, schedule=self._schedule, on_trace_ready=self._write_trace, record_shapes=True,
             )
-            self.torch_profiler.start()
+            with _each_window_alone():
+                self.torch_profiler.start()
 
     def phase(self, step: int) -> ProfilerAction:
         """What the profiler does during global step `step`."""
@@ -86,7 +96,8 @@ class Profiler:
         if self.torch_profiler is not None:
             if self.phase(step) in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE):
                 self.recorded.append(step)
-            self.torch_profiler.step()  # may write the trace of the window that ends at this step
+            with _each_window_alone():
+                self.torch_profiler.step()  # may write the trace of the window that ends at this step
         if self.memory and not self.snapshot_taken and step % self.cfg.freq == 0:
             self.snapshot_taken = True
             self._dump_memory(f"step-{step}")

@@ -9,7 +9,8 @@ INPUT is a file, a folder (its files of the formats below, recursively) or a glo
   .jsonl .jsonl.gz .jsonl.zst   one JSON object per line, the text in --text-field
   .parquet                one row per document, the text in column --text-field
 --text-field is given once (every input) or once per input; without it, each file's text is the
-first of text, content, raw_content, body, document, code that it has. With several inputs, the
+first of text, content, raw_content, body, document, code that it has. A dotted name reaches into
+nested objects or struct columns (request.context), unless a record has it as a key of its own. With several inputs, the
 summary gives each one's documents and tokens (what a mixture's weights are set from).
 
 Every document becomes [BOS] tokens [EOS] (no BOS when the tokenizer has none). Whole documents go to
@@ -62,8 +63,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(or its folder)")
     p.add_argument("--workers", type=int, default=0, help="tokenizing processes (default: every core)")
     p.add_argument("--text-field", action="append", default=None,
-                   help="the JSON field / parquet column holding the text: once for every input, or once per "
-                        f"input in their order (default: the first of {', '.join(TEXT_FIELDS)} a file has)")
+                   help="the JSON field / parquet column holding the text, a dotted one for a nested field "
+                        "(request.context): once for every input, or once per input in their order (default: the "
+                        f"first of {', '.join(TEXT_FIELDS)} a file has)")
     p.add_argument("--val-fraction", type=float, default=0.01,
                    help="share of the tokens held out for validation, at most, as whole documents "
                         "(default 0.01; 0 = none)")

@@ -7,8 +7,9 @@ on the input files, never on the number of workers, and `read_chunk()` turns a c
 documents in file order, so the documents in chunk order are the same sequence for any N.
 Compressed JSON lines cannot be read from the middle: the main process decompresses them and hands
 the raw lines over; everything else a worker reads itself. The text of a JSON line or parquet row is
-in the field --text-field names (one for every input, or one per input), or else in the first of
-TEXT_FIELDS that the file's first record (or its columns) has.
+in the field --text-field names (one for every input, or one per input; a dotted name is a path into
+nested objects or struct columns), or else in the first of TEXT_FIELDS that the file's first record
+(or its columns) has.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import gzip
 import io
 import json
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,7 +187,7 @@ def _first_record_keys(lines: bytes) -> list[str]:
         if line.strip():
             try:
                 record = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError):
+            except (ValueError, RecursionError):  # not JSON, too deep, a too long number, not UTF-8
                 return ["text"]  # a broken first line: reading it reports it, with its line number
             return list(record) if isinstance(record, dict) else ["text"]
     return ["text"]
@@ -225,6 +227,19 @@ def _plan_compressed(path: str, text_field: str) -> Iterator[Chunk]:
             line_no += block.count(b"\n")
 
 
+def _nested_column(schema, name: str) -> bool:
+    """Whether a dotted name is a path through struct columns (`request.context`) to a field of the schema."""
+    import pyarrow as pa
+
+    fields = schema
+    for part in name.split("."):
+        if fields is None or fields.get_field_index(part) < 0:
+            return False
+        kind = fields.field(part).type
+        fields = pa.schema(list(kind)) if pa.types.is_struct(kind) else None
+    return True
+
+
 def _plan_parquet(path: str, size: int, text_field: str) -> Iterator[Chunk]:
     from titanlike.data.tokenizer import need_extra
 
@@ -238,7 +253,7 @@ def _plan_parquet(path: str, size: int, text_field: str) -> Iterator[Chunk]:
         raise InputError(f"{path}: not a parquet file ({why})") from None
     names = meta.schema_arrow.names
     text_field = text_field or pick_field(path, names, "column")
-    if text_field not in names:
+    if text_field not in names and not _nested_column(meta.schema_arrow, text_field):
         raise InputError(f"{path} has no column {text_field!r} (columns: {', '.join(names)}); "
                          f"choose one with --text-field")
     groups = meta.num_row_groups
@@ -265,8 +280,16 @@ def _json_lines(text: str, path: str, first_line, text_field: str) -> list[str]:
         if not line.strip():
             continue
         try:
-            value = json.loads(line)[text_field]
-        except (json.JSONDecodeError, KeyError, TypeError, IndexError):
+            value = field_of(json.loads(line), text_field)
+        except RecursionError:  # Python's JSON reader recurses once a level of nesting
+            raise InputError(f"{path}:{first_line() + n}: its JSON nests arrays or objects deeper than the JSON "
+                             f"reader goes ({sys.getrecursionlimit()} levels is past it)") from None
+        except json.JSONDecodeError:
+            raise InputError(f"{path}:{first_line() + n} is not a JSON object with a {text_field!r} field") from None
+        except ValueError as e:  # valid JSON that Python will not convert: an integer of more than 4300 digits
+            raise InputError(f"{path}:{first_line() + n}: a value the JSON reader cannot take "
+                             f"({str(e).split(';')[0]})") from None
+        except (KeyError, TypeError, IndexError):
             raise InputError(f"{path}:{first_line() + n} is not a JSON object with a {text_field!r} field") from None
         if not isinstance(value, str):
             raise InputError(f"{path}:{first_line() + n}: field {text_field!r} is {type(value).__name__}, not text")
@@ -278,6 +301,20 @@ def _json_lines(text: str, path: str, first_line, text_field: str) -> list[str]:
                                  f"(\\u{ord(value[e.start]):04x}), which is not Unicode text") from None
         docs.append(value)
     return docs
+
+
+def field_of(record: object, name: str) -> object:
+    """record[name]; a dotted name that the record does not have as a key of its own is a path into nested
+    objects (`request.context`: record["request"]["context"]). KeyError or TypeError where there is none."""
+    if not isinstance(record, dict):
+        raise TypeError(name)
+    if name in record or "." not in name:
+        return record[name]
+    for part in name.split("."):
+        if not isinstance(record, dict):
+            raise TypeError(name)
+        record = record[part]
+    return record
 
 
 def _line_number(path: str, offset: int) -> int:
@@ -311,7 +348,13 @@ def read_chunk(chunk: Chunk) -> list[str]:
     import pyarrow.parquet as pq
 
     try:
-        column = pq.ParquetFile(path).read_row_group(chunk.start, columns=[chunk.text_field]).column(0)
+        table = pq.ParquetFile(path).read_row_group(chunk.start, columns=[chunk.text_field])
+        column = table.column(0)
+        if table.column_names[0] != chunk.text_field:  # a path into struct columns: read as its top-level column
+            import pyarrow.compute as pc
+
+            for part in chunk.text_field.split(".")[1:]:
+                column = pc.struct_field(column, part)
         values = column.to_pylist()
     except Exception as e:  # damaged pages, bad compression, strings that are not UTF-8: pyarrow's own errors
         why = str(e).splitlines()[0] if str(e) else ""
