@@ -40,6 +40,7 @@ CP4 = f"{B}2026-11-28-cp4-262k-and-what-cp2-waits-for.md"
 TWO_H200 = f"{B}2026-11-29-two-h200s-cp2-bf16-sums-8b-fused-cast.md"
 SYNC_ONCE = f"{B}2026-11-29-gradient-sync-once-a-step.md"
 FITS = f"{B}2026-12-02-one-gpu-8b-fits-bf16-moments.md"
+MUON = f"{B}2026-12-02-muon-one-gpu.md"
 OFFLOAD = ("--parallel.cpu_offload --fp8.enable_fsdp_float8_all_gather false --activation_checkpoint.mode full "
            "--training.loss_chunk_tokens 4096 --training.local_batch_size 1")
 ONE = C + "llama3_1b.toml"
@@ -182,6 +183,15 @@ MEASURED = [
     (ONE, "--optimizer.state_dtype bf16", 1, H200, 40.5, FITS),
     (ONE, "", 1, H200, 46.2, FITS),
     (C + "rtx5090_124m.toml", "--fp8.recipe none --training.local_batch_size 8", 1, H200, 7.2, FITS),
+    # Two stages: 1b at 2,048 tokens, then 8,192 from step 6 (the run's peak is the second's; the first alone
+    # reserved 27.5 GiB). Muon on one GPU: 1b, and the 8b config kept as configured (its step is the peak).
+    (ONE, "--data.seq_len 2048 --training.local_batch_size 4 --training.steps 10 --data.phase 6:seq_len=8192", 1,
+     H200, 55.5, MUON),
+    (ONE, "--data.seq_len 2048 --training.local_batch_size 4 --training.steps 10", 1, H200, 27.5, MUON),
+    (ONE, "--optimizer.name muon", 1, H200, 42.4, MUON),
+    (ONE, "--optimizer.name muon --training.global_batch_size 48", 1, H200, 48.2, MUON),
+    (ONE, "--training.global_batch_size 48", 1, H200, 52.0, MUON),
+    (C + "llama3_8b.toml", "--optimizer.name muon", 1, H200, 123.1, MUON),
 ]
 
 
@@ -200,6 +210,8 @@ def test_the_measurements_span_models_world_sizes_and_levers():
     assert any("--model.flavor 3b" in r[1] and r[2] == 2 for r in MEASURED)
     assert {r[2] for r in MEASURED} == {1, 2, 4}
     assert any("8bit" in r[0] for r in MEASURED) and any("loss_chunk" in r[1] for r in MEASURED)
+    assert any("--data.phase" in r[1] for r in MEASURED)  # a run whose later stage is its peak
+    assert any("--optimizer.name muon" in r[1] for r in MEASURED)
 
 
 def test_the_categories_add_up_and_the_8b_breakdown_is_recognisable():
