@@ -661,3 +661,20 @@ def test_bf16_moments_compiled_update_is_the_eager_one():
         assert torch.allclose(p, w, rtol=0, atol=1e-6)
         for name, mine in (("exp_avg", m), ("exp_avg_sq", v)):
             assert torch.allclose(state[name].float(), mine.float(), rtol=1e-2, atol=1e-6), name
+
+
+@pytest.mark.two_gpus
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: Muon's all-to-all over NCCL")
+def test_two_gpus_muon_with_float8_all_gather_tracks_bf16_muon(tmp_path, corpus):
+    """Muon over two GPUs (its matrices' owners, all-to-all over NCCL), compiled, with tensorwise float8 and
+    its float8 all-gather: the losses track the bf16 Muon run of the same batch, and fall."""
+    common = ("--training.steps", "20", "--metrics.log_freq", "1", "--validation.enable", "false",
+              "--data.seq_len", "256", "--training.local_batch_size", "4", "--optimizer.name", "muon",
+              "--compile.enable", "--fp8.auto_filter", "false")
+    run_train(tmp_path / "bf16", *common, "--fp8.recipe", "none", nproc=2, device="cuda", corpus=corpus)
+    proc = run_train(tmp_path / "fp8", *common, "--fp8.recipe", "tensorwise", nproc=2, device="cuda", corpus=corpus)
+    assert "float8 all-gather on" in proc.stdout + proc.stderr
+    bf16, fp8 = train_losses(tmp_path / "bf16"), train_losses(tmp_path / "fp8")
+    assert bf16.keys() == fp8.keys() and fp8[20] < 0.8 * fp8[1], fp8
+    for s in bf16:
+        assert math.isfinite(fp8[s]) and abs(bf16[s] - fp8[s]) < 0.05 * bf16[s], (s, bf16[s], fp8[s])
