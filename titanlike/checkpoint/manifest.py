@@ -158,8 +158,12 @@ def _check_file(folder: str, name: str, want: object) -> str | None:
     path = os.path.join(folder, name)
     if not isinstance(want, dict):
         return f"{path} has no size and checksum in the manifest"
-    if os.path.islink(path) or not os.path.isfile(path):
+    if os.path.islink(path):  # a save writes plain files: a link points wherever whoever made it chose
+        return f"{path} is a symbolic link, where the save wrote a file"
+    if not os.path.lexists(path):
         return f"{path} is missing"
+    if not os.path.isfile(path):
+        return f"{path} is {fs.kind_of(os.stat(path).st_mode)}, where the save wrote a file"
     size = os.path.getsize(path)
     if size != want.get("size"):
         return f"{path} has {size} bytes, the manifest says {want.get('size')}"
