@@ -25,6 +25,7 @@ import torch
 from titanlike import cache
 from titanlike.data.corpus import build_default_corpus
 from titanlike.data.order import AFFINE, ORDERS
+from titanlike.data.recorded import check_against_record
 from titanlike.data.shards import DataError, Shard, ShardFault, id_advice, open_shards
 from titanlike.process import lifeline
 
@@ -319,4 +320,6 @@ def open_dataset(path: str, seq_len: int, vocab_size: int, what: str, tokenizer:
     tokenizer's size and the padded vocabulary is no token the tokenizer made."""
     limit, source = (tokenizer[0], f"its tokenizer ({tokenizer[1]})") if tokenizer else (vocab_size,
                                                                                       "the model's vocabulary")
-    return TokenWindows(open_shards(path, seq_len, limit, source, what), seq_len, limit, source)
+    shards = open_shards(path, seq_len, limit, source, what)
+    check_against_record(shards, path, contents=True)  # the shards its dataset.json records, if it has one
+    return TokenWindows(shards, seq_len, limit, source)
