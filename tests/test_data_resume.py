@@ -37,7 +37,10 @@ def test_resume_is_exact_and_an_old_checkpoint_keeps_the_affine_order(tmp_path, 
     data = step4["states"]["dataloader"].pop("data")
     assert step4["states"]["dataloader"] == {"batches_read": 4, "order": "feistel"}
     folder = str(Path(corpus[0]).parent)
-    assert data == {folder: {"shards": 1, "tokens": data[folder]["tokens"]}} and data[folder]["tokens"] > 0
+    from titanlike.data.shards import Shard
+
+    assert data == {folder: {"shards": 1, "tokens": Shard(corpus[0]).count,
+                             "fingerprint": data[folder]["fingerprint"]}} and len(data[folder]["fingerprint"]) == 32
     got = resumed_from_step_2(ref, tmp_path / "resumed", "--data.path", corpus[0])
     assert {s: got[s] for s in (3, 4)} == {s: want[s] for s in (3, 4)}
 
@@ -71,6 +74,72 @@ def test_data_made_again_in_place_is_said_on_resume(tmp_path):
     # Resumed again over the same data: nothing to say.
     proc = train_here(tmp_path / "run", *RUN[:1], "5", *RUN[2:], *data)
     assert "the data changed" not in proc.stderr
+
+
+# ---- data changed in place with the same counts ---------------------------------------------------------
+
+
+def resumed_line(folder: Path, change, caplog) -> str:
+    """The data line of a loader that resumes the state saved over the shards in `folder` after `change(folder)`
+    ("" when it says nothing)."""
+    import logging
+
+    from conftest import build_train_loader
+    from titanlike.data.loader import open_dataset
+
+    def loader():
+        return build_train_loader(open_dataset(str(folder), 8, 320, "data.path"), 2, 4, 0, 1, seed=3,
+                                  num_workers=0, pin_memory=False)
+
+    first = loader()
+    for _ in range(2):
+        next(first)
+    state = json.loads(json.dumps(first.state_dict()))  # as trainer_state.json keeps it
+    change(folder)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="titanlike"):
+        loader().load_state_dict(state)
+    return " ".join(r.getMessage() for r in caplog.records if "the data changed" in r.getMessage())
+
+
+def test_data_changed_in_place_with_the_same_counts_is_said_on_resume(tmp_path, caplog):
+    """A shard's tokens reversed, or shards renamed so that the corpus reads in another order: the same token and
+    shard counts, which were all a resume compared, so it went on silently. The data position now carries each
+    source's fingerprint (of its shards', in reading order), and the resume says what changed."""
+    import numpy as np
+
+    from titanlike.data.shards import Shard, write_shard
+
+    def shards(folder: Path) -> Path:
+        folder.mkdir()
+        write_shard(folder / "a.bin", np.arange(401) % 300)
+        write_shard(folder / "b.bin", (np.arange(401) * 7) % 300)
+        return folder
+
+    def reverse(folder: Path) -> None:
+        write_shard(folder / "a.bin", Shard(folder / "a.bin").tokens[::-1].copy())
+
+    def reorder(folder: Path) -> None:  # a.bin renamed c.bin: b.bin is read first now
+        (folder / "a.bin").rename(folder / "c.bin")
+
+    def unchanged(folder: Path) -> None:
+        (folder / "a.bin").touch()  # a new mtime, the same bytes: nothing to say
+
+    said = "the same 802 tokens in 2 shard(s), other contents or another order of them"
+    for name, change in (("reversed", reverse), ("reordered", reorder)):
+        folder = shards(tmp_path / name)
+        line = resumed_line(folder, change, caplog)
+        assert f"the data changed since the checkpoint was saved ({folder}: {said})" in line, (name, line)
+    assert resumed_line(shards(tmp_path / "same"), unchanged, caplog) == ""
+
+
+def test_a_checkpoint_from_before_fingerprints_compares_the_counts(tmp_path):
+    """A data position saved before it held a fingerprint says nothing of data with the same counts."""
+    from titanlike.data.loader import data_changes
+
+    now = {"/d": {"shards": 1, "tokens": 10, "fingerprint": "ab"}}
+    assert data_changes({"/d": {"shards": 1, "tokens": 10}}, now) == ""
+    assert data_changes({"/d": {"shards": 1, "tokens": 12}}, now) == "/d: 12 → 10 tokens in 1 → 1 shard(s)"
 
 
 # ---- a shard that is not the one dataset.json records ---------------------------------------------------
