@@ -3,7 +3,11 @@
 The manifest (manifest.json, written last at a save) lists every file with its size and CRC-32, and
 the SHA-256 of the small ones (the JSON files and DCP's `.metadata`), and is signed (HMAC-SHA256)
 with this user's key, ~/.config/titanlike/checkpoint-signing.key ($XDG_CONFIG_HOME honoured). A
-valid signature says titanlike wrote the folder on this account and nothing listed changed since.
+valid signature says titanlike wrote the folder on this account and nothing listed changed since: the
+small files (the .metadata pickle, the JSON records) against any edit, the large ones against
+accidents, by CRC-32. A cryptographic hash of those costs 7-18 % of a save at the least, against a
+bar of 2 % (docs/benchmarks/2026-12-02-checkpoint-hash-cost.md; docs/checkpointing.md says what
+that leaves to the folder's permissions).
 
 Why a gate: DCP's `.metadata` is a Python pickle, and unpickling runs code. `inspect` decides from
 the manifest and the file bytes alone, before anything is unpickled, whether a folder may be read:
