@@ -525,9 +525,41 @@ def test_a_resume_onto_data_of_another_tokenizer_is_refused(tmp_path):
     check_tokenizer(str(step), {})  # data without a tokenizer record
     other = {"tokenizer.json": '{"model": {"type": "BPE"}}',
              "tokenizer_info.json": json.dumps({"kind": "huggingface", "eos_token": "</s>"})}
-    with pytest.raises(CheckpointMismatch, match=r"step-2 was trained with another tokenizer \(byte\) than the run's "
-                                                 r"data have \(huggingface\).*--checkpoint.initial_load_path"):
+    said = r"step-2 was trained with the byte tokenizer, but the run's data were made with a Hugging Face tokenizer: "
+    with pytest.raises(CheckpointMismatch, match=said + r".*--checkpoint.initial_load_path"):
         check_tokenizer(str(step), other)
     for name in byte:
         (step / name).unlink()
     check_tokenizer(str(step), other)  # a checkpoint saved before runs kept their tokenizer
+
+
+def test_a_resume_onto_another_tokenizer_of_the_same_kind_names_what_differs(tmp_path):
+    """Two Hugging Face tokenizers were said as "another tokenizer (huggingface) than the run's data have
+    (huggingface)": the line names the dataset each came with, and where that is one too, their files' hashes."""
+    import hashlib
+
+    from titanlike.checkpoint.weights import CheckpointMismatch, check_tokenizer
+
+    def files(vocab: str, dataset: str) -> dict[str, str]:
+        return {"tokenizer.json": json.dumps({"model": {"type": "BPE", "vocab": {vocab: 0}}}),
+                "tokenizer_info.json": json.dumps({"kind": "huggingface", "dataset": dataset})}
+
+    step = tmp_path / "step-2"
+    step.mkdir()
+    for name, text in files("a", "/data/web/dataset.json").items():
+        (step / name).write_text(text)
+    with pytest.raises(CheckpointMismatch) as e:
+        check_tokenizer(str(step), files("b", "/data/code/dataset.json"))
+    assert (f"{step} was trained with a Hugging Face tokenizer from /data/web/dataset.json, but the run's data were "
+            f"made with a Hugging Face tokenizer from /data/code/dataset.json: each token id") in str(e.value)
+    remade = files("b", "/data/web/dataset.json")  # the dataset made again in place with another tokenizer
+    with pytest.raises(CheckpointMismatch) as e:
+        check_tokenizer(str(step), remade)
+
+    def digest(text: str) -> str:
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+    theirs, ours = digest((step / "tokenizer.json").read_text()), digest(remade["tokenizer.json"])
+    assert (f"trained with a Hugging Face tokenizer from /data/web/dataset.json (tokenizer.json {theirs}), but the "
+            f"run's data were made with a Hugging Face tokenizer from /data/web/dataset.json (tokenizer.json {ours})"
+            ) in str(e.value) and theirs != ours

@@ -3,6 +3,7 @@ checkpoints written before it resume with."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 from conftest import build_train_loader
 from titanlike.data.loader import GlobalBatchSampler, open_dataset
 from titanlike.data.order import AFFINE, FEISTEL, EpochOrder, derive_key, feistel
-from titanlike.data.shards import DataError, write_shard
+from titanlike.data.shards import DataError, Shard, write_shard
 
 RANDOM_N = [int(n) for n in np.random.default_rng(1).integers(4, 50_000, size=8)]
 
@@ -90,7 +91,8 @@ def test_loader_state_names_its_order_and_an_old_state_means_affine(tmp_path):
         return build_train_loader(ds, 2, 4, 0, 1, seed=3, num_workers=0, pin_memory=False)
 
     fresh = loader()
-    data = {str(tmp_path): {"shards": 1, "tokens": 40 * 8 + 1}}  # what the windows are read from
+    marks = hashlib.blake2b(Shard(tmp_path / "d.bin").fingerprint.encode(), digest_size=16).hexdigest()
+    data = {str(tmp_path): {"shards": 1, "tokens": 40 * 8 + 1, "fingerprint": marks}}  # what the windows are read from
     assert fresh.state_dict() == {"batches_read": 0, "order": FEISTEL, "data": data}
     old = loader()
     old.load_state_dict({"batches_read": 2})  # a checkpoint from before the Feistel order

@@ -67,18 +67,38 @@ def test_a_full_dump_folder_is_one_line(tmp_path, corpus, free_pages):
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
-def test_a_full_disk_at_the_first_save_says_the_size_not_which_checkpoints_to_remove(tmp_path):
-    """At the first save there is no earlier checkpoint to keep fewer of: the line says how large this
-    run's checkpoint is; later, what keep_latest_k can remove."""
+def full_disk_line(folder, steps_on_disk: list[int], keep_latest_k: int = 0) -> str:
+    """The line a save of step 8 that met a full disk ends with, `steps_on_disk` complete in `folder`."""
     import errno
 
-    from titanlike.checkpoint.folder import failure_cause
+    from titanlike.checkpoint.folder import StepFolders
+    from titanlike.checkpoint.writer import CheckpointError, StepWriter
 
-    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "step-2.tmp"))
-    first = failure_cause(full, str(tmp_path), 0, 123.4, first=True)
-    assert "this run's checkpoint takes about 123 MB" in first and "keep_latest_k" not in first
-    later = failure_cause(full, str(tmp_path), 0, 123.4)
-    assert "a checkpoint takes 123 MB" in later and "--checkpoint.keep_latest_k 2" in later
+    for step in steps_on_disk:
+        (folder / f"step-{step}").mkdir(parents=True)
+        (folder / f"step-{step}" / "weights").write_bytes(b"\0" * 3 * 2**20)
+    writer = StepWriter(StepFolders(str(folder), True), keep_latest_k=keep_latest_k, pinned=False, rank=0, world=1,
+                        group=None, save_group=None, cuda=False, eight_bit=False)
+    writer.estimate_mb = 123.4
+    with pytest.raises(CheckpointError) as e:
+        writer._fail(8, OSError(errno.ENOSPC, "No space left on device", str(folder / "step-8.tmp")))
+    return str(e.value)
+
+
+def test_a_full_disk_advises_keep_latest_k_only_where_it_frees_a_checkpoint(tmp_path):
+    """At the first save there is no checkpoint to keep fewer of: the line gives this run's checkpoint size. With one
+    on disk, keep_latest_k 2 would delete nothing (it advised it): the line gives the room a save needs. Only with
+    more than one on disk (and keep_latest_k 0 or above 2) does it say what keep_latest_k 2 deletes."""
+    first = full_disk_line(tmp_path / "none", [])
+    assert "this run's checkpoint takes about 123 MB" in first and "keep_latest_k" not in first, first
+    one = full_disk_line(tmp_path / "one", [4])
+    assert "a checkpoint takes 3 MB and a save needs room for one more beside the newest" in one, one
+    assert "keep_latest_k" not in one and "step-4 is intact" in one, one
+    three = full_disk_line(tmp_path / "three", [2, 4, 6])
+    assert "keep fewer with --checkpoint.keep_latest_k 2 (a save then deletes all but the newest: 2 of the 3 " \
+           "here)" in three, three
+    two_kept = full_disk_line(tmp_path / "two", [4, 6], keep_latest_k=2)  # it already keeps no more than that
+    assert "keep_latest_k" not in two_kept, two_kept
 
 
 def test_a_save_knows_about_how_large_it_is():

@@ -429,6 +429,26 @@ def test_overwrite_refuses_files_no_export_of_ours_vouches_for(tmp_path):
     assert elsewhere.read_text() == "the user's shared file"
 
 
+def test_an_export_cut_short_before_its_record_is_said_to_be_one(tmp_path):
+    """An export killed while its files moved in leaves them without titanlike-export.json (written last). --overwrite
+    still refuses them (they cannot be told from files of the user's), but the line said only that no record named
+    them: it now says the folder has no record, what an export cut short looks like, and what to do."""
+    from titanlike.hf.export import EXPORT_RECORD, main
+
+    synthetic_checkpoint(tmp_path / "step-1")
+    out = tmp_path / "hf"
+    assert call(main, str(tmp_path / "step-1"), str(out), "--dtype", "fp32")[0] == 0
+    (out / EXPORT_RECORD).unlink()  # as a kill after the files moved in, before the record
+    before = snapshot(out)
+    rc, err = call(main, str(tmp_path / "step-1"), str(out), "--dtype", "fp32", "--overwrite")
+    line, = error_lines(err)
+    assert rc == 2 and "model.safetensors (no export's record names it)" in line, line
+    assert line.endswith(f"; {out} has no {EXPORT_RECORD}, which an export writes last: if these are an export that "
+                         f"was cut short, delete them and export again; if they are yours, move them away or export "
+                         f"into another folder (nothing was changed)"), line
+    assert snapshot(out) == before
+
+
 def test_a_disk_that_fills_up_keeps_the_earlier_export_whole(tmp_path, monkeypatch):
     """The export is written whole before any file of the earlier one is replaced: when the disk fills up
     (safetensors' own error, naming the OS's) --overwrite stops in one line and the earlier export is as it

@@ -140,6 +140,32 @@ def test_every_load_checks_the_checksums(trained_run, tmp_path, corpus):
     assert steps_in(dump / "checkpoint") == ["step-2", "step-4", "step-4.damaged", "step-6"]
 
 
+@pytest.mark.parametrize("put", ["link to a copy", "folder", "nothing"])
+def test_a_file_of_a_step_that_is_not_the_saved_file_is_named_for_what_it_is(tmp_path, put):
+    """A step's shard replaced by a link to a copy of its own bytes (or a folder) was reported "is missing"; the
+    line now says what is there. A missing file is still "missing"."""
+    from conftest import seal
+    from titanlike.checkpoint.manifest import inspect
+
+    step = tmp_path / "step-2"
+    step.mkdir()
+    for name in (".metadata", "trainer_state.json", "model_args.json", "__0_0.distcp"):
+        (step / name).write_bytes(name.encode() * 100)
+    seal(str(step), 2)
+    shard = step / "__0_0.distcp"
+    copy = tmp_path / "copy.distcp"
+    shutil.copyfile(shard, copy)
+    shard.unlink()
+    if put == "link to a copy":
+        shard.symlink_to(copy)
+    elif put == "folder":
+        shard.mkdir()
+    said = {"link to a copy": "is a symbolic link, where the save wrote a file",
+            "folder": "is a folder, where the save wrote a file", "nothing": "is missing"}[put]
+    finding = inspect(str(step))
+    assert (finding.kind, finding.problem) == ("damaged", f"{shard} {said}")
+
+
 def test_a_step_without_manifest_and_trainer_state_is_damaged(trained_run, tmp_path, corpus):
     """Advice to resume with another batch size looped; such a step is damaged and the run falls back."""
     dump = copy_run(trained_run, tmp_path / "run")

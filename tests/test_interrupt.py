@@ -123,6 +123,33 @@ def test_sigterm_to_the_process_group_saves_with_loader_workers(tmp_path, corpus
     assert complete_checkpoints(dump) == [step] and step >= 3
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_a_preemption_while_the_run_builds_is_one_line(tmp_path, corpus, monkeypatch, sig):
+    """SIGTERM (a scheduler's preemption, `timeout`) before the training loop ended the run by the signal's default
+    action: exit 143, not a word. Now one line says nothing was saved, with the same exit code. In this process:
+    the signal comes from the build itself (the trainer stands in), once the run has taken it over."""
+    from conftest import train_here
+
+    def build(cfg):
+        # Before: the default action, which would end this test process too.
+        assert signal.getsignal(sig) not in (signal.SIG_DFL, signal.SIG_IGN), "the build is deaf to a preemption"
+        os.kill(os.getpid(), sig)
+        time.sleep(5)  # the handler runs before this ends
+        raise AssertionError("the signal did not stop the build")
+
+    monkeypatch.setattr("titanlike.train.Trainer", build)
+    previous = signal.signal(sig, signal.SIG_DFL)  # as a run starts (a test runner may have its own)
+    try:
+        proc = train_here(tmp_path / "run", "--training.steps", "2", corpus=corpus, check=False)
+    finally:
+        signal.signal(sig, previous)
+    assert proc.returncode == 128 + sig, proc.stderr[-3000:]
+    assert proc.stderr.rstrip().splitlines()[-1] == (
+        f"preempted before training started ({signal.Signals(sig).name}): nothing saved; run the same command to "
+        f"start again"), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_a_run_started_with_it_ignored_even_while_it_builds(tmp_path, corpus):
     """A script's `./run_train.sh … &` starts the run with SIGINT ignored, which Python keeps: a Ctrl-C

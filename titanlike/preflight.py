@@ -45,6 +45,7 @@ def check(cfg: JobConfig, world_size: int) -> ResolvedRun:
     shape, sources, folders) they were made on."""
     from titanlike import overrides
     from titanlike.config.host import runs_on_cpu
+    from titanlike.data.recorded import check_against_record
     from titanlike.data.shards import open_shards
     from titanlike.plan.estimate import cpu_host_problem
 
@@ -60,11 +61,11 @@ def check(cfg: JobConfig, world_size: int) -> ResolvedRun:
     # Shard headers only: cheap, and catches wrong files before any GPU is touched. Each must hold a
     # sample of the longest stage's length (data.seq_len, or a long-context stage's).
     seq_len = run.stages.longest
-    if run.schedule.mixed:
-        for s in run.schedule.sources:
-            open_shards(s.splits()[0], seq_len, limit, source, f"data source {s.name}")
-    elif not run.builtin_corpus:
-        open_shards(cfg.data.path, seq_len, limit, source, "data.path")
+    # And the shards a dataset.json records: by name and token count (their contents are the run's to read).
+    paths = ([(s.splits()[0], f"data source {s.name}") for s in run.schedule.sources] if run.schedule.mixed else
+             [] if run.builtin_corpus else [(cfg.data.path, "data.path")])
+    for path, what in paths:
+        check_against_record(open_shards(path, seq_len, limit, source, what), path, contents=False)
     if cfg.metrics.enable_wandb:
         from titanlike.records.wandb_sink import check_installed
 

@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     trainer = cfg = None
     argv = list(sys.argv[1:] if argv is None else argv)
     publish = True  # whether every rank reaches the end together (a failure of one rank alone: no)
+    build_stops = stopping.BuildStops()
+    build_stops.install()  # a preemption before the loop: one line, not a silent death
     try:
         if any(a in ("-h", "--help") for a in argv):
             if rank == 0:  # run_train.sh under torchrun runs this with its own name; else titanlike-train was typed
@@ -63,6 +65,12 @@ def main(argv: list[str] | None = None) -> int:
             say("interrupted before training started: nothing saved")
         publish = world == 1
         return stopping.EXIT_CODE[stopping.INTERRUPTED]
+    except stopping.StoppedWhileBuilding as e:
+        # SIGTERM (a scheduler's preemption, `timeout`), SIGUSR1 or SIGHUP before the loop: nothing trained to save.
+        if rank == 0:
+            say(e.line())
+        publish = world == 1
+        return 128 + e.signum
     except UserError as e:
         publish = world == 1 or e.same_on_all_ranks
         return error_exit(e) if rank == 0 or not e.same_on_all_ranks else EXIT_CODE
@@ -77,13 +85,17 @@ def main(argv: list[str] | None = None) -> int:
         publish = world == 1
         raise
     finally:
-        if trainer is not None:
-            try:
-                trainer.close(publish=publish)
-            except UserError as e:  # publishing the save in flight failed: say so, after the first error
-                say(f"error: {e}")
-        if dist.is_initialized():
-            parallel.destroy_process_group()
+        build_stops.building = False
+        try:
+            if trainer is not None:
+                try:
+                    trainer.close(publish=publish)
+                except UserError as e:  # publishing the save in flight failed: say so, after the first error
+                    say(f"error: {e}")
+            if dist.is_initialized():
+                parallel.destroy_process_group()
+        finally:
+            build_stops.end()  # after the trainer's StopSignals.restore, which puts ours back
 
 
 def cli() -> None:

@@ -71,11 +71,11 @@ class StepFolders:
 
 
 def failure_cause(e: BaseException, folder: str, keep_latest_k: int, checkpoint_mb: float,
-                  first: bool = False) -> str:
+                  on_disk: int = 0) -> str:
     """One readable cause of a failed save: the OSError's text and path where there is one, else what
     the file system says (free space, the file size limit), else the first line of the error, with
-    its type named. `checkpoint_mb`: the newest complete step's size, or (`first`: there is none) an
-    estimate of this one's."""
+    its type named. `on_disk`: the complete checkpoints in the folder besides the one being saved;
+    `checkpoint_mb`: the newest one's size, or (none on disk) an estimate of this one's."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     free_mb = shutil.disk_usage(folder).free / 2**20 if os.path.isdir(folder) else float("inf")
@@ -91,14 +91,16 @@ def failure_cause(e: BaseException, folder: str, keep_latest_k: int, checkpoint_
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     if (os_error and os_error.errno == errno.ENOSPC) or any("No space left" in str(x) for x in errors) or free_mb < 64:
         # A save keeps the newest complete checkpoint until the new one is whole: two on disk at the
-        # peak whatever keep_latest_k is, so only a k above 2 (or 0, keep all) can be lowered to help.
-        if first:  # nothing to remove yet: only the size can help the user plan
+        # peak whatever keep_latest_k is. keep_latest_k 2 deletes all but the newest before a save, so it
+        # frees something only where more than one is on disk (and k is 0, keep all, or above 2).
+        if not on_disk:  # nothing to remove yet: only the size can help the user plan
             need = f"; this run's checkpoint takes about {checkpoint_mb:.0f} MB" if checkpoint_mb else ""
         else:
             need = f"; a checkpoint takes {checkpoint_mb:.0f} MB and a save needs room for one more beside the " \
                 f"newest" if checkpoint_mb else ""
-        advice = ("keep fewer with --checkpoint.keep_latest_k 2, " if not first and (keep_latest_k == 0 or
-                                                                                   keep_latest_k > 2) else "")
+        frees = on_disk > 1 and (keep_latest_k == 0 or keep_latest_k > 2)
+        advice = (f"keep fewer with --checkpoint.keep_latest_k 2 (a save then deletes all but the newest: "
+                  f"{on_disk - 1} of the {on_disk} here), " if frees else "")
         return (f"No space left on device: {free_mb:.0f} MB free{need}; {advice}free space, or point "
                 f"--checkpoint.folder at a larger disk")
     size_limit = (f"this process may write files of at most {limit / 2**20:.0f} MB (ulimit -f); raise the limit"

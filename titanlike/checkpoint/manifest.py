@@ -3,7 +3,11 @@
 The manifest (manifest.json, written last at a save) lists every file with its size and CRC-32, and
 the SHA-256 of the small ones (the JSON files and DCP's `.metadata`), and is signed (HMAC-SHA256)
 with this user's key, ~/.config/titanlike/checkpoint-signing.key ($XDG_CONFIG_HOME honoured). A
-valid signature says titanlike wrote the folder on this account and nothing listed changed since.
+valid signature says titanlike wrote the folder on this account and nothing listed changed since: the
+small files (the .metadata pickle, the JSON records) against any edit, the large ones against
+accidents, by CRC-32. A cryptographic hash of those costs 7-18 % of a save at the least, against a
+bar of 2 % (docs/benchmarks/2026-12-02-checkpoint-hash-cost.md; docs/checkpointing.md says what
+that leaves to the folder's permissions).
 
 Why a gate: DCP's `.metadata` is a Python pickle, and unpickling runs code. `inspect` decides from
 the manifest and the file bytes alone, before anything is unpickled, whether a folder may be read:
@@ -158,8 +162,12 @@ def _check_file(folder: str, name: str, want: object) -> str | None:
     path = os.path.join(folder, name)
     if not isinstance(want, dict):
         return f"{path} has no size and checksum in the manifest"
-    if os.path.islink(path) or not os.path.isfile(path):
+    if os.path.islink(path):  # a save writes plain files: a link points wherever whoever made it chose
+        return f"{path} is a symbolic link, where the save wrote a file"
+    if not os.path.lexists(path):
         return f"{path} is missing"
+    if not os.path.isfile(path):
+        return f"{path} is {fs.kind_of(os.stat(path).st_mode)}, where the save wrote a file"
     size = os.path.getsize(path)
     if size != want.get("size"):
         return f"{path} has {size} bytes, the manifest says {want.get('size')}"

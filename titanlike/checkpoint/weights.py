@@ -8,6 +8,7 @@ nothing of a folder is unpickled before its manifest and bytes pass.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import warnings
@@ -178,15 +179,30 @@ def check_tokenizer(path: str, run_files: dict[str, str]) -> None:
     if ours is None or not os.path.isfile(saved) or fs.read_text(saved, "the checkpoint's tokenizer") == ours:
         return
 
-    def kind(info: str) -> str:  # tokenizer_info.json's kind: byte, or huggingface
-        try:
-            return str(json.loads(info).get("kind", "unknown"))
-        except (ValueError, AttributeError):
-            return "unknown"
-
     info = os.path.join(path, "tokenizer_info.json")
-    theirs = kind(fs.read_text(info, "the checkpoint's record")) if os.path.isfile(info) else "unknown"
+    texts = {"theirs": fs.read_text(saved, "the checkpoint's tokenizer"), "here": ours}
+    words = {"theirs": _tokenizer_words(fs.read_text(info, "the checkpoint's record") if os.path.isfile(info) else ""),
+             "here": _tokenizer_words(run_files.get("tokenizer_info.json", ""))}
+    if words["theirs"] == words["here"]:  # two of one kind (and one dataset.json): told apart by their files
+        words = {k: f"{w} (tokenizer.json {_digest(texts[k])})" for k, w in words.items()}
     raise CheckpointMismatch(
-        f"{path} was trained with another tokenizer ({theirs}) than the run's data have "
-        f"({kind(run_files.get('tokenizer_info.json', ''))}): each token id would mean other text; resume with the "
-        f"data it trained on, or start a new run from these weights with --checkpoint.initial_load_path {path}")
+        f"{path} was trained with {words['theirs']}, but the run's data were made with {words['here']}: each token "
+        f"id would mean other text; resume with the data it trained on, or start a new run from these weights with "
+        f"--checkpoint.initial_load_path {path}")
+
+
+def _tokenizer_words(info: str) -> str:
+    """A tokenizer in words, from its tokenizer_info.json: its kind, and the dataset.json it came with."""
+    try:
+        record = json.loads(info)
+        kind, dataset = str(record.get("kind", "unknown")), record.get("dataset")
+    except (ValueError, AttributeError):
+        kind, dataset = "unknown", None
+    if kind == "byte":
+        return "the byte tokenizer"
+    what = "a Hugging Face tokenizer" if kind == "huggingface" else "a tokenizer of unknown kind"
+    return f"{what} from {dataset}" if isinstance(dataset, str) and dataset else what
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]

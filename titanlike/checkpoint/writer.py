@@ -185,7 +185,7 @@ class StepWriter:
         kept = (f"the previous checkpoint {self.steps.step_dir(previous[-1])} is intact" if previous
                 else "no earlier checkpoint exists")
         size = self.steps.size_mb(previous[-1]) if previous else self.estimate_mb
-        cause = failure_cause(e, self.steps.folder, self.keep_latest_k, size, first=not previous)
+        cause = failure_cause(e, self.steps.folder, self.keep_latest_k, size, on_disk=len(previous))
         raise CheckpointError(f"saving the checkpoint of step {step} to {self.steps.folder} failed: {cause}; "
                               f"{kept}") from None
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeGuard
 
 from titanlike import fs
 from titanlike.config.sources import DataSchedule, Source
@@ -52,6 +53,12 @@ class DatasetInfo:
     bos_id: int | None = None
     eos_id: int | None = None
     """The end-of-document id: what separates documents in the shards."""
+    shards: dict[str, tuple[int, str]] | None = field(default=None, compare=False)
+    """Each shard titanlike-prepare wrote: its path under the dataset's folder ("train/shard-00000.bin") →
+    its token count and fingerprint (data/shards.py). None: a dataset.json from before they were recorded."""
+    split_tokens: dict[str, tuple[int, int]] = field(default_factory=dict, compare=False)
+    """Each split's (tokens, shards) as titanlike-prepare recorded them: what an earlier dataset.json,
+    without `shards`, says of its shards."""
 
     @property
     def folder(self) -> str:
@@ -74,6 +81,37 @@ def _optional_int(record: dict, key: str, where: str) -> int | None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
         raise DatasetError(f"{where}: {key} is {value!r}, not a token id")
     return value
+
+
+def _count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _shard_records(record: dict, where: str, again: str) -> dict[str, tuple[int, str]] | None:
+    """dataset.json's "shards": path under its folder → {"tokens": n, "fingerprint": hex} (None if absent)."""
+    shards = record.get("shards")
+    if shards is None:
+        return None
+    if not isinstance(shards, dict):
+        raise DatasetError(f"{where}: \"shards\" is {type(shards).__name__}, not an object of shards; {again}")
+    out = {}
+    for name, entry in shards.items():
+        tokens, mark = (entry.get("tokens"), entry.get("fingerprint")) if isinstance(entry, dict) else (None, None)
+        if not _count(tokens) or not isinstance(mark, str):
+            raise DatasetError(f"{where}: its \"shards\" entry {name!r} is not a shard's token count and fingerprint; "
+                               f"{again}")
+        out[name] = (tokens, mark)
+    return out
+
+
+def _split_tokens(record: dict) -> dict[str, tuple[int, int]]:
+    """dataset.json's "splits": each split's (tokens, shards) where both are counts."""
+    splits = record.get("splits")
+    out = {}
+    for name, entry in splits.items() if isinstance(splits, dict) else []:
+        if isinstance(entry, dict) and _count(entry.get("tokens")) and _count(entry.get("shards")):
+            out[name] = (entry["tokens"], entry["shards"])
+    return out
 
 
 def parse(record: object, where: str) -> DatasetInfo:
@@ -104,7 +142,8 @@ def parse(record: object, where: str) -> DatasetInfo:
         raise DatasetError(f"{where}: the tokenizer's bos_token and eos_token must be strings")
     info = DatasetInfo(path=where, vocab_size=vocab, tokenizer_kind=kind, tokenizer_file=file,
                        bos_token=tokens["bos_token"], eos_token=tokens["eos_token"],
-                       bos_id=_optional_int(record, "bos_id", where), eos_id=_optional_int(record, "eos_id", where))
+                       bos_id=_optional_int(record, "bos_id", where), eos_id=_optional_int(record, "eos_id", where),
+                       shards=_shard_records(record, where, again), split_tokens=_split_tokens(record))
     for key in ("bos_id", "eos_id"):
         value = getattr(info, key)
         if value is not None and value >= vocab:

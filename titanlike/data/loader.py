@@ -14,6 +14,7 @@ manager saves.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from collections.abc import Iterator, Sequence
@@ -25,6 +26,7 @@ import torch
 from titanlike import cache
 from titanlike.data.corpus import build_default_corpus
 from titanlike.data.order import AFFINE, ORDERS
+from titanlike.data.recorded import check_against_record
 from titanlike.data.shards import DataError, Shard, ShardFault, id_advice, open_shards
 from titanlike.process import lifeline
 
@@ -47,11 +49,13 @@ class TokenWindows(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
-    def identity(self) -> dict[str, dict[str, int]]:
-        """What the windows are read from, cheaply told apart from data made again in place: the shards'
-        folder → its shard count and tokens (a folder: prepare may make it again with another count)."""
+    def identity(self) -> dict[str, dict]:
+        """What the windows are read from, cheaply told apart from data made again, changed or reordered in
+        place: the shards' folder → its shard count, tokens and fingerprint (of the shards' fingerprints, in
+        the order they are read: shards.py says what one reads)."""
         where = os.path.commonpath([os.path.dirname(s.path) for s in self.shards]) if self.shards else ""
-        return {where: {"shards": len(self.shards), "tokens": sum(s.count for s in self.shards)}}
+        marks = hashlib.blake2b("".join(s.fingerprint for s in self.shards).encode(), digest_size=16).hexdigest()
+        return {where: {"shards": len(self.shards), "tokens": sum(s.count for s in self.shards), "fingerprint": marks}}
 
     def __getitem__(self, index: int) -> torch.Tensor:
         shard = int(np.searchsorted(self.offsets, index, side="right")) - 1
@@ -81,7 +85,7 @@ class MixedWindows(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
-    def identity(self) -> dict[str, dict[str, int]]:
+    def identity(self) -> dict[str, dict]:
         return {k: v for part in self.parts for k, v in part.identity().items()}
 
     def __getitem__(self, index: int) -> torch.Tensor:
@@ -169,17 +173,23 @@ def validation_batches(dataset: TokenWindows, local_batch: int, dp_rank: int, dp
         yield torch.stack([dataset[(base + j) % len(dataset)] for j in range(local_batch)])
 
 
-def data_changes(saved: object, now: dict[str, dict[str, int]]) -> str:
+def data_changes(saved: object, now: dict[str, dict]) -> str:
     """What differs between a checkpoint's data identity and the data's now, in words ("" = nothing; a
-    checkpoint saved before identities were recorded says nothing)."""
+    checkpoint saved before identities were recorded says nothing, and one saved before they held a
+    fingerprint is compared by its counts)."""
     if not isinstance(saved, dict):
         return ""
     out = []
     for where, was in saved.items():
         have = now.get(where)
-        if not isinstance(was, dict) or have is None or was == have:
+        if not isinstance(was, dict) or have is None:
             continue  # a source no longer read is a config change, which the resume says itself
-        out.append(f"{where}: {was.get('tokens', 0):,} → {have['tokens']:,} tokens in {was.get('shards', 0)} → "
+        counted = (was.get("tokens"), was.get("shards")) == (have["tokens"], have["shards"])
+        if counted and was.get("fingerprint", have["fingerprint"]) == have["fingerprint"]:
+            continue
+        out.append(f"{where}: the same {have['tokens']:,} tokens in {have['shards']} shard(s), other contents or "
+                   f"another order of them" if counted else
+                   f"{where}: {was.get('tokens', 0):,} → {have['tokens']:,} tokens in {was.get('shards', 0)} → "
                    f"{have['shards']} shard(s)")
     return "; ".join(out)
 
@@ -244,8 +254,8 @@ class TrainLoader:
         ahead, but always in this order)."""
         return self.sampler.positions(self.batches_read, self._micro)
 
-    def identity(self) -> dict[str, dict[str, int]]:
-        """Each source's shard count and tokens (TokenWindows.identity), over every stage's windows."""
+    def identity(self) -> dict[str, dict]:
+        """Each source's shard count, tokens and fingerprint (TokenWindows.identity), over every stage's windows."""
         return {k: v for dataset, _ in self.parts for k, v in getattr(dataset, "identity", dict)().items()}
 
     def state_dict(self) -> dict:
@@ -319,4 +329,8 @@ def open_dataset(path: str, seq_len: int, vocab_size: int, what: str, tokenizer:
     tokenizer's size and the padded vocabulary is no token the tokenizer made."""
     limit, source = (tokenizer[0], f"its tokenizer ({tokenizer[1]})") if tokenizer else (vocab_size,
                                                                                       "the model's vocabulary")
-    return TokenWindows(open_shards(path, seq_len, limit, source, what), seq_len, limit, source)
+    shards = open_shards(path, seq_len, limit, source, what)
+    check_against_record(shards, path, contents=True)  # the shards its dataset.json records, if it has one
+    windows = TokenWindows(shards, seq_len, limit, source)
+    windows.identity()  # every shard's fingerprint read now (32 KiB each), not at the first save
+    return windows

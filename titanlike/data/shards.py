@@ -11,10 +11,17 @@ it, where a memory map would die with SIGBUS):
     16      8     token count (uint64)
     24      8     largest token id in the shard (uint64), so a vocabulary check is O(1)
     32      ...   the tokens
+
+A shard's fingerprint (`fingerprint`) tells it from other data cheaply: a hash of its size and of
+FINGERPRINT_BLOCKS blocks of FINGERPRINT_BYTES spread evenly over the file, first and last included
+(the whole file when it is smaller). titanlike-prepare records it in dataset.json, and a run's data
+position carries it, so that data replaced or reordered in place is seen without reading every byte
+of a corpus at each start (docs/data.md says what it does not see).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import struct
@@ -28,6 +35,7 @@ from titanlike import fs
 from titanlike.errors import UserError
 
 MAGIC = b"TLSHARD\0"
+FINGERPRINT_BLOCKS, FINGERPRINT_BYTES = 8, 4096
 VERSION = 1
 HEADER = struct.Struct("<8sIIQQ")  # magic, version, bytes/token, count, max token id
 assert HEADER.size == 32
@@ -41,6 +49,29 @@ class ShardFault(DataError):
     """Found by one rank while reading during training (the others may never see it): it reports itself."""
 
     same_on_all_ranks = False
+
+
+def fingerprint(fd: int, size: int) -> str:
+    """A shard file's fingerprint, read from `fd` (`size` bytes): the hash of its size and of
+    FINGERPRINT_BLOCKS blocks spread evenly over it, first and last included: 32 KiB read, whatever the
+    shard's size (a whole-file hash of a corpus of terabytes would take minutes at every start)."""
+    digest = hashlib.blake2b(size.to_bytes(8, "little"), digest_size=16)
+    if size <= FINGERPRINT_BLOCKS * FINGERPRINT_BYTES:
+        starts: list[int] = list(range(0, size, FINGERPRINT_BYTES))
+    else:
+        last = size - FINGERPRINT_BYTES
+        starts = [last * i // (FINGERPRINT_BLOCKS - 1) for i in range(FINGERPRINT_BLOCKS)]
+    for start in starts:
+        digest.update(os.pread(fd, FINGERPRINT_BYTES, start))
+    return digest.hexdigest()
+
+
+def fingerprint_file(path: str) -> str:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        return fingerprint(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -62,6 +93,7 @@ class ShardWriter:
         self.folder, self.shard_tokens, self.dtype, self.name = os.fspath(folder), shard_tokens, np.dtype(dtype), name
         self.file: BinaryIO | None = None  # the shard being written
         self.index = self.count = self.max_id = self.total = self.documents = 0
+        self.written: list[tuple[str, int, str]] = []  # each shard's file name, token count and fingerprint
 
     def _path(self) -> str:
         return os.path.join(self.folder, self.name(self.index))
@@ -79,6 +111,7 @@ class ShardWriter:
         self.file.write(HEADER.pack(MAGIC, VERSION, self.dtype.itemsize, self.count, self.max_id))
         self.file.close()
         os.replace(self._path() + ".tmp", self._path())
+        self.written.append((os.path.basename(self._path()), self.count, fingerprint_file(self._path())))
         self.file, self.index = None, self.index + 1
 
     def add(self, tokens: np.ndarray) -> None:
@@ -142,10 +175,21 @@ class Shard:
             )
         if width == 2 and max_id >= 2**16:
             raise DataError(f"{self.path}: largest token id {max_id} does not fit the shard's uint16 tokens")
-        self.count, self.max_id = count, max_id
+        self.count, self.max_id, self.size = count, max_id, size
         self.dtype = np.dtype(np.uint16 if width == 2 else np.uint32)
         self._fd: int | None = None
         self._fd_pid = -1
+        self._fingerprint: str | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        """The shard's fingerprint (module docstring), read once."""
+        if self._fingerprint is None:
+            try:
+                self._fingerprint = fingerprint_file(self.path)
+            except OSError as e:
+                raise DataError(f"cannot read token shard {self.path}: {e.strerror}") from None
+        return self._fingerprint
 
     def read(self, start: int, n: int) -> np.ndarray:
         """Tokens [start, start + n), by pread rather than a memory map: a file that shrinks while the

@@ -171,8 +171,13 @@ def earlier_export(out_dir: str, overwrite: bool, staging: str | None = None) ->
         elif describe_files(out_dir, [name])[name] != vouched[name]:
             foreign.append(f"{name} (changed since the export)")
     if foreign:
+        # Without a record at all they may be an export cut short before it wrote its record (a kill while the files
+        # moved in): nothing tells those from files of the user's, so say both, and what to do about each.
+        fix = (f"{out_dir} has no {EXPORT_RECORD}, which an export writes last: if these are an export that was cut "
+               f"short, delete them and export again; if they are yours, move them away or export into another "
+               f"folder" if EXPORT_RECORD not in names else "move them away or export into another folder")
         raise UserError(f"--overwrite removes only an earlier export's own files, and these in {out_dir} are not: "
-                        f"{', '.join(foreign)}; move them away or export into another folder (nothing was changed)")
+                        f"{', '.join(foreign)}; {fix} (nothing was changed)")
     return ours
 
 

@@ -5,6 +5,8 @@
     SIGHUP (a closed terminal or ssh session)
     SIGINT (Ctrl-C)        the same, but report the interruption                      130
     a second SIGINT        stop at once: no save (the step in flight is lost)         130 (killed by SIGINT)
+    any of them before     stop the build: nothing trained, nothing saved; one line   128 + signal (130 for
+    the training loop                                                                SIGINT, 143 SIGTERM)
 
 Schedulers preempt with SIGTERM or SIGUSR1 and requeue the same command, which resumes: exit 0.
 Ctrl-C exits 130 as any interrupted command does (128 + SIGINT), yet keeps what was trained. The
@@ -69,6 +71,50 @@ class StopSignals:
                             f"once)\n".encode())
             except OSError:  # stderr gone (Ctrl-C on `… | tee log` ends tee first): the run still saves
                 pass
+
+
+class StoppedWhileBuilding(BaseException):
+    """A preemption signal before the training loop took the stop signals over: nothing was trained, so
+    nothing is saved. A BaseException, as KeyboardInterrupt is, so that no `except Exception` of the
+    build swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    def line(self) -> str:
+        return (f"preempted before training started ({signal.Signals(self.signum).name}): nothing saved; run the "
+                f"same command to start again")
+
+
+class BuildStops:
+    """While the run is built (config, model, compile, data, a checkpoint's load), a preemption signal ends
+    it with one line (train.main's) instead of its default action, which killed the process without a
+    word. The loop's StopSignals take over from there. Only signals at their default action are taken: one
+    that nohup set to ignore stays ignored. `end()` gives the signals their default action back: one that
+    comes while the run closes (publishing a save) ends it as it always did."""
+
+    def __init__(self) -> None:
+        self._previous: dict = {}
+        self.building = False
+
+    def install(self) -> None:
+        for sig in PREEMPTION_SIGNALS:
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                self._previous[sig] = signal.signal(sig, self._stop)
+        self.building = True
+
+    def _stop(self, signum, frame) -> None:
+        if self.building:
+            raise StoppedWhileBuilding(signum)
+        # Reinstalled behind the loop's handlers (StopSignals.restore) once the build is over: the default action.
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    def end(self) -> None:
+        self.building = False
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def stopped_line(request: int, step: int, checkpoint: str) -> str:

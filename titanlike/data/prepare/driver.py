@@ -166,6 +166,9 @@ def _write(tmp: str, files: list[str], file_source: list[int], file_field: list[
         "empty_documents_dropped": empty,
         "splits": {name: {"tokens": w.total, "documents": w.documents, "shards": w.index}
                    for name, w in splits.items()},
+        # Each shard's tokens and fingerprint (data/shards.py): a run refuses a shard that is not the one written here.
+        "shards": {f"{name}/{file}": {"tokens": count, "fingerprint": mark}
+                   for name, w in splits.items() for file, count, mark in w.written},
         "val_fraction": val_fraction,
         "val_documents": VAL_DOCUMENTS,
         "inputs": [os.path.abspath(i) for i in inputs],
