@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+from collections.abc import Iterator
 from typing import NoReturn
 
 
@@ -35,3 +38,45 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(2)
+
+
+class Stopped(BaseException):
+    """A stop signal (SIGTERM, SIGHUP) arrived while a command ran: a BaseException, as KeyboardInterrupt, so
+    that no handler keeps it and every `finally` on the way out runs (a staging folder is removed)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame) -> None:
+    raise Stopped(signum)
+
+
+# What a scheduler or `kill` sends (SIGTERM) and what a closed terminal sends (SIGHUP); SIGINT is Ctrl-C.
+STOPS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+@contextlib.contextmanager
+def stops_unwind() -> Iterator[None]:
+    """While the body runs, SIGTERM and SIGHUP raise Stopped and SIGINT KeyboardInterrupt, also where the
+    process started with SIGINT ignored (every `cmd &` of a script starts it so, and Python leaves it ignored):
+    the command unwinds, where the default action would end it at once with no line and leave its partial
+    output. A stop signal the process started ignoring stays ignored (`nohup` ignores SIGHUP so that a closed
+    terminal does not end the command). The handlers before are put back after."""
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in STOPS if signal.getsignal(sig) == signal.SIG_DFL}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def stopped_exit(error: BaseException, what_is_left: str) -> int:
+    """How a command stopped by a signal ends: one line saying which signal and `what_is_left` ("nothing was
+    written"), exit code 128 + the signal, as the shell reports a process the signal ended."""
+    signum = error.signum if isinstance(error, Stopped) else signal.SIGINT
+    name = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    print(f"error: {name}; {what_is_left}", file=sys.stderr)
+    return 128 + signum

@@ -37,7 +37,7 @@ import tempfile
 from pathlib import Path
 
 from titanlike import fs
-from titanlike.errors import ArgumentParser, UserError, error_exit
+from titanlike.errors import ArgumentParser, Stopped, UserError, error_exit, stopped_exit, stops_unwind
 from titanlike.model.shape import round_vocab
 
 DTYPES = ("bf16", "fp32")
@@ -347,10 +347,13 @@ def main(argv: list[str] | None = None) -> int:
         if not value:
             p.error(f"the {what} is empty: give a path")
     try:
-        files, arch = export(a.checkpoint, a.out, a.dtype, a.tokenizer, a.trust_pickled_dcp, a.overwrite,
-                             a.allow_nonfinite)
+        with stops_unwind():  # a stop removes the staging folder on its way out; an earlier export stays whole
+            files, arch = export(a.checkpoint, a.out, a.dtype, a.tokenizer, a.trust_pickled_dcp, a.overwrite,
+                                 a.allow_nonfinite)
     except UserError as e:
         return error_exit(e)
+    except (KeyboardInterrupt, Stopped) as e:
+        return stopped_exit(e, f"nothing was written to {a.out}")
     print(f"exported {a.checkpoint} to {a.out} ({a.dtype}, {arch}): {', '.join(files)}")
     note = inference_note(a.out)
     if note:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from titanlike import fs
-from titanlike.errors import ArgumentParser, UserError, error_exit
+from titanlike.errors import ArgumentParser, Stopped, UserError, error_exit, stopped_exit, stops_unwind
 from titanlike.model.decoder import Transformer
 
 # --temperature: logits divided by it must stay finite float32 numbers (1e-320 made them inf, 1e308 made the
@@ -258,15 +258,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()) else "cpu")
     try:
-        model, tok = load(a.source, a.tokenizer, device, a.trust_pickled_dcp)
-        prompt = ([tok.bos_id] if tok.bos_id is not None else [tok.eos_id]) + (
-            [int(i) for i in tok.encode_batch([a.prompt])[0]] if a.prompt else [])
-        room = model.args.max_seq_len - len(prompt)
-        if a.max_new_tokens > room:
-            raise UserError(f"--max-new-tokens {a.max_new_tokens}: the model's context is {model.args.max_seq_len} "
-                            f"tokens and the prompt takes {len(prompt)}; ask for {max(room, 0)} or fewer")
+        with stops_unwind():  # Ctrl-C, SIGTERM or SIGHUP while it loads or samples: one line, not a traceback
+            return write_continuation(a, device)
     except UserError as e:
         return error_exit(e)
+    except (KeyboardInterrupt, Stopped) as e:
+        return stopped_exit(e, "nothing more was printed")
+
+
+def write_continuation(a: argparse.Namespace, device: torch.device) -> int:
+    """The text `a` asks for, from its source on `device`, on stdout; the speed on stderr."""
+    model, tok = load(a.source, a.tokenizer, device, a.trust_pickled_dcp)
+    prompt = ([tok.bos_id] if tok.bos_id is not None else [tok.eos_id]) + (
+        [int(i) for i in tok.encode_batch([a.prompt])[0]] if a.prompt else [])
+    room = model.args.max_seq_len - len(prompt)
+    if a.max_new_tokens > room:
+        raise UserError(f"--max-new-tokens {a.max_new_tokens}: the model's context is {model.args.max_seq_len} "
+                        f"tokens and the prompt takes {len(prompt)}; ask for {max(room, 0)} or fewer")
     gen = torch.Generator(device=device).manual_seed(a.seed)
     t0 = time.perf_counter()
     new = generate(model, prompt, a.max_new_tokens, a.temperature, a.top_k, tok.eos_id, gen, vocab_limit=tok.vocab_size)

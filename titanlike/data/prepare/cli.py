@@ -26,25 +26,11 @@ tokenizer into the Hugging Face folder. The shards are the same bytes for any --
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 
 from titanlike.data.prepare.driver import prepare
 from titanlike.data.prepare.readers import ALL_SUFFIXES, TEXT_FIELDS
-from titanlike.data.prepare.workers import STOP_SIGNALS
-from titanlike.errors import ArgumentParser, UserError, error_exit
-
-
-class Stopped(BaseException):
-    """A stop signal arrived while prepare ran (a BaseException, as KeyboardInterrupt: no handler keeps it)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _stop(signum: int, frame) -> None:
-    raise Stopped(signum)
+from titanlike.errors import ArgumentParser, Stopped, UserError, error_exit, stopped_exit, stops_unwind
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,24 +72,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error("OUT is empty: name the folder to write the dataset into")
     # SIGTERM (a scheduler, `kill`) or SIGHUP (a closed terminal) unwinds like Ctrl-C: the workers stop and
     # OUT.tmp-<pid> is removed, where the default action would end the process and leave both behind.
-    previous = {sig: signal.signal(sig, _stop) for sig in STOP_SIGNALS}
-    # Ctrl-C (or `kill -INT`) raises KeyboardInterrupt even where the process started with SIGINT ignored,
-    # as a background job of a script starts it, where Python would leave it ignored and prepare unstoppable.
-    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        info = prepare(a.out, a.inputs, a.tokenizer, a.workers, a.text_field or "", a.val_fraction, a.shard_tokens,
-                       a.overwrite, a.bos_token, a.eos_token, progress=sys.stderr.isatty())
+        with stops_unwind():
+            info = prepare(a.out, a.inputs, a.tokenizer, a.workers, a.text_field or "", a.val_fraction,
+                           a.shard_tokens, a.overwrite, a.bos_token, a.eos_token, progress=sys.stderr.isatty())
     except UserError as e:
         return error_exit(e)
-    except KeyboardInterrupt:
-        print("error: interrupted; nothing was written", file=sys.stderr)
-        return 130
-    except Stopped as e:
-        print(f"error: stopped by {signal.Signals(e.signum).name}; nothing was written", file=sys.stderr)
-        return 128 + e.signum
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    except (KeyboardInterrupt, Stopped) as e:
+        return stopped_exit(e, "nothing was written")
     tr, va = info["splits"]["train"], info["splits"]["val"]
     rate = (tr["tokens"] + va["tokens"]) / max(info["seconds"], 1e-9)
     dropped = f" ({info['empty_documents_dropped']:,} empty ones dropped)" if info["empty_documents_dropped"] else ""

@@ -18,12 +18,11 @@ import numpy as np
 
 from titanlike.data.prepare.readers import Chunk, read_chunk
 from titanlike.data.shards import token_dtype
+from titanlike.errors import STOPS as STOP_SIGNALS  # what stops titanlike-prepare besides Ctrl-C (cli.py cleans up)
 from titanlike.errors import UserError
 from titanlike.process import lifeline
 
 _tokenizer = None
-# Signals that stop titanlike-prepare (besides Ctrl-C): the main process cleans up on them (cli.py).
-STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
 
 
 # What a worker starts with held (blocked): Ctrl-C and the stop signals; where signals can be held (not Windows).
