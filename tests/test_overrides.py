@@ -43,6 +43,33 @@ def test_every_probe_passes_on_the_tested_torch_and_torchao(name):
     assert overrides.probe(name) is None
 
 
+def test_each_override_runs_the_probe_its_module_marks_and_an_unknown_name_fails_at_import():
+    """A probe is found by its mark (`@probe_for(name)`), not by a name composed at run time: each override's
+    module registers one, and a mark naming no override raises where it is written."""
+    for name in overrides.NAMES:
+        overrides.probe(name)
+    assert set(overrides._probes) == set(overrides.NAMES)
+    from titanlike.overrides import float8
+
+    assert overrides._probes["delayed_scaling"] is float8.probe_delayed_scaling
+    with pytest.raises(ValueError, match="no override is called 'delayed_scalling'"):
+        overrides.probe_for("delayed_scalling")
+
+
+def test_the_policys_matmul_ops_are_the_ones_this_torch_has(monkeypatch):
+    """Selective AC keys on float8's scaled mm where torch has it; a torch without it is no KeyError at
+    start-up (nothing can run float8 there), the plain mm is still kept."""
+    from titanlike.overrides import attention
+
+    assert attention.matmul_ops() == {torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default}
+
+    class Without:  # torch.ops.aten with no _scaled_mm
+        mm = torch.ops.aten.mm
+
+    monkeypatch.setattr(attention, "aten", Without())
+    assert attention.matmul_ops() == {torch.ops.aten.mm.default}
+
+
 def test_private_attention_ops_are_called_by_keyword_on_their_current_signatures():
     """cuDNN's and the CPU's fused attention and their backwards, by keyword on meta tensors: a renamed or
     reordered argument raises here."""
@@ -103,9 +130,8 @@ def test_a_version_outside_the_checked_ones_turns_an_override_off():
 def test_a_failed_probe_runs_stock_and_says_so_in_the_start_line(tmp_path, corpus, monkeypatch):
     """Delayed scaling whose torchao functions moved: the run trains with dynamic scaling, and the start
     line and the float8 line say so; nothing raises."""
-    from titanlike.overrides import float8
-
-    monkeypatch.setattr(float8, "probe_delayed_scaling", lambda: "torchao's amax_to_scale takes (x)")
+    overrides.probe("delayed_scaling")  # its module registered its probe
+    monkeypatch.setitem(overrides._probes, "delayed_scaling", lambda: "torchao's amax_to_scale takes (x)")
     monkeypatch.setattr(overrides, "_verdicts", {})
     proc = train_here(tmp_path, "--training.steps", "2", "--training.local_batch_size", "2", "--data.seq_len", "32",
                       "--fp8.recipe", "tensorwise", "--fp8.emulate", "--fp8.scaling", "delayed",

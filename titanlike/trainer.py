@@ -28,7 +28,7 @@ from titanlike.data.tokenizer import record_tokenizer, run_tokenizer_files
 from titanlike.float8 import Float8Converter
 from titanlike.hf.initial import load_initial_weights
 from titanlike.model.decoder import Transformer
-from titanlike.model.loss import build_loss, build_token_loss
+from titanlike.model.loss import build_loss
 from titanlike.model.shape import count_params, describe, flops_per_token
 from titanlike.optim import build_optimizer, build_scheduler, clip_and_step, update_rms
 from titanlike.plan.estimate import cpu_host_problem
@@ -218,7 +218,7 @@ class Trainer:
         # beside it (detached) and summed by source (run/source_losses.py). One source: loss_fn alone.
         self.source_losses = SourceLosses(
             self.data.names, self.device,
-            build_token_loss(t.loss_chunk_tokens, self.cfg.compile.enable, compile_head=self.mesh is None),
+            build_loss(t.loss_chunk_tokens, self.cfg.compile.enable, compile_head=self.mesh is None, per_token=True),
         ) if self.data.mixed else None
 
     def _say_what_runs(self) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from titanlike import overrides
 from titanlike.errors import UserError
-from titanlike.overrides import version_outside
+from titanlike.overrides import probe_for, version_outside
 
 # Inductor settings for rowwise float8 layers: without emulated precision casts inductor may fuse away
 # the rounding of the rowwise recipes' intermediate casts, a known source of NaNs (pytorch#150859);
@@ -30,6 +30,7 @@ def _functorch_config():
     return functorch_config
 
 
+@probe_for("rowwise_inductor_options")
 def probe_rowwise_inductor_options() -> str | None:
     known = _inductor_config().get_config_copy()
     missing = [k for k in ROWWISE_INDUCTOR_OPTIONS if k not in known]
@@ -41,6 +42,7 @@ def rowwise_inductor_options() -> dict[str, Any]:
     return dict(ROWWISE_INDUCTOR_OPTIONS) if overrides.active("rowwise_inductor_options") else {}
 
 
+@probe_for("autograd_cache_off_for_8bit_adamw")
 def probe_autograd_cache_off_for_8bit_adamw() -> str | None:
     return None if hasattr(_functorch_config(), "enable_autograd_cache") else "functorch has no enable_autograd_cache"
 
@@ -54,6 +56,7 @@ def no_autograd_cache():
     return _functorch_config().patch(enable_autograd_cache=False)
 
 
+@probe_for("activation_memory_budget")
 def probe_activation_memory_budget() -> str | None:
     return None if hasattr(_functorch_config(), "activation_memory_budget") else \
         "functorch has no activation_memory_budget"
@@ -134,6 +137,7 @@ def choices_hook_moved() -> str | None:
     return None
 
 
+@probe_for("aligned_reduction_splits")
 def probe_aligned_reduction_splits() -> str | None:
     import torch
 
