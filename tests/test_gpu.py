@@ -296,7 +296,7 @@ def test_block_causal_flex_attention_matches_the_dense_mask(compiled):
     for flex in (True, False):
         model = Transformer(args, document_end=257).cuda()
         model.init_weights(seed=1, seq_len=512)
-        model.flex_attention = flex
+        model.hooks.flex_attention = flex
         models.append(model)
     if compiled:
         for block in models[0].layers:

@@ -225,7 +225,7 @@ def test_selective_ac_blocks_recomputes_in_that_many_blocks_spread_out():
 @pytest.mark.slow  # two compiled block graphs: about 10 s
 def test_compiled_blocks_under_two_policies_get_a_graph_each():
     """Compiled blocks share graphs, and dynamo does not look into a checkpoint policy function: with the
-    policy bound into each block's checkpoint_fn, every block ran the first block's policy. Looked up by
+    policy bound into each block's hooks.recompute, every block ran the first block's policy. Looked up by
     the block's policy name, each policy gets its graph. Counted in what each block saves for backward:
     blocks 0 and 2 save w3's output (fp32 here) less than blocks 1 and 3."""
     from torch.autograd.graph import saved_tensors_hooks
@@ -609,3 +609,30 @@ def test_a_busy_cpu_is_said_when_the_compute_threads_outnumber_the_idle_cores(tm
         assert device.cpu_threads_note(torch.device("cpu")) is None
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_transforms_steer_a_model_through_its_hooks_alone(tmp_path):
+    """Context parallelism, activation checkpointing and compile (its body compiled alone under cp) change how
+    the model runs through model.hooks (model/hooks.py) and torch's own compile: no other attribute of any of
+    its modules is set or replaced, so decoder.py and hooks.py say all that can run."""
+    import torch.distributed as dist
+
+    model = Transformer(ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=50))
+
+    def attributes() -> dict:
+        return {name: {key: id(value) for key, value in vars(module).items()
+                       if key not in ("hooks", "_compiled_call_impl")}
+                for name, module in model.named_modules()}
+
+    before = attributes()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        context = parallel.apply_context_parallel(model, dist.group.WORLD)
+        parallel.apply_activation_checkpointing(model, "full", "")
+        parallel.apply_compile(model, recompute_outside=True)
+    finally:
+        dist.destroy_process_group()
+    assert attributes() == before
+    assert all(block.attend == context.attend and block.recompute is not None and block.body is not None
+               for block in model.hooks.blocks)
+    assert [block.hooks for block in model.blocks()] == model.hooks.blocks

@@ -50,9 +50,9 @@ def _save_policy_context(keep: frozenset[int] | None):
     return context
 
 
-# Op-level policies by name ("op", "op:NAMES"): a block's checkpoint_fn looks its policy up here by the
-# block's checkpoint_policy. Compiled, that lookup is what makes dynamo guard on the name, so blocks under
-# different policies get a graph each; a policy bound into checkpoint_fn (a partial) is not guarded, and
+# Op-level policies by name ("op", "op:NAMES"): a block's hooks.recompute looks its policy up here by the
+# block's hooks.policy. Compiled, that lookup is what makes dynamo guard on the name, so blocks under
+# different policies get a graph each; a policy bound into hooks.recompute (a partial) is not guarded, and
 # every block ran the first one's (tests/test_parallel.py).
 _POLICIES: dict[str, Callable] = {}
 
@@ -96,9 +96,9 @@ def apply_activation_checkpointing(model: Transformer, mode: str, option: str, b
         blocks = list(model.blocks())
         named = named_blocks(len(blocks), named_blocks_count)
         for i, block in enumerate(blocks):
-            block.checkpoint_fn, block.checkpoint_policy = _checkpointed, option if i in named else "op"
+            block.hooks.recompute, block.hooks.policy = _checkpointed, option if i in named else "op"
         return
     every = 1 if mode == "full" else int(option)
     for i, block in enumerate(model.blocks()):
         if i % every == 0:
-            block.checkpoint_fn = _checkpointed
+            block.hooks.recompute = _checkpointed
