@@ -8,6 +8,7 @@ rounding: 2 ranks × local batch 2 = 1 process × local batch 2 × 2 accumulated
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -636,3 +637,50 @@ def test_the_transforms_steer_a_model_through_its_hooks_alone(tmp_path):
     assert all(block.attend == context.attend and block.recompute is not None and block.body is not None
                for block in model.hooks.blocks)
     assert [block.hooks for block in model.blocks()] == model.hooks.blocks
+
+
+def test_the_rank_layout_is_the_dims_cp_innermost():
+    """Ranks lie (dp_replicate, dp_shard, cp), cp innermost: a context group's ranks are neighbours and read
+    the same samples; FSDP's mesh flattens dp_shard × cp into one dimension, the context mesh cuts the world
+    into groups of cp."""
+    from titanlike.config import JobConfig, load_config
+    from titanlike.config.dims import parallel_dims
+
+    cfg = load_config(["--parallel.dp_replicate", "2", "--parallel.cp", "2"])
+    dims = parallel_dims(cfg, 8)
+    assert (dims.dp_replicate, dims.dp_shard, dims.cp) == (2, 2, 2)
+    assert [dims.dp_rank(rank) for rank in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert dims.fsdp_mesh == ((2, 4), ("dp_replicate", "dp_shard_cp"))
+    assert dims.context_mesh == ((4, 2), ("dp", "cp"))
+    plain = parallel_dims(JobConfig(), 4)
+    assert [plain.dp_rank(rank) for rank in range(4)] == [0, 1, 2, 3]
+    assert plain.fsdp_mesh == ((4,), ("dp_shard",))
+
+
+def test_parallelize_applies_cp_then_ac_then_compile_and_returns_the_contexts(tmp_path, monkeypatch):
+    """One call owns the order: with cp, a block recomputed whole is checkpointed around its compiled body
+    (compile saw the cp attention and the checkpoint before it); one rank on the CPU trains without autocast."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    from titanlike.config import load_config
+    from titanlike.config.dims import parallel_dims
+    from titanlike.parallel import apply as spread
+
+    cfg = load_config(["--activation_checkpoint.mode", "full", "--compile.enable"])
+    model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=50))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        # A one-rank context group stands for cp's: the mesh parallel.cp > 1 would make.
+        monkeypatch.setattr(spread, "context_mesh", lambda dims, device: SimpleNamespace(get_group=lambda: None))
+        monkeypatch.setattr(spread, "apply_context_parallel",
+                            lambda model, group, device_type: parallel.apply_context_parallel(model, dist.group.WORLD))
+        out = parallel.parallelize(model, parallel_dims(cfg, 1), cfg, device=torch.device("cpu"), mesh=None,
+                                   compile_options={}, log=False)
+    finally:
+        dist.destroy_process_group()
+    assert isinstance(out.context, parallel.ContextParallel) and isinstance(out.autocast, contextlib.nullcontext)
+    for block in model.hooks.blocks:
+        assert block.attend == out.context.attend and block.body is not None
+        assert block.recompute is parallel.activation_checkpoint.checkpointed_around_compiled

@@ -1,7 +1,7 @@
 """The trainer: build everything from the config, then run training steps.
 
 Read top to bottom, this file is the story of a run: where it runs, what data it reads, how the
-model is built (meta → float8 → activation checkpointing → compile → FSDP → init), what resumes it,
+model is built (meta → float8 → parallelize: cp → activation checkpointing → compile → FSDP → init), what resumes it,
 how one step goes (micro-batches, the update), and what follows each step, in order: the non-finite
 check, the log record, validation, the checkpoint, a stop. Each component owns its lifecycle and is
 called at a few points; none calls back into the trainer. The command around it (train.py) turns
@@ -88,7 +88,6 @@ class Trainer:
                                       self.dims.fsdp_shard, cfg.optimizer.state_dtype,
                                       cfg.checkpoint.enable and cfg.checkpoint.async_mode != "disabled",
                                       log=self.is_main)
-        self.cp_mesh = parallel.context_mesh(self.dims, self.device)  # the ranks that split each sequence
         torch.manual_seed(cfg.job.seed)
         # The dump folder is this run's alone (a lock; checked writable before any work).
         self.run_folder = RunFolder(cfg.job.dump_folder, self.is_main)
@@ -108,9 +107,8 @@ class Trainer:
         # The stage (seq_len, RoPE base, batch) and the numbers that follow from it, owned in one place.
         self.stages = RunStages(self.run.stages, flops_per_token=lambda seq: flops_per_token(self.margs, seq),
                                 cp=self.dims.cp, compiled=cfg.compile.enable, is_main=self.is_main)
-        # The ranks are (replicate, shard, cp) in rank order: the cp ranks of a data-parallel group read
-        # the same samples (each keeps its part of every sequence).
-        self.dp_rank = self.rank // self.dims.cp
+        # The cp ranks of a data-parallel group read the same samples (each keeps its part of every sequence).
+        self.dp_rank = self.dims.dp_rank(self.rank)
         # One source (data.path) or a mixture (data.mix): each source's windows, the plan of which
         # source and window every global position reads, and the loader over it (data/build.py);
         # with stages, each seq_len's windows.
@@ -121,7 +119,7 @@ class Trainer:
             logger.info(missing)
 
     def _build_model(self) -> None:
-        """3. Model: meta → float8 → AC → compile → FSDP → materialise → init, at the first stage."""
+        """3. Model: meta → float8 → cp → AC → compile → FSDP → materialise → init, at the first stage."""
         cfg, t, first = self.cfg, self.cfg.training, self.stages.first
         # Which overrides of torch/torchao internals run (parallel.overrides, each probed): one line.
         overrides_line = overrides.configure(cfg.parallel.overrides)
@@ -133,25 +131,11 @@ class Trainer:
         self.float8_report = self.float8.convert(model, device=self.device, batch=first.local_batch,
                                                  seq_len=first.rank_seq_len, flops_per_token=first.flops_per_token,
                                                  block_sample=model.sample_block, compiled=cfg.compile.enable)
-        # Context parallelism: each attention layer gathers the keys and values of the group's ranks.
-        self.context = (parallel.apply_context_parallel(model, self.cp_mesh.get_group(), self.device.type)
-                        if self.cp_mesh is not None else None)
-        ac = cfg.activation_checkpoint
-        parallel.apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option, ac.memory_budget,
-                                                 ac.selective_ac_blocks)
-        if cfg.compile.enable:
-            parallel.apply_compile(model, self.float8.compile_options(), recompute_outside=self.context is not None)
-        # FSDP over the mesh (bf16 compute through its mixed precision), or one rank under autocast. Resharding
-        # is decided for the memory the run has: a cap, or a fit's number of GiB (`auto` is the card's own).
+        # cp → AC → compile → FSDP (or autocast on one rank), in that order (parallel/apply.py).
+        spread = parallel.parallelize(model, self.dims, cfg, device=self.device, mesh=self.mesh,
+                                      compile_options=self.float8.compile_options(), log=self.is_main)
+        self.autocast, self.context = spread.autocast, spread.context
         offload = cfg.parallel.cpu_offload
-        fit_gib = t.fit_gib if isinstance(t.fit_gib, float) else 0.0
-        self.autocast = parallel.shard_model(model, self.mesh, self.device, mixed_precision=t.mixed_precision,
-                                             reshard=cfg.parallel.reshard_after_forward,
-                                             memory_limit_gib=min(filter(None, (t.gpu_memory_limit_gib, fit_gib)),
-                                                                  default=0.0), log=self.is_main,
-                                             offload_policy=parallel.offload.policy(offload),
-                                             fused_loss=t.loss_chunk_tokens > 0,
-                                             mixed_precision_reduce=t.mixed_precision_reduce)
         # Offloaded, the weights live in host memory but are drawn on the GPU (the numbers of a run
         # without offload), and the buffers (rotary tables) stay on the GPU, where the forward reads them.
         model.to_empty(device=parallel.offload.param_device(self.device, offload))

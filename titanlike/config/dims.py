@@ -95,6 +95,31 @@ class ParallelDims:
     def sharded(self) -> bool:
         return self.world_size > 1
 
+    # ---- the rank layout: (dp_replicate, dp_shard, cp), cp innermost --------------------------------------
+    # The ranks of a context group are neighbours (one node, the fastest links, for the all-gathers of every
+    # attention layer); FSDP shards over dp_shard × cp. A degree added inside cp (tensor parallelism) would
+    # go innermost, and these three say where it lies.
+
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel rank of global rank `rank`: the cp ranks of a data-parallel group read the same
+        samples (each keeps its part of every sequence)."""
+        return rank // self.cp
+
+    @property
+    def fsdp_mesh(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """FSDP's mesh, (shape, dimension names): (dp_replicate, dp_shard × cp), or (dp_shard × cp,) without
+        replicas (the two degrees flattened into one dimension when built, not by DeviceMesh's private
+        `_flatten`)."""
+        shard = "dp_shard" if self.cp == 1 else "dp_shard_cp"
+        if self.dp_replicate > 1:
+            return (self.dp_replicate, self.fsdp_shard), ("dp_replicate", shard)
+        return (self.fsdp_shard,), (shard,)
+
+    @property
+    def context_mesh(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The mesh whose "cp" dimension is a rank's context group, (shape, dimension names)."""
+        return (self.world_size // self.cp, self.cp), ("dp", "cp")
+
 
 def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
     """The degrees and the batch plan a config means at this world size; ConfigError (one line) if none."""
