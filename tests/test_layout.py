@@ -241,3 +241,17 @@ def test_every_probe_and_tool_imports(path: Path, monkeypatch):
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, name, module)  # dataclasses look their module up there
     spec.loader.exec_module(module)
+
+
+def test_the_trainer_the_checkpoint_and_the_metrics_name_no_converter():
+    """Model converters come in through one protocol (model/converter.py) and one registry (titanlike/converters.py):
+    the trainer, the checkpoint manager and the metrics logger name none of them (float8 is one), so that a new
+    converter is one module and its entries, not edits across the run (docs/architecture.md)."""
+    import re
+
+    names = re.compile(r"float8|fp8", re.IGNORECASE)
+    assert names.search("self.float8.attach(...)")  # the pattern finds what it guards
+    files = [PACKAGE / "trainer.py", PACKAGE / "checkpoint" / "manager.py", PACKAGE / "records" / "metrics.py"]
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for path in files
+             for n, line in enumerate(path.read_text().splitlines(), 1) if names.search(line)]
+    assert not found, "converters named outside their registry:\n" + "\n".join(found)

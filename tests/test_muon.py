@@ -448,8 +448,10 @@ def _converter_worker(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from titanlike import parallel
-    from titanlike.config.speed import Fp8
+    from titanlike.config.fp8 import Fp8
+    from titanlike.converters import ModelConverters
     from titanlike.float8 import Float8Converter
+    from titanlike.model.converter import ConvertArgs
     from titanlike.run.state import TrainState
 
     class NoMetrics:
@@ -463,12 +465,12 @@ def _converter_worker(rank: int, world: int) -> None:
     with torch.device("meta"):
         model = Transformer(args)
     converter = Float8Converter.from_config(Fp8(recipe="tensorwise", emulate=True, auto_filter="false"), dp_shard=world)
-    converter.convert(model, device=torch.device("cpu"), batch=2, seq_len=16)
+    converter.convert(model, ConvertArgs(device=torch.device("cpu"), batch=2, seq_len=16))
     parallel.apply_fsdp(model, init_device_mesh("cpu", (world,)), None, "always")
     model.to_empty(device="cpu")
     model.init_weights(seed=0, seq_len=16)
     opt = Muon(transformer_param_groups(model, WD), lr=LR, weight_decay=WD)
-    converter.attach(opt, counters=TrainState(), metrics=NoMetrics(), log_freq=1)
+    ModelConverters([converter]).attach(opt, counters=TrainState(), metrics=NoMetrics())
     assert converter.options.precompute_scales
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
     wrapped = [m.weight for m in model.modules() if hasattr(getattr(m, "weight", None), "_local_tensor")

@@ -275,6 +275,7 @@ def test_the_fused_weight_cast_probe_refuses_a_torchao_whose_cast_changed(monkey
 
 def test_the_converter_installs_the_fused_cast_with_float8_all_gather_and_compile_only_when_on():
     from titanlike.float8 import Float8Converter, Float8Options
+    from titanlike.model.converter import ConvertArgs
     from titanlike.model.decoder import Transformer
     from titanlike.model.shape import ModelArgs
     from titanlike.overrides import float8
@@ -288,7 +289,7 @@ def test_the_converter_installs_the_fused_cast_with_float8_all_gather_and_compil
             model = Transformer(ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97))
         options = Float8Options(recipe="tensorwise", emulate=True, fsdp_float8_all_gather=True, precompute_scales=True,
                                 filter_fqns=("output",), auto_filter=False)
-        Float8Converter(options).convert(model, device=torch.device("cpu"), compiled=compiled)
+        Float8Converter(options).convert(model, ConvertArgs(device=torch.device("cpu"), compiled=compiled))
 
     try:
         overrides.configure("on")

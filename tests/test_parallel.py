@@ -259,6 +259,7 @@ def test_selective_op_names_under_compile_and_float8(monkeypatch, recipe):
 
     from titanlike.float8 import Float8Converter
     from titanlike.float8.options import Float8Options
+    from titanlike.model.converter import ConvertArgs
 
     real = checkpoint_module.create_selective_checkpoint_contexts
     traces: list[list[str]] = []
@@ -283,7 +284,7 @@ def test_selective_op_names_under_compile_and_float8(monkeypatch, recipe):
         model.init_weights(0, 16)
         if recipe != "none":
             options = Float8Options(recipe=recipe, emulate=True)
-            Float8Converter(options).convert(model, device=torch.device("cpu"))
+            Float8Converter(options).convert(model, ConvertArgs(device=torch.device("cpu")))
         parallel.apply_activation_checkpointing(model, "selective", "op:wqkv,w1")
         if compiled:
             parallel.apply_compile(model)

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from titanlike.config.fp8 import float8_all_gather
 from titanlike.config.loader import ConfigError
 from titanlike.config.schema import JobConfig
 
@@ -147,7 +148,7 @@ def check_offload(cfg: JobConfig, dp_replicate: int, dp_shard: int) -> None:
             f"parallel.cpu_offload works with plain FSDP, not HSDP (parallel.dp_replicate resolves to {dp_replicate}): "
             f"set --parallel.dp_replicate 1")
     fp8 = cfg.fp8
-    if fp8.recipe == "tensorwise" and fp8.enable_fsdp_float8_all_gather is None and dp_shard > 1:
+    if fp8.enable_fsdp_float8_all_gather is None and float8_all_gather(fp8, dp_shard):
         raise ConfigError(
-            "parallel.cpu_offload cannot all-gather weights in float8, which tensorwise turns on with more than one "
-            "shard: set --fp8.enable_fsdp_float8_all_gather false")
+            f"parallel.cpu_offload cannot all-gather weights in float8, which {fp8.recipe} turns on with more than "
+            f"one shard: set --fp8.enable_fsdp_float8_all_gather false")

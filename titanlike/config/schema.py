@@ -5,8 +5,8 @@ Each `[section]` is a dataclass; the string literal under a field is its documen
 `validate()` holds the rules that section alone decides; `validate_across_sections` holds the few
 that tie two sections together. All of them run before a process group or a GPU is touched (the
 preflight imports no torch) and fail as one `ConfigError` line that names the key, the value and
-what would be valid. The sections of how a step runs fast (sharding, float8, compile, recompute) are
-in speed.py, the optimizer's in optimizer.py. Reading TOML and the command line is loader.py's job;
+what would be valid. The sections of how a step runs fast (sharding, compile, recompute) are in
+speed.py, float8's in fp8.py, the optimizer's in optimizer.py. Reading TOML and the command line is loader.py's job;
 parsing [data]'s mixture strings, sources.py's; which model shape a config means, resolve.py's.
 """
 
@@ -18,10 +18,11 @@ from types import MappingProxyType
 from typing import Literal
 
 from titanlike.config import sources, speed
+from titanlike.config.fp8 import Fp8
 from titanlike.config.host import available_cores
 from titanlike.config.loader import need
 from titanlike.config.optimizer import Optimizer
-from titanlike.config.speed import ActivationCheckpoint, Compile, Fp8, Parallel
+from titanlike.config.speed import ActivationCheckpoint, Compile, Parallel
 from titanlike.config.stages import check_stages, stage_seq_lens
 from titanlike.model.shape import PRESETS, model_args
 
