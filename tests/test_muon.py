@@ -161,6 +161,7 @@ def test_update_rms_is_the_rms_of_the_step_per_unit_of_lr():
 def test_the_schedule_sets_the_lr_of_every_group():
     """LambdaLR (build_scheduler) schedules Muon's groups as AdamW's: in warmup the first update is that of
     an optimizer made with the first update's lr."""
+    from titanlike.config.schema import LRScheduler
     from titanlike.optim import build_scheduler
 
     args = ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64)
@@ -168,7 +169,8 @@ def test_the_schedule_sets_the_lr_of_every_group():
     scheduled.init_weights(0, 16)
     fixed.init_weights(0, 16)
     opt = Muon(transformer_param_groups(scheduled, WD), lr=LR, weight_decay=WD)
-    build_scheduler(opt, total_steps=10, warmup_steps=4, decay_ratio=0.0, decay_type="linear", min_lr_factor=0.0)
+    build_scheduler(opt, LRScheduler(warmup_steps=4, decay_ratio=0.0, decay_type="linear", min_lr_factor=0.0),
+                    total_steps=10)
     ref = Muon(transformer_param_groups(fixed, WD), lr=LR / 5, weight_decay=WD)  # warmup: 1 / (4 + 1)
     for model, optimizer in ((scheduled, opt), (fixed, ref)):
         _set_grads(model, 0)

@@ -16,6 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import losses, metrics, run_train, spawn_ranks, train_here
 from titanlike import parallel
+from titanlike.config import JobConfig
+from titanlike.config.speed import ActivationCheckpoint
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import ModelArgs
 
@@ -108,7 +110,7 @@ def recompute_profile(mode: str, option: str) -> tuple[list[int], dict]:
     """(how often each block's body ran in forward + backward, aten op counts during backward)."""
     model = Transformer(ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=50))
     model.init_weights(0, 16)
-    parallel.apply_activation_checkpointing(model, mode, option)
+    parallel.apply_activation_checkpointing(model, ActivationCheckpoint(mode, option))
     calls = [0] * 4
     for i, block in enumerate(model.layers):
         def body(*args, _body=block.body, _i=i):
@@ -159,7 +161,8 @@ def block_backward(option: str | None) -> tuple[list[str], dict]:
     selective AC with `option` (None: no AC), uncompiled."""
     model = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=50))
     model.init_weights(0, 16)
-    parallel.apply_activation_checkpointing(model, "none" if option is None else "selective", option or "op")
+    parallel.apply_activation_checkpointing(model, ActivationCheckpoint("none" if option is None else "selective",
+                                                                        option or "op"))
     block = model.layers[0]
     x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
     out = block(x, model.rope_cos[:16], model.rope_sin[:16])
@@ -200,7 +203,8 @@ def four_blocks(blocks: int | None, compiled: bool = False) -> Transformer:
     model = Transformer(ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=50))
     model.init_weights(0, 16)
     if blocks is not None:
-        parallel.apply_activation_checkpointing(model, "selective", "op:wqkv,wo,w1", 1.0, blocks)
+        parallel.apply_activation_checkpointing(model, ActivationCheckpoint("selective", "op:wqkv,wo,w1",
+                                                                            selective_ac_blocks=blocks))
     if compiled:
         parallel.apply_compile(model)
     return model
@@ -285,7 +289,7 @@ def test_selective_op_names_under_compile_and_float8(monkeypatch, recipe):
         if recipe != "none":
             options = Float8Options(recipe=recipe, emulate=True)
             Float8Converter(options).convert(model, ConvertArgs(device=torch.device("cpu")))
-        parallel.apply_activation_checkpointing(model, "selective", "op:wqkv,w1")
+        parallel.apply_activation_checkpointing(model, ActivationCheckpoint("selective", "op:wqkv,w1"))
         if compiled:
             parallel.apply_compile(model)
         block = model.layers[0]
@@ -307,7 +311,7 @@ def budgeted_block_run(budget: float) -> tuple[int, dict]:
     torch._dynamo.reset()  # compile each budget's graphs afresh
     model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=50))
     model.init_weights(0, 32)
-    parallel.apply_activation_checkpointing(model, "budget", "op", budget)
+    parallel.apply_activation_checkpointing(model, ActivationCheckpoint("budget", "op", memory_budget=budget))
     parallel.apply_compile(model)
     tokens = torch.randint(0, 50, (2, 32), generator=torch.Generator().manual_seed(0))
     h = model.tok_embeddings(tokens).detach().requires_grad_()
@@ -487,9 +491,10 @@ def test_gradients_are_summed_in_the_reduce_dtype(tmp_path):
         mesh = init_device_mesh("cpu", (1,))
         as_bf16 = gradients(lambda m: apply_fsdp(m, mesh, None, "always", reduce_dtype=torch.bfloat16))
         as_fp32 = gradients(lambda m: apply_fsdp(m, mesh, None, "always"))
-        one_rank = gradients(lambda m: shard_model(m, mesh, torch.device("cpu"), mixed_precision="bf16",
-                                                   reshard="always", memory_limit_gib=0, log=False,
-                                                   mixed_precision_reduce="bf16"))
+        cfg = JobConfig()
+        cfg.training.mixed_precision, cfg.training.mixed_precision_reduce = "bf16", "bf16"
+        cfg.parallel.reshard_after_forward = "always"
+        one_rank = gradients(lambda m: shard_model(m, mesh, torch.device("cpu"), cfg, log=False))
     finally:
         dist.destroy_process_group()
     assert exact.keys() == as_bf16.keys() == as_fp32.keys() == one_rank.keys()
@@ -630,7 +635,7 @@ def test_the_transforms_steer_a_model_through_its_hooks_alone(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         context = parallel.apply_context_parallel(model, dist.group.WORLD)
-        parallel.apply_activation_checkpointing(model, "full", "")
+        parallel.apply_activation_checkpointing(model, ActivationCheckpoint("full", ""))
         parallel.apply_compile(model, recompute_outside=True)
     finally:
         dist.destroy_process_group()

@@ -20,7 +20,7 @@ config and checkpoint record (fp8.recipe) stays as it was. The order of conversi
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ class MetricsSink(Protocol):
 
     def scalars(self, step: int, values: dict[str, float]) -> None: ...
 
-    def note(self, values: dict) -> None: ...
+    def note(self, values: dict[str, object]) -> None: ...
 
 
 def build_converters(run: ResolvedRun) -> ModelConverters:
@@ -86,7 +86,7 @@ class ModelConverters:
         if not self.converters:
             return
 
-        def after_update(opt, args, kwargs) -> None:
+        def after_update(opt: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             step = counters.step + 1
             for converter in self.converters:
                 report = converter.after_step(step)

@@ -154,8 +154,7 @@ class Trainer:
         o, s = cfg.optimizer, cfg.lr_scheduler
         # optimizer.name's builder (optim/__init__.py's registry), from the [optimizer] section.
         self.optimizer = build_optimizer(self.model, o, self.device.type, host_params=cfg.parallel.cpu_offload)
-        self.scheduler = build_scheduler(self.optimizer, cfg.training.steps, s.warmup_steps, s.decay_ratio,
-                                         s.decay_type, s.min_lr_factor)
+        self.scheduler = build_scheduler(self.optimizer, s, cfg.training.steps)
         self.state = TrainState()
 
     def _resume(self) -> int | None:

@@ -16,7 +16,8 @@ import os
 from titanlike.config import loader
 from titanlike.config.dims import check_cp_divides
 from titanlike.config.loader import ConfigError, field_docs, to_toml
-from titanlike.config.schema import JobConfig, validate_across_sections
+from titanlike.config.rules import validate_across_sections
+from titanlike.config.schema import JobConfig
 from titanlike.config.sources import SINGLE, DataSchedule
 from titanlike.config.stages import Stages
 

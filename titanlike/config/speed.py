@@ -6,10 +6,9 @@ same config meta-test."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from titanlike.config.loader import need
-from titanlike.config.optimizer import OPTIMIZERS
 from titanlike.model.shape import BLOCK_MATMULS
 
 # `reshard_after_forward = default` keeps the gathered weights from forward to backward (so backward
@@ -169,34 +168,3 @@ def matmul_outputs_kept(option: str) -> tuple[str, ...] | None:
         names = set(_op_names(option))
         return tuple(n for n in BLOCK_MATMULS if n in names)
     return None
-
-
-def offload_rules(cfg: Any) -> None:
-    """parallel.cpu_offload against the other sections (the degrees at a world size: dims.check_offload)."""
-    if not cfg.parallel.cpu_offload:
-        return
-    need(cfg.training.device != "cpu",
-         "parallel.cpu_offload moves weights, gradients and optimizer state from the GPU to host memory: a run "
-         "with training.device = cpu has nothing to offload; drop --parallel.cpu_offload")
-    need(not cfg.fp8.enable_fsdp_float8_all_gather,
-         "parallel.cpu_offload cannot all-gather weights in float8 (the offloaded weights are fp32 on the host): "
-         "set --fp8.enable_fsdp_float8_all_gather false")
-    need(cfg.parallel.gradient_sync == "micro_batch",
-         "parallel.gradient_sync = step keeps the whole model's gradients on the GPU between micro-batches, which "
-         "parallel.cpu_offload exists to avoid: set --parallel.gradient_sync micro_batch")
-    host_step = OPTIMIZERS[cfg.optimizer.name].host_step
-    need(not host_step,
-         f"parallel.cpu_offload runs the optimizer step on the CPU, where with optimizer.name = {cfg.optimizer.name} "
-         f"{host_step}: drop --parallel.cpu_offload, or use --optimizer.name "
-         f"{' or '.join(n for n, f in OPTIMIZERS.items() if not f.host_step)}")
-    need(cfg.parallel.dp_replicate in (1, -1),
-         f"parallel.cpu_offload works with plain FSDP, not HSDP (parallel.dp_replicate = {cfg.parallel.dp_replicate}): "
-         f"set --parallel.dp_replicate 1")
-
-
-def overrides_rules(cfg: Any) -> None:
-    """parallel.overrides against what needs one of them (the names themselves: titanlike/overrides)."""
-    kept = {n.strip() for n in cfg.parallel.overrides.split(",")}
-    need(cfg.activation_checkpoint.mode != "budget" or "on" in kept or "activation_memory_budget" in kept,
-         f"activation_checkpoint.mode = budget needs the override activation_memory_budget (torch's private "
-         f"setting), which parallel.overrides = {cfg.parallel.overrides!r} leaves off: use mode full or selective")

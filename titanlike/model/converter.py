@@ -50,7 +50,7 @@ class StepReport:
     `note` to join the next train record."""
 
     scalars: dict[str, float]
-    note: dict
+    note: dict[str, object]
 
 
 class ModelConverter(Protocol):

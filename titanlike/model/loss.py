@@ -28,7 +28,7 @@ weights) must run outside compiled code, so there only the cross-entropy is comp
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -116,7 +116,8 @@ def cross_entropy_sum_grad_and_tokens(logits: torch.Tensor, targets: torch.Tenso
     return loss, grad.to(logits.dtype), per_token[:, 0].detach()
 
 
-def without_tokens(ce_grad: Callable) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+def without_tokens(ce_grad: Callable[..., tuple[torch.Tensor, ...]]
+                   ) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """`ce_grad` (cross_entropy_sum_grad_and_tokens, compiled or not) giving the sum and the gradient alone.
     The plain loss runs the graph that also gives each token's loss (a mixture's, build_loss's per_token):
     the same graph gives the same sum to the last bit, where a graph of its own fused the sum another way
@@ -222,14 +223,15 @@ def build_loss(chunk_tokens: int, compile: bool, compile_head: bool = False, *,
     return _whole_logits_loss(compile, per_token)
 
 
-def _compiled_head_loss(per_token: bool) -> Callable:
+def _compiled_head_loss(per_token: bool) -> Callable[..., Any]:
     compiled_head = torch.compile(head_loss, fullgraph=True)
     # The per-token reading is a second graph under no_grad: one graph giving both fused differently on a
     # GPU (the loss then differed in its last bits), for one more output-layer matmul (forward only) a step.
     compiled_tokens = torch.compile(head_token_losses, fullgraph=True) if per_token else None
 
-    def compiled_head_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, context=None):
-        def head(norm: nn.Module, output: nn.Module, h: torch.Tensor):
+    def compiled_head_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                           context: object = None) -> Any:
+        def head(norm: nn.Module, output: nn.Module, h: torch.Tensor) -> Any:
             loss = compiled_head(norm, output, h, targets)
             if compiled_tokens is None:
                 return loss
@@ -241,11 +243,11 @@ def _compiled_head_loss(per_token: bool) -> Callable:
     return compiled_head_loss
 
 
-def _whole_logits_loss(compile: bool, per_token: bool) -> Callable:
+def _whole_logits_loss(compile: bool, per_token: bool) -> Callable[..., Any]:
     ce = torch.compile(cross_entropy) if compile else cross_entropy
     ce_tokens = (torch.compile(token_cross_entropy) if compile else token_cross_entropy) if per_token else None
 
-    def whole_logits_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, context=None):
+    def whole_logits_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, context: object = None) -> Any:
         logits = model(inputs, context=context)
         if ce_tokens is None:
             return ce(logits, targets)
@@ -254,14 +256,14 @@ def _whole_logits_loss(compile: bool, per_token: bool) -> Callable:
     return whole_logits_loss
 
 
-def _chunked_loss(chunk_tokens: int, compile: bool, per_token: bool) -> Callable:
+def _chunked_loss(chunk_tokens: int, compile: bool, per_token: bool) -> Callable[..., Any]:
     # Chunks all have chunk_tokens rows but the last: two compiled graphs at most, each.
     ce_sum = torch.compile(cross_entropy_sum) if compile else cross_entropy_sum
     with_tokens = torch.compile(cross_entropy_sum_grad_and_tokens) if compile else cross_entropy_sum_grad_and_tokens
     ce_grad = with_tokens if per_token else without_tokens(with_tokens)
 
-    def chunked_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, context=None):
-        def head(norm: nn.Module, output: nn.Module, h: torch.Tensor):
+    def chunked_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, context: object = None) -> Any:
+        def head(norm: nn.Module, output: nn.Module, h: torch.Tensor) -> Any:
             h = norm(h)
             if torch.is_grad_enabled() and fuses(output):
                 loss_sum: Callable = output.loss_sum  # type: ignore[assignment]
@@ -276,7 +278,7 @@ def _chunked_loss(chunk_tokens: int, compile: bool, per_token: bool) -> Callable
     return chunked_loss
 
 
-def _shaped(out, targets: torch.Tensor, per_token: bool):
+def _shaped(out: Any, targets: torch.Tensor, per_token: bool) -> Any:
     """The loss as the model's head returned it; with per_token, each token's loss shaped like the targets."""
     if not per_token:
         return out

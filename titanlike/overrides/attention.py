@@ -65,7 +65,7 @@ def probe_cp_attention_kernels() -> str | None:
 def attention_ops() -> set:
     """The ops whose outputs an op-level selective-AC policy keeps besides the matmuls: SDPA's kernels (the
     ones this torch has), flex attention, and float8's amax reductions."""
-    ops = {aten.max.default, aten.amax.default}
+    ops: set[object] = {aten.max.default, aten.amax.default}
     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                  "_scaled_dot_product_cudnn_attention"):
         if hasattr(aten, name):

@@ -102,8 +102,9 @@ def _aligned_splits_class():
         """Inductor's heuristics, with split reductions cut into aligned parts on GPUs (`aligned_split`)."""
 
         # A method here whether inductor's is a static one (torch 2.11, 2.13) or not (2.14): inductor calls it
-        # on its choices object, so bound either way.
-        def reduction_split_factor(self, device, reduction_numel_hint, numel_hint, inner_reduction):
+        # on its choices object, so bound either way (a type checker reading 2.13's stubs sees a static one).
+        def reduction_split_factor(self, device, reduction_numel_hint, numel_hint,  # type: ignore[override]
+                                   inner_reduction):
             split = super().reduction_split_factor(device, reduction_numel_hint, numel_hint, inner_reduction)
             return aligned_split(int(reduction_numel_hint), int(split)) if device.type == "cuda" else split
 

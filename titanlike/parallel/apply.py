@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from titanlike.config.dims import ParallelDims
 from titanlike.config.schema import JobConfig
 from titanlike.model.decoder import Transformer
-from titanlike.parallel import offload
 from titanlike.parallel.activation_checkpoint import apply_activation_checkpointing
 from titanlike.parallel.compile import apply_compile
 from titanlike.parallel.context import ContextParallel, apply_context_parallel
@@ -34,14 +35,14 @@ from titanlike.parallel.mesh import context_mesh
 class Parallelized:
     """What the trainer needs of the parallelisms for each micro-batch."""
 
-    autocast: contextlib.AbstractContextManager
+    autocast: contextlib.AbstractContextManager[Any]
     """The context each forward runs in: bf16 autocast on one GPU, nothing under FSDP (its mixed precision)."""
     context: ContextParallel | None
     """Context parallelism (parallel.cp > 1): this rank's part of each micro-batch (`shard`); None without."""
 
 
-def parallelize(model: Transformer, dims: ParallelDims, cfg: JobConfig, *, device: torch.device, mesh,
-                compile_options: dict[str, object], log: bool) -> Parallelized:
+def parallelize(model: Transformer, dims: ParallelDims, cfg: JobConfig, *, device: torch.device,
+                mesh: DeviceMesh | None, compile_options: dict[str, object], log: bool) -> Parallelized:
     """Apply the run's parallelisms and transforms to `model` (on the meta device, converted) in place.
     `mesh`: FSDP's (parallel.init_distributed; None: one rank, nothing to shard); the context group's mesh
     is made here from `dims`. `compile_options`: inductor settings for the blocks' graphs (the converters').
@@ -49,17 +50,8 @@ def parallelize(model: Transformer, dims: ParallelDims, cfg: JobConfig, *, devic
     cp_mesh = context_mesh(dims, device)  # the ranks that split each sequence, or None
     # Context parallelism: each attention layer gathers the keys and values of the group's ranks.
     context = apply_context_parallel(model, cp_mesh.get_group(), device.type) if cp_mesh is not None else None
-    ac = cfg.activation_checkpoint
-    apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option, ac.memory_budget, ac.selective_ac_blocks)
+    apply_activation_checkpointing(model, cfg.activation_checkpoint)
     if cfg.compile.enable:
         apply_compile(model, compile_options, recompute_outside=context is not None)
-    # FSDP over the mesh (bf16 compute through its mixed precision), or one rank under autocast. Resharding
-    # is decided for the memory the run has: a cap, or a fit's number of GiB (`auto` is the card's own).
-    t = cfg.training
-    fit_gib = t.fit_gib if isinstance(t.fit_gib, float) else 0.0
-    autocast = shard_model(model, mesh, device, mixed_precision=t.mixed_precision,
-                           reshard=cfg.parallel.reshard_after_forward,
-                           memory_limit_gib=min(filter(None, (t.gpu_memory_limit_gib, fit_gib)), default=0.0),
-                           log=log, offload_policy=offload.policy(cfg.parallel.cpu_offload),
-                           fused_loss=t.loss_chunk_tokens > 0, mixed_precision_reduce=t.mixed_precision_reduce)
-    return Parallelized(autocast, context)
+    # FSDP over the mesh (bf16 compute through its mixed precision), or one rank under autocast.
+    return Parallelized(shard_model(model, mesh, device, cfg, log=log), context)

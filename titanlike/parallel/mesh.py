@@ -12,11 +12,13 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from titanlike.config.dims import ParallelDims
 
 
-def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: int, cpu_offload: bool = False):
+def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: int,
+                     cpu_offload: bool = False) -> DeviceMesh | None:
     """Start the process group and build the mesh; None with one rank (no process group at all),
     unless `cpu_offload`: FSDP is what offloads, so one rank gets a process group and mesh of its own.
     `dims`: the resolved degrees (dp_replicate, dp_shard, cp, sharded). The mesh is FSDP's: (dp_replicate,
@@ -40,7 +42,7 @@ def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: int, c
     return init_device_mesh(device.type, shape, mesh_dim_names=names)
 
 
-def context_mesh(dims: ParallelDims, device: torch.device):
+def context_mesh(dims: ParallelDims, device: torch.device) -> DeviceMesh | None:
     """This rank's context group as a 1-D mesh (its cp ranks), or None without context parallelism.
     After init_distributed."""
     if dims.cp == 1:

@@ -127,12 +127,12 @@ def shape_of(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, card_gib: floa
     return Shape(args, dims, micro_batch * window // dims.cp, ac.mode, ac.selective_ac_option,
                  ac.memory_budget, RECIPES[fp8.recipe], float8_all_gather(fp8, dims.fsdp_shard),
                  cfg.compile.enable, t.loss_chunk_tokens,
-                 cfg.optimizer.state_dtype, reshard, bool(getattr(cfg.parallel, "cpu_offload", False)),
+                 cfg.optimizer.state_dtype, reshard, cfg.parallel.cpu_offload,
                  cfg.model.attn_mask == "block_causal", ac.selective_ac_blocks,
                  override_chosen(cfg.parallel.overrides, "cp_attention_kernels"),
                  2 if t.mixed_precision_reduce == "bf16" and dims.dp_replicate * dims.fsdp_shard > 1 else 4,
                  override_chosen(cfg.parallel.overrides, "gradients_in_compute_pool"),
-                 getattr(cfg.parallel, "gradient_sync", "micro_batch") == "step", cfg.optimizer.name)
+                 cfg.parallel.gradient_sync == "step", cfg.optimizer.name)
 
 
 def override_chosen(overrides: str, name: str) -> bool:

@@ -51,10 +51,6 @@ class Choice:
         return f"--{self.key} {self.value}"
 
 
-def _has(section: str, key: str) -> Callable[[JobConfig], bool]:
-    return lambda cfg: hasattr(getattr(cfg, section), key)
-
-
 def _takes(state_dtype: str) -> Callable[[JobConfig], bool]:
     """Whether the run's optimizer keeps its state in `state_dtype` (config/optimizer.py OPTIMIZERS)."""
     return lambda cfg: state_dtype in OPTIMIZERS[cfg.optimizer.name].state_dtypes
@@ -123,7 +119,7 @@ CHOICES: tuple[Choice, ...] = (
            f"{B}2026-11-26-cp-kernels-fit-to-target.md: 8b over two H200s with weights, gradients and the optimizer's "
            "state in host memory and the optimizer step on the CPU ran 0.30× the speed; 1b 0.354× "
            f"({B}2026-11-26-cp-long-windows-1b-levers.md)",
-           usable=lambda cfg: hasattr(cfg.parallel, "cpu_offload") and not runs_on_cpu(cfg) and _steps_on_host(cfg)),
+           usable=lambda cfg: not runs_on_cpu(cfg.training.device) and _steps_on_host(cfg)),
 )
 
 MICRO_BATCH_SOURCE = ("estimate: 3 % a halving of the micro-batch, 7 % two, 12 % three (more micro-batches, the same "

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from titanlike.config.dims import ParallelDims, parallel_dims
 from titanlike.config.fp8 import RECIPES
 from titanlike.config.optimizer import OPTIMIZERS
+from titanlike.config.schema import JobConfig
 from titanlike.config.stages import Stage
 from titanlike.parallel.device import allocator_settings
 
@@ -56,7 +57,7 @@ def gpu_memory(device: torch.device) -> dict | None:
     }
 
 
-def oom_message(cfg, dims: ParallelDims, rank: int, step: int | None, memory: dict | None,
+def oom_message(cfg: JobConfig, dims: ParallelDims, rank: int, step: int | None, memory: dict | None,
                 snapshot: str | None = None, stage: Stage | None = None) -> str:
     """One line for torch.OutOfMemoryError: where, how much, and the options that use less memory.
 
@@ -68,7 +69,7 @@ def oom_message(cfg, dims: ParallelDims, rank: int, step: int | None, memory: di
     t, d = cfg.training, cfg.data
     when = "while building the model" if step is None else f"after {step} completed steps"
     where = f"rank {rank}" + (f" ({memory['name']}, {memory['total']:.1f} GiB)" if memory else "")
-    cap = getattr(t, "gpu_memory_limit_gib", 0)
+    cap = t.gpu_memory_limit_gib
     if memory and cap:
         where = where[:-1] + f", capped at {cap:g} GiB by training.gpu_memory_limit_gib)"
     peak = (f"peak {memory['allocated']:.1f} GiB allocated, {memory['reserved']:.1f} GiB reserved"
@@ -114,7 +115,7 @@ def oom_message(cfg, dims: ParallelDims, rank: int, step: int | None, memory: di
     return f"out of GPU memory on {where} {when}: {peak}; {batch}; to use less: {', '.join(knobs)}{seen}"
 
 
-def explain(e: RuntimeError, cfg, world_size: int, rank: int, *, step: int | None = None,
+def explain(e: RuntimeError, cfg: JobConfig | None, world_size: int, rank: int, *, step: int | None = None,
             device: torch.device | None = None, dims: ParallelDims | None = None,
             oom_snapshot: Callable[[int], str | None] | None = None,
             stage: Stage | None = None) -> tuple[int, str] | None:

@@ -35,6 +35,7 @@ import warnings
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
+from titanlike.config.schema import Profiling
 from titanlike.overrides import cuda
 
 logger = logging.getLogger("titanlike")
@@ -54,7 +55,7 @@ MEMORY_HISTORY_ENTRIES = 100_000
 
 
 class Profiler:
-    def __init__(self, cfg, dump_folder: str, rank: int, device: torch.device, start_step: int):
+    def __init__(self, cfg: Profiling, dump_folder: str, rank: int, device: torch.device, start_step: int):
         self.cfg = cfg
         self.rank = rank
         self.folder = cfg.folder if os.path.isabs(cfg.folder) else os.path.join(dump_folder, cfg.folder)
