@@ -48,7 +48,7 @@ def test_a_documents_logits_do_not_depend_on_what_precedes_it(flex):
     """The same document after another one or alone in the window: the same logits (RoPE is relative,
     and the mask hides the first document)."""
     model = small_model("block_causal")
-    model.flex_attention = flex  # flex attention runs forward-only on a CPU: enough for this check
+    model.hooks.flex_attention = flex  # flex attention runs forward-only on a CPU: enough for this check
     gen = torch.Generator().manual_seed(0)
     first = torch.cat([torch.randint(0, 256, (1, 20), generator=gen), torch.tensor([[END]])], dim=1)
     doc = torch.randint(0, 256, (1, 30), generator=gen)
@@ -67,7 +67,7 @@ def test_flex_and_dense_masks_agree_and_causal_is_untouched():
     model = small_model("block_causal")
     with torch.no_grad():
         dense = model(tokens)
-        model.flex_attention = True
+        model.hooks.flex_attention = True
         flex = model(tokens)
         plain = small_model("causal")(tokens)
         without_end = small_model("block_causal", document_end=None)(tokens)  # inference: one document
@@ -292,7 +292,7 @@ def test_flex_attention_inside_compiled_blocks_matches_the_dense_mask():
     tokens[0, 30] = END
     with torch.no_grad():
         dense = model(tokens)
-        model.flex_attention = True
+        model.hooks.flex_attention = True
         for block in model.layers:
             block.compile(fullgraph=True)
         compiled = model(tokens)

@@ -296,6 +296,7 @@ SMALL = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab
 def _model_worker(rank: int, cp: int, attn_mask: str, ac: str, compiled: bool = False) -> None:
     """`compiled`: the cp model's blocks compiled as the trainer compiles them under cp (a block recomputed
     whole checkpointed around its compiled body)."""
+    from titanlike.config.speed import ActivationCheckpoint
     from titanlike.model.loss import build_loss
     from titanlike.parallel import apply_activation_checkpointing, apply_compile
 
@@ -308,7 +309,7 @@ def _model_worker(rank: int, cp: int, attn_mask: str, ac: str, compiled: bool = 
     def built() -> Transformer:
         model = Transformer(args, document_end=3)
         model.init_weights(0, seq)
-        apply_activation_checkpointing(model, ac, "op")
+        apply_activation_checkpointing(model, ActivationCheckpoint(ac, "op"))
         return model
 
     reference = built()

@@ -251,19 +251,22 @@ def test_per_source_losses_leave_the_loss_as_it_was(tmp_path, sources, corpus, m
              "--data.seq_len", "16", "--metrics.log_freq", "1", "--training.deterministic")
     train_here(tmp_path / "mixed", *short, *mix)
 
-    def plain(chunk_tokens, compile, compile_head=False):  # the plain loss, and no token losses to speak of
+    def plain(chunk_tokens, compile, compile_head=False, per_token=False):  # no token losses to speak of
         loss_fn = build_loss(chunk_tokens, compile, compile_head)
+        if not per_token:
+            return loss_fn
         return lambda model, inputs, targets, context=None: (loss_fn(model, inputs, targets, context),
                                                              torch.zeros(targets.shape))
 
-    monkeypatch.setattr(trainer, "build_token_loss", plain)
+    monkeypatch.setattr(trainer, "build_loss", plain)
     train_here(tmp_path / "plain", *short, *mix)
     assert losses(tmp_path / "mixed") == losses(tmp_path / "plain") and len(losses(tmp_path / "plain")) == 3
 
-    def never(*args, **kwargs):
-        raise AssertionError("a run on one source builds the plain loss alone")
+    def never(*args, per_token=False, **kwargs):
+        assert not per_token, "a run on one source builds the plain loss alone"
+        return build_loss(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "build_token_loss", never)  # one source: the plain loss path, as before
+    monkeypatch.setattr(trainer, "build_loss", never)  # one source: the plain loss path, as before
     train_here(tmp_path / "one", *short, corpus=corpus)
     assert all("loss_by_source" not in r for r in metrics(tmp_path / "one")) and len(losses(tmp_path / "one")) == 3
 

@@ -18,6 +18,7 @@ from titanlike.config.schema import Fp8
 from titanlike.errors import UserError
 from titanlike.float8 import Float8Converter, Float8Options, layers
 from titanlike.float8.layers import skip_reason
+from titanlike.model.converter import ConvertArgs
 from titanlike.model.decoder import OutputLayer, Transformer
 from titanlike.model.shape import PRESETS, flops_per_token
 
@@ -90,7 +91,7 @@ def test_convert_debug_model():
     a, seq = PRESETS["debug"], 64
     per_block = 2 * a.dim * a.dim + 2 * a.dim * (a.dim // 2) + 3 * a.dim * a.ffn_dim
     share = 6 * a.n_layers * per_block / flops_per_token(a, seq)
-    assert layers.float8_matmul_share(model, flops_per_token(a, seq)) == pytest.approx(share)
+    assert layers.float8_matmul_share(model, flops_per_token(a, seq), "tensorwise") == pytest.approx(share)
 
 
 def test_convert_with_auto_filter_keeps_small_model_high_precision():
@@ -279,7 +280,7 @@ def test_rowwise_blocks_compile_with_their_inductor_options(monkeypatch, recipe)
     model.to_empty(device="cpu")
     model.init_weights(0, 16)
     fp8 = Float8Converter(plan(recipe, auto_filter=False))
-    fp8.convert(model, device=torch.device("cpu"))
+    fp8.convert(model, ConvertArgs(device=torch.device("cpu")))
     options = fp8.compile_options()
     parallel.apply_compile(model, options)
     model(torch.randint(0, 97, (2, 16))).float().sum().backward()

@@ -173,7 +173,9 @@ def test_the_converter_checkpoints_one_stateful_item_under_the_old_key():
     step updates delayed scaling's history; its state_dict() is that history under the key checkpoints
     have always had (so old ones load), and its load_state_dict() restores a run's scales; without
     delayed scaling it holds nothing."""
+    from titanlike.converters import ModelConverters
     from titanlike.float8 import Float8Converter, Float8Options
+    from titanlike.model.converter import ConvertArgs
     from titanlike.run.state import TrainState
 
     class Sink:
@@ -187,9 +189,10 @@ def test_the_converter_checkpoints_one_stateful_item_under_the_old_key():
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.ReLU(), nn.Linear(64, 16, bias=False))
         fp8 = Float8Converter(Float8Options(recipe="tensorwise", emulate=True, scaling="delayed", amax_history=4))
-        assert fp8.convert(model, device=torch.device("cpu")).converted == ["0", "2"]
+        fp8.convert(model, ConvertArgs(device=torch.device("cpu")))
+        assert fp8.report.converted == ["0", "2"]
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-        fp8.attach(optimizer, counters=counters, metrics=Sink(), log_freq=1)
+        ModelConverters([fp8]).attach(optimizer, counters=counters, metrics=Sink())
         return fp8, model, optimizer
 
     counters = TrainState()  # the run's counters, as the trainer hands them over
@@ -212,6 +215,6 @@ def test_the_converter_checkpoints_one_stateful_item_under_the_old_key():
     assert not any(m.calibrated for m in float8_delayed.layers(other))
 
     dynamic = Float8Converter(Float8Options(recipe="tensorwise", emulate=True))
-    dynamic.convert(nn.Sequential(nn.Linear(32, 32, bias=False)), device=torch.device("cpu"))
+    dynamic.convert(nn.Sequential(nn.Linear(32, 32, bias=False)), ConvertArgs(device=torch.device("cpu")))
     assert dynamic.state_dict() == {}
     dynamic.load_state_dict({})

@@ -11,6 +11,7 @@ import torch
 
 from titanlike.float8 import Float8Converter, Float8Options, layers, measure
 from titanlike.float8.measure import BLOCK_CHOICES, Float8Plan, decide, fastest
+from titanlike.model.converter import ConvertArgs
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import PRESETS, model_args
 
@@ -89,7 +90,8 @@ def test_measure_off_the_gpu_falls_back_to_the_size_rule(caplog):
     options = Float8Options(recipe="tensorwise", emulate=False, filter_fqns=("output",), auto_filter="measure")
     fp8 = Float8Converter(options)
     with caplog.at_level(logging.INFO, logger="titanlike"):
-        report = fp8.convert(model, device=torch.device("cpu"), batch=2, seq_len=64, block_sample=model.sample_block)
+        fp8.convert(model, ConvertArgs(torch.device("cpu"), batch=2, seq_len=64, block_sample=model.sample_block))
+    report = fp8.report
     assert "fp8.auto_filter = measure needs a GPU running real float8: choosing layers by size instead" in caplog.text
     assert report.plan is None and report.converted == []
     assert all("too small for float8 to pay" in why for name, why in report.skipped.items() if name != "output")

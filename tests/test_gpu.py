@@ -296,7 +296,7 @@ def test_block_causal_flex_attention_matches_the_dense_mask(compiled):
     for flex in (True, False):
         model = Transformer(args, document_end=257).cuda()
         model.init_weights(seed=1, seq_len=512)
-        model.flex_attention = flex
+        model.hooks.flex_attention = flex
         models.append(model)
     if compiled:
         for block in models[0].layers:
@@ -536,7 +536,7 @@ def test_mixture_token_loss_is_the_compiled_loss_on_the_gpu(chunk_tokens, compil
     """A mixture's training loss (each token's loss read beside it for loss_by_source) is the plain
     compiled loss bit for bit under bf16 autocast on the GPU, gradients included."""
     from titanlike.model.decoder import Transformer
-    from titanlike.model.loss import build_loss, build_token_loss
+    from titanlike.model.loss import build_loss
     from titanlike.model.shape import model_args
 
     torch.manual_seed(0)
@@ -562,7 +562,7 @@ def test_mixture_token_loss_is_the_compiled_loss_on_the_gpu(chunk_tokens, compil
 
     with inductor_config.patch(deterministic=True):
         want, want_grads = run(build_loss(chunk_tokens, True, compile_head))
-        (loss, per_token), grads = run(build_token_loss(chunk_tokens, True, compile_head))
+        (loss, per_token), grads = run(build_loss(chunk_tokens, True, compile_head, per_token=True))
     assert torch.equal(loss.detach(), want.detach())
     assert all(torch.equal(grads[n], want_grads[n]) for n in grads)
     torch.testing.assert_close(per_token.mean(), want.detach().float(), rtol=1e-5, atol=1e-5)

@@ -14,7 +14,6 @@ from titanlike.model.decoder import Transformer
 from titanlike.model.loss import (
     LinearCrossEntropy,
     build_loss,
-    build_token_loss,
     chunked_output_loss,
     cross_entropy_sum_and_grad,
     fuses,
@@ -232,7 +231,7 @@ def test_fsdp_chunked_loss_is_fused_with_the_gathered_weight(tmp_path, reshard):
 
 @pytest.mark.parametrize("path", ["whole", "fused", "recomputed", "float8 output"])
 def test_token_loss_is_the_same_loss_with_each_tokens_loss_beside_it(path):
-    """A mixture's loss (build_token_loss) gives the plain loss's mean and gradients bit for bit, on
+    """A mixture's loss (build_loss's per_token) gives the plain loss's mean and gradients bit for bit, on
     every path (whole logits, fused chunks, recomputed chunks as under FSDP, a float8 output layer),
     and each token's detached loss beside it: their mean is the loss."""
     model, inputs, targets = model_and_batch(float8_output=path == "float8 output")
@@ -242,7 +241,7 @@ def test_token_loss_is_the_same_loss_with_each_tokens_loss_beside_it(path):
     assert fuses(model.output) == (path in ("whole", "fused"))
     want_loss, want_grads = loss_and_grads(model, inputs, targets, chunk_tokens)
     model.zero_grad(set_to_none=True)
-    loss, tokens = build_token_loss(chunk_tokens, compile=False)(model, inputs, targets)
+    loss, tokens = build_loss(chunk_tokens, compile=False, per_token=True)(model, inputs, targets)
     loss.backward()
     assert torch.equal(loss.detach(), want_loss)
     for name, p in model.named_parameters():
@@ -265,7 +264,8 @@ def test_compiled_token_loss_is_the_compiled_loss(chunk_tokens, compile_head):
     want_loss, want_grads = loss_and_grads(model, inputs, targets, chunk_tokens, compile=True,
                                            compile_head=compile_head)
     model.zero_grad(set_to_none=True)
-    loss, tokens = build_token_loss(chunk_tokens, compile=True, compile_head=compile_head)(model, inputs, targets)
+    token_loss = build_loss(chunk_tokens, compile=True, compile_head=compile_head, per_token=True)
+    loss, tokens = token_loss(model, inputs, targets)
     loss.backward()
     assert torch.equal(loss.detach(), want_loss)
     for name, p in model.named_parameters():

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import ROOT, losses, metrics, run_python, run_train, train_here
+from titanlike.config.schema import LRScheduler
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import ModelArgs
 from titanlike.optim import build_optimizer, build_scheduler, clip_and_step, lr_factor, resume_schedule
@@ -102,7 +103,8 @@ def schedule_lrs(state_dtype: str, steps: int, resume_at: int | None = None) -> 
     """The LR each update uses, from the param group (as the trainer logs it). No gradients: the
     optimizer steps are no-ops, so nothing compiles."""
     opt = optimizer(small_model(), state_dtype, lr=1e-3)
-    sched = build_scheduler(opt, steps, warmup_steps=3, decay_ratio=0.5, decay_type="cosine", min_lr_factor=0.1)
+    sched = build_scheduler(opt, LRScheduler(warmup_steps=3, decay_ratio=0.5, decay_type="cosine", min_lr_factor=0.1),
+                            steps)
     if resume_at is not None:
         resume_schedule(sched, resume_at)
     lrs = []

@@ -161,6 +161,7 @@ def test_update_rms_is_the_rms_of_the_step_per_unit_of_lr():
 def test_the_schedule_sets_the_lr_of_every_group():
     """LambdaLR (build_scheduler) schedules Muon's groups as AdamW's: in warmup the first update is that of
     an optimizer made with the first update's lr."""
+    from titanlike.config.schema import LRScheduler
     from titanlike.optim import build_scheduler
 
     args = ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64)
@@ -168,7 +169,8 @@ def test_the_schedule_sets_the_lr_of_every_group():
     scheduled.init_weights(0, 16)
     fixed.init_weights(0, 16)
     opt = Muon(transformer_param_groups(scheduled, WD), lr=LR, weight_decay=WD)
-    build_scheduler(opt, total_steps=10, warmup_steps=4, decay_ratio=0.0, decay_type="linear", min_lr_factor=0.0)
+    build_scheduler(opt, LRScheduler(warmup_steps=4, decay_ratio=0.0, decay_type="linear", min_lr_factor=0.0),
+                    total_steps=10)
     ref = Muon(transformer_param_groups(fixed, WD), lr=LR / 5, weight_decay=WD)  # warmup: 1 / (4 + 1)
     for model, optimizer in ((scheduled, opt), (fixed, ref)):
         _set_grads(model, 0)
@@ -448,8 +450,10 @@ def _converter_worker(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from titanlike import parallel
-    from titanlike.config.speed import Fp8
+    from titanlike.config.fp8 import Fp8
+    from titanlike.converters import ModelConverters
     from titanlike.float8 import Float8Converter
+    from titanlike.model.converter import ConvertArgs
     from titanlike.run.state import TrainState
 
     class NoMetrics:
@@ -463,12 +467,12 @@ def _converter_worker(rank: int, world: int) -> None:
     with torch.device("meta"):
         model = Transformer(args)
     converter = Float8Converter.from_config(Fp8(recipe="tensorwise", emulate=True, auto_filter="false"), dp_shard=world)
-    converter.convert(model, device=torch.device("cpu"), batch=2, seq_len=16)
+    converter.convert(model, ConvertArgs(device=torch.device("cpu"), batch=2, seq_len=16))
     parallel.apply_fsdp(model, init_device_mesh("cpu", (world,)), None, "always")
     model.to_empty(device="cpu")
     model.init_weights(seed=0, seq_len=16)
     opt = Muon(transformer_param_groups(model, WD), lr=LR, weight_decay=WD)
-    converter.attach(opt, counters=TrainState(), metrics=NoMetrics(), log_freq=1)
+    ModelConverters([converter]).attach(opt, counters=TrainState(), metrics=NoMetrics())
     assert converter.options.precompute_scales
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
     wrapped = [m.weight for m in model.modules() if hasattr(getattr(m, "weight", None), "_local_tensor")

@@ -127,8 +127,7 @@ def test_offloaded_fsdp_over_one_rank_trains_as_the_plain_model():
         with torch.device("meta"):
             model = Transformer(ARGS)
         # Unpinned: this torch build may have no accelerator to pin host memory for.
-        parallel.shard_model(model, mesh, cpu, mixed_precision="fp32", reshard="always", memory_limit_gib=0,
-                             log=False, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        parallel.apply_fsdp(model, mesh, None, "always", offload_policy=CPUOffloadPolicy(pin_memory=False))
         model.to_empty(device=offload.param_device(torch.device("cuda"), True))
         model.init_weights(0, 16)
         offload.buffers_to(model, cpu)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from titanlike.config.schema import LRScheduler
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import ModelArgs
 from titanlike.optim import build_optimizer, build_scheduler, clip_and_step, lr_factor
@@ -68,7 +69,7 @@ def test_decay_never_eats_into_warmup():
 def test_scheduler_drives_the_optimizer():
     p = nn.Parameter(torch.zeros(3))
     opt = torch.optim.SGD([p], lr=0.5)
-    sched = build_scheduler(opt, 10, 3, 0.4, "linear", 0.0)
+    sched = build_scheduler(opt, LRScheduler(warmup_steps=3, decay_ratio=0.4, decay_type="linear"), 10)
     used = []
     for _ in range(12):
         used.append(opt.param_groups[0]["lr"])  # the LR of the next update

@@ -43,6 +43,33 @@ def test_every_probe_passes_on_the_tested_torch_and_torchao(name):
     assert overrides.probe(name) is None
 
 
+def test_each_override_runs_the_probe_its_module_marks_and_an_unknown_name_fails_at_import():
+    """A probe is found by its mark (`@probe_for(name)`), not by a name composed at run time: each override's
+    module registers one, and a mark naming no override raises where it is written."""
+    for name in overrides.NAMES:
+        overrides.probe(name)
+    assert set(overrides._probes) == set(overrides.NAMES)
+    from titanlike.overrides import float8
+
+    assert overrides._probes["delayed_scaling"] is float8.probe_delayed_scaling
+    with pytest.raises(ValueError, match="no override is called 'delayed_scalling'"):
+        overrides.probe_for("delayed_scalling")
+
+
+def test_the_policys_matmul_ops_are_the_ones_this_torch_has(monkeypatch):
+    """Selective AC keys on float8's scaled mm where torch has it; a torch without it is no KeyError at
+    start-up (nothing can run float8 there), the plain mm is still kept."""
+    from titanlike.overrides import attention
+
+    assert attention.matmul_ops() == {torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default}
+
+    class Without:  # torch.ops.aten with no _scaled_mm
+        mm = torch.ops.aten.mm
+
+    monkeypatch.setattr(attention, "aten", Without())
+    assert attention.matmul_ops() == {torch.ops.aten.mm.default}
+
+
 def test_private_attention_ops_are_called_by_keyword_on_their_current_signatures():
     """cuDNN's and the CPU's fused attention and their backwards, by keyword on meta tensors: a renamed or
     reordered argument raises here."""
@@ -103,9 +130,8 @@ def test_a_version_outside_the_checked_ones_turns_an_override_off():
 def test_a_failed_probe_runs_stock_and_says_so_in_the_start_line(tmp_path, corpus, monkeypatch):
     """Delayed scaling whose torchao functions moved: the run trains with dynamic scaling, and the start
     line and the float8 line say so; nothing raises."""
-    from titanlike.overrides import float8
-
-    monkeypatch.setattr(float8, "probe_delayed_scaling", lambda: "torchao's amax_to_scale takes (x)")
+    overrides.probe("delayed_scaling")  # its module registered its probe
+    monkeypatch.setitem(overrides._probes, "delayed_scaling", lambda: "torchao's amax_to_scale takes (x)")
     monkeypatch.setattr(overrides, "_verdicts", {})
     proc = train_here(tmp_path, "--training.steps", "2", "--training.local_batch_size", "2", "--data.seq_len", "32",
                       "--fp8.recipe", "tensorwise", "--fp8.emulate", "--fp8.scaling", "delayed",
@@ -249,6 +275,7 @@ def test_the_fused_weight_cast_probe_refuses_a_torchao_whose_cast_changed(monkey
 
 def test_the_converter_installs_the_fused_cast_with_float8_all_gather_and_compile_only_when_on():
     from titanlike.float8 import Float8Converter, Float8Options
+    from titanlike.model.converter import ConvertArgs
     from titanlike.model.decoder import Transformer
     from titanlike.model.shape import ModelArgs
     from titanlike.overrides import float8
@@ -262,7 +289,7 @@ def test_the_converter_installs_the_fused_cast_with_float8_all_gather_and_compil
             model = Transformer(ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97))
         options = Float8Options(recipe="tensorwise", emulate=True, fsdp_float8_all_gather=True, precompute_scales=True,
                                 filter_fqns=("output",), auto_filter=False)
-        Float8Converter(options).convert(model, device=torch.device("cpu"), compiled=compiled)
+        Float8Converter(options).convert(model, ConvertArgs(device=torch.device("cpu"), compiled=compiled))
 
     try:
         overrides.configure("on")

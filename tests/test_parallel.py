@@ -8,6 +8,7 @@ rounding: 2 ranks × local batch 2 = 1 process × local batch 2 × 2 accumulated
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import losses, metrics, run_train, spawn_ranks, train_here
 from titanlike import parallel
+from titanlike.config import JobConfig
+from titanlike.config.speed import ActivationCheckpoint
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import ModelArgs
 
@@ -107,7 +110,7 @@ def recompute_profile(mode: str, option: str) -> tuple[list[int], dict]:
     """(how often each block's body ran in forward + backward, aten op counts during backward)."""
     model = Transformer(ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=50))
     model.init_weights(0, 16)
-    parallel.apply_activation_checkpointing(model, mode, option)
+    parallel.apply_activation_checkpointing(model, ActivationCheckpoint(mode, option))
     calls = [0] * 4
     for i, block in enumerate(model.layers):
         def body(*args, _body=block.body, _i=i):
@@ -158,7 +161,8 @@ def block_backward(option: str | None) -> tuple[list[str], dict]:
     selective AC with `option` (None: no AC), uncompiled."""
     model = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=50))
     model.init_weights(0, 16)
-    parallel.apply_activation_checkpointing(model, "none" if option is None else "selective", option or "op")
+    parallel.apply_activation_checkpointing(model, ActivationCheckpoint("none" if option is None else "selective",
+                                                                        option or "op"))
     block = model.layers[0]
     x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
     out = block(x, model.rope_cos[:16], model.rope_sin[:16])
@@ -199,7 +203,8 @@ def four_blocks(blocks: int | None, compiled: bool = False) -> Transformer:
     model = Transformer(ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=50))
     model.init_weights(0, 16)
     if blocks is not None:
-        parallel.apply_activation_checkpointing(model, "selective", "op:wqkv,wo,w1", 1.0, blocks)
+        parallel.apply_activation_checkpointing(model, ActivationCheckpoint("selective", "op:wqkv,wo,w1",
+                                                                            selective_ac_blocks=blocks))
     if compiled:
         parallel.apply_compile(model)
     return model
@@ -225,7 +230,7 @@ def test_selective_ac_blocks_recomputes_in_that_many_blocks_spread_out():
 @pytest.mark.slow  # two compiled block graphs: about 10 s
 def test_compiled_blocks_under_two_policies_get_a_graph_each():
     """Compiled blocks share graphs, and dynamo does not look into a checkpoint policy function: with the
-    policy bound into each block's checkpoint_fn, every block ran the first block's policy. Looked up by
+    policy bound into each block's hooks.recompute, every block ran the first block's policy. Looked up by
     the block's policy name, each policy gets its graph. Counted in what each block saves for backward:
     blocks 0 and 2 save w3's output (fp32 here) less than blocks 1 and 3."""
     from torch.autograd.graph import saved_tensors_hooks
@@ -258,6 +263,7 @@ def test_selective_op_names_under_compile_and_float8(monkeypatch, recipe):
 
     from titanlike.float8 import Float8Converter
     from titanlike.float8.options import Float8Options
+    from titanlike.model.converter import ConvertArgs
 
     real = checkpoint_module.create_selective_checkpoint_contexts
     traces: list[list[str]] = []
@@ -282,8 +288,8 @@ def test_selective_op_names_under_compile_and_float8(monkeypatch, recipe):
         model.init_weights(0, 16)
         if recipe != "none":
             options = Float8Options(recipe=recipe, emulate=True)
-            Float8Converter(options).convert(model, device=torch.device("cpu"))
-        parallel.apply_activation_checkpointing(model, "selective", "op:wqkv,w1")
+            Float8Converter(options).convert(model, ConvertArgs(device=torch.device("cpu")))
+        parallel.apply_activation_checkpointing(model, ActivationCheckpoint("selective", "op:wqkv,w1"))
         if compiled:
             parallel.apply_compile(model)
         block = model.layers[0]
@@ -305,7 +311,7 @@ def budgeted_block_run(budget: float) -> tuple[int, dict]:
     torch._dynamo.reset()  # compile each budget's graphs afresh
     model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=50))
     model.init_weights(0, 32)
-    parallel.apply_activation_checkpointing(model, "budget", "op", budget)
+    parallel.apply_activation_checkpointing(model, ActivationCheckpoint("budget", "op", memory_budget=budget))
     parallel.apply_compile(model)
     tokens = torch.randint(0, 50, (2, 32), generator=torch.Generator().manual_seed(0))
     h = model.tok_embeddings(tokens).detach().requires_grad_()
@@ -485,9 +491,10 @@ def test_gradients_are_summed_in_the_reduce_dtype(tmp_path):
         mesh = init_device_mesh("cpu", (1,))
         as_bf16 = gradients(lambda m: apply_fsdp(m, mesh, None, "always", reduce_dtype=torch.bfloat16))
         as_fp32 = gradients(lambda m: apply_fsdp(m, mesh, None, "always"))
-        one_rank = gradients(lambda m: shard_model(m, mesh, torch.device("cpu"), mixed_precision="bf16",
-                                                   reshard="always", memory_limit_gib=0, log=False,
-                                                   mixed_precision_reduce="bf16"))
+        cfg = JobConfig()
+        cfg.training.mixed_precision, cfg.training.mixed_precision_reduce = "bf16", "bf16"
+        cfg.parallel.reshard_after_forward = "always"
+        one_rank = gradients(lambda m: shard_model(m, mesh, torch.device("cpu"), cfg, log=False))
     finally:
         dist.destroy_process_group()
     assert exact.keys() == as_bf16.keys() == as_fp32.keys() == one_rank.keys()
@@ -609,3 +616,77 @@ def test_a_busy_cpu_is_said_when_the_compute_threads_outnumber_the_idle_cores(tm
         assert device.cpu_threads_note(torch.device("cpu")) is None
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_transforms_steer_a_model_through_its_hooks_alone(tmp_path):
+    """Context parallelism, activation checkpointing and compile (its body compiled alone under cp) change how
+    the model runs through model.hooks (model/hooks.py) and torch's own compile: no other attribute of any of
+    its modules is set or replaced, so decoder.py and hooks.py say all that can run."""
+    import torch.distributed as dist
+
+    model = Transformer(ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=50))
+
+    def attributes() -> dict:
+        return {name: {key: id(value) for key, value in vars(module).items()
+                       if key not in ("hooks", "_compiled_call_impl")}
+                for name, module in model.named_modules()}
+
+    before = attributes()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        context = parallel.apply_context_parallel(model, dist.group.WORLD)
+        parallel.apply_activation_checkpointing(model, ActivationCheckpoint("full", ""))
+        parallel.apply_compile(model, recompute_outside=True)
+    finally:
+        dist.destroy_process_group()
+    assert attributes() == before
+    assert all(block.attend == context.attend and block.recompute is not None and block.body is not None
+               for block in model.hooks.blocks)
+    assert [block.hooks for block in model.blocks()] == model.hooks.blocks
+
+
+def test_the_rank_layout_is_the_dims_cp_innermost():
+    """Ranks lie (dp_replicate, dp_shard, cp), cp innermost: a context group's ranks are neighbours and read
+    the same samples; FSDP's mesh flattens dp_shard × cp into one dimension, the context mesh cuts the world
+    into groups of cp."""
+    from titanlike.config import JobConfig, load_config
+    from titanlike.config.dims import parallel_dims
+
+    cfg = load_config(["--parallel.dp_replicate", "2", "--parallel.cp", "2"])
+    dims = parallel_dims(cfg, 8)
+    assert (dims.dp_replicate, dims.dp_shard, dims.cp) == (2, 2, 2)
+    assert [dims.dp_rank(rank) for rank in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert dims.fsdp_mesh == ((2, 4), ("dp_replicate", "dp_shard_cp"))
+    assert dims.context_mesh == ((4, 2), ("dp", "cp"))
+    plain = parallel_dims(JobConfig(), 4)
+    assert [plain.dp_rank(rank) for rank in range(4)] == [0, 1, 2, 3]
+    assert plain.fsdp_mesh == ((4,), ("dp_shard",))
+
+
+def test_parallelize_applies_cp_then_ac_then_compile_and_returns_the_contexts(tmp_path, monkeypatch):
+    """One call owns the order: with cp, a block recomputed whole is checkpointed around its compiled body
+    (compile saw the cp attention and the checkpoint before it); one rank on the CPU trains without autocast."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    from titanlike.config import load_config
+    from titanlike.config.dims import parallel_dims
+    from titanlike.parallel import apply as spread
+
+    cfg = load_config(["--activation_checkpoint.mode", "full", "--compile.enable"])
+    model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=50))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        # A one-rank context group stands for cp's: the mesh parallel.cp > 1 would make.
+        monkeypatch.setattr(spread, "context_mesh", lambda dims, device: SimpleNamespace(get_group=lambda: None))
+        monkeypatch.setattr(spread, "apply_context_parallel",
+                            lambda model, group, device_type: parallel.apply_context_parallel(model, dist.group.WORLD))
+        out = parallel.parallelize(model, parallel_dims(cfg, 1), cfg, device=torch.device("cpu"), mesh=None,
+                                   compile_options={}, log=False)
+    finally:
+        dist.destroy_process_group()
+    assert isinstance(out.context, parallel.ContextParallel) and isinstance(out.autocast, contextlib.nullcontext)
+    for block in model.hooks.blocks:
+        assert block.attend == out.context.attend and block.body is not None
+        assert block.recompute is parallel.activation_checkpoint.checkpointed_around_compiled

@@ -103,6 +103,22 @@ def test_memory_snapshot_needs_cuda(profiled):
     assert not list((profiled[0] / "profile").rglob("*.pickle"))
 
 
+def test_memory_snapshot_on_a_torch_without_the_allocators_history_is_one_line(tmp_path, monkeypatch, caplog):
+    """The allocator's history is private API (overrides/cuda.py): on a torch that moved it, a GPU run with
+    profiling.memory_snapshot says so in one line and trains on without snapshots."""
+    monkeypatch.delattr(torch.cuda.memory, "_record_memory_history")
+    cfg = SimpleNamespace(enable=False, freq=2, warmup=0, active=1, memory_snapshot=True, folder="profile")
+    with caplog.at_level("WARNING", logger="titanlike"):
+        p = Profiler(cfg, str(tmp_path), 0, torch.device("cuda"), start_step=0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "profiling.memory_snapshot records the CUDA allocator: torch.cuda.memory has no _record_memory_history, "
+        "skipped"]
+    p.step(2)
+    assert p.oom_snapshot(2) is None
+    p.close()
+    assert not (tmp_path / "profile").exists()
+
+
 @pytest.mark.gpu
 def test_memory_snapshot_and_oom_snapshot_on_cuda(tmp_path):
     """One GPU: a snapshot at the end of the first window, and one when a step runs out of memory."""

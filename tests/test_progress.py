@@ -167,7 +167,7 @@ def test_plain_log_line_carries_the_step_count_and_eta():
 
 def test_cpu_log_line_has_no_tflops_or_mfu_column(tmp_path, caplog):
     m = MetricsLogger(str(tmp_path), is_writer=True, tensorboard=False, device=torch.device("cpu"),
-                      float8_matmul_share=0.0)
+                      constants={})
     with caplog.at_level(logging.INFO, logger="titanlike"):
         m.log(20, {"loss": 3.0, "tps": 1234.0, "tflops": 0.0012, "mfu": None}, total_steps=150, eta_s=65)
     m.close()

@@ -101,7 +101,7 @@ def test_offline_run_holds_the_records_and_a_resume_continues_it(tmp_path, monke
 def test_only_the_writer_rank_opens_a_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     m = MetricsLogger(str(tmp_path), is_writer=False, tensorboard=False, device=torch.device("cpu"),
-                      float8_matmul_share=0.0, wandb=("titanlike", ""))
+                      constants={}, wandb=("titanlike", ""))
     m.log(1, {"loss": 1.0})
     m.close()
     assert m.wandb is None and not (tmp_path / "wandb").exists()

@@ -51,7 +51,7 @@ def check(cfg: JobConfig, world_size: int) -> ResolvedRun:
 
     overrides.chosen_names(cfg.parallel.overrides)  # names it knows (the probes need torch: the trainer's)
     run = resolve_run(cfg, world_size)  # reads dataset.json / an hf config.json: a bad shape stops here
-    if runs_on_cpu(cfg):  # a GPU config on a machine without one: it would build the model in host memory
+    if runs_on_cpu(cfg.training.device):  # a GPU config on a machine without a GPU: the model in host memory
         problem = cpu_host_problem(cfg, world_size, local_processes(world_size), run.model.args)
         if problem:
             raise UserError(problem)
@@ -79,7 +79,7 @@ def beyond_the_gpu(cfg: JobConfig, world: int) -> str | None:
     chooses the levers (it has its own refusal), and for a CPU run."""
     from titanlike.config.host import runs_on_cpu, smallest_gpu
 
-    if cfg.training.fit_gib or runs_on_cpu(cfg):
+    if cfg.training.fit_gib or runs_on_cpu(cfg.training.device):
         return None
     cap = cfg.training.gpu_memory_limit_gib
     if cap:

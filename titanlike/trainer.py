@@ -1,8 +1,8 @@
 """The trainer: build everything from the config, then run training steps.
 
 Read top to bottom, this file is the story of a run: where it runs, what data it reads, how the
-model is built (meta → float8 → activation checkpointing → compile → FSDP → init), what resumes it,
-how one step goes (micro-batches, the update), and what follows each step, in order: the non-finite
+model is built (meta → converters → parallelize: cp, activation checkpointing, compile, FSDP → init),
+what resumes it, how one step goes (micro-batches, the update), and what follows each step, in order: the non-finite
 check, the log record, validation, the checkpoint, a stop. Each component owns its lifecycle and is
 called at a few points; none calls back into the trainer. The command around it (train.py) turns
 anything the user can fix into one line on stderr and exit code 2.
@@ -22,13 +22,14 @@ from titanlike.checkpoint.manager import CheckpointManager, SavedParts
 from titanlike.config import ConfigError, JobConfig, to_toml
 from titanlike.config.dims import local_world, world_from_env
 from titanlike.config.run import resolve_run
+from titanlike.converters import build_converters
 from titanlike.data.build import DataSpec, build_run_data
 from titanlike.data.loader import validation_batches, validation_clamp_line, validation_steps
 from titanlike.data.tokenizer import record_tokenizer, run_tokenizer_files
-from titanlike.float8 import Float8Converter
 from titanlike.hf.initial import load_initial_weights
+from titanlike.model.converter import ConvertArgs
 from titanlike.model.decoder import Transformer
-from titanlike.model.loss import build_loss, build_token_loss
+from titanlike.model.loss import build_loss
 from titanlike.model.shape import count_params, describe, flops_per_token
 from titanlike.optim import build_optimizer, build_scheduler, clip_and_step, update_rms
 from titanlike.plan.estimate import cpu_host_problem
@@ -88,7 +89,6 @@ class Trainer:
                                       self.dims.fsdp_shard, cfg.optimizer.state_dtype,
                                       cfg.checkpoint.enable and cfg.checkpoint.async_mode != "disabled",
                                       log=self.is_main)
-        self.cp_mesh = parallel.context_mesh(self.dims, self.device)  # the ranks that split each sequence
         torch.manual_seed(cfg.job.seed)
         # The dump folder is this run's alone (a lock; checked writable before any work).
         self.run_folder = RunFolder(cfg.job.dump_folder, self.is_main)
@@ -108,9 +108,8 @@ class Trainer:
         # The stage (seq_len, RoPE base, batch) and the numbers that follow from it, owned in one place.
         self.stages = RunStages(self.run.stages, flops_per_token=lambda seq: flops_per_token(self.margs, seq),
                                 cp=self.dims.cp, compiled=cfg.compile.enable, is_main=self.is_main)
-        # The ranks are (replicate, shard, cp) in rank order: the cp ranks of a data-parallel group read
-        # the same samples (each keeps its part of every sequence).
-        self.dp_rank = self.rank // self.dims.cp
+        # The cp ranks of a data-parallel group read the same samples (each keeps its part of every sequence).
+        self.dp_rank = self.dims.dp_rank(self.rank)
         # One source (data.path) or a mixture (data.mix): each source's windows, the plan of which
         # source and window every global position reads, and the loader over it (data/build.py);
         # with stages, each seq_len's windows.
@@ -121,7 +120,7 @@ class Trainer:
             logger.info(missing)
 
     def _build_model(self) -> None:
-        """3. Model: meta → float8 → AC → compile → FSDP → materialise → init, at the first stage."""
+        """3. Model: meta → converters → cp → AC → compile → FSDP → materialise → init, at the first stage."""
         cfg, t, first = self.cfg, self.cfg.training, self.stages.first
         # Which overrides of torch/torchao internals run (parallel.overrides, each probed): one line.
         overrides_line = overrides.configure(cfg.parallel.overrides)
@@ -129,29 +128,16 @@ class Trainer:
             logger.info(overrides_line)
         with torch.device("meta"):  # block_causal splits documents at document_end
             model = Transformer(self.margs, document_end=self.run.model.document_end)
-        self.float8 = Float8Converter.from_config(cfg.fp8, self.dims.fsdp_shard)
-        self.float8_report = self.float8.convert(model, device=self.device, batch=first.local_batch,
-                                                 seq_len=first.rank_seq_len, flops_per_token=first.flops_per_token,
-                                                 block_sample=model.sample_block, compiled=cfg.compile.enable)
-        # Context parallelism: each attention layer gathers the keys and values of the group's ranks.
-        self.context = (parallel.apply_context_parallel(model, self.cp_mesh.get_group(), self.device.type)
-                        if self.cp_mesh is not None else None)
-        ac = cfg.activation_checkpoint
-        parallel.apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option, ac.memory_budget,
-                                                 ac.selective_ac_blocks)
-        if cfg.compile.enable:
-            parallel.apply_compile(model, self.float8.compile_options(), recompute_outside=self.context is not None)
-        # FSDP over the mesh (bf16 compute through its mixed precision), or one rank under autocast. Resharding
-        # is decided for the memory the run has: a cap, or a fit's number of GiB (`auto` is the card's own).
+        # The model converters the config turns on (titanlike/converters.py's registry), in order.
+        self.converters = build_converters(self.run)
+        self.converters.convert(model, ConvertArgs(
+            device=self.device, batch=first.local_batch, seq_len=first.rank_seq_len,
+            flops_per_token=first.flops_per_token, block_sample=model.sample_block, compiled=cfg.compile.enable))
+        # cp → AC → compile → FSDP (or autocast on one rank), in that order (parallel/apply.py).
+        spread = parallel.parallelize(model, self.dims, cfg, device=self.device, mesh=self.mesh,
+                                      compile_options=self.converters.compile_options(), log=self.is_main)
+        self.autocast, self.context = spread.autocast, spread.context
         offload = cfg.parallel.cpu_offload
-        fit_gib = t.fit_gib if isinstance(t.fit_gib, float) else 0.0
-        self.autocast = parallel.shard_model(model, self.mesh, self.device, mixed_precision=t.mixed_precision,
-                                             reshard=cfg.parallel.reshard_after_forward,
-                                             memory_limit_gib=min(filter(None, (t.gpu_memory_limit_gib, fit_gib)),
-                                                                  default=0.0), log=self.is_main,
-                                             offload_policy=parallel.offload.policy(offload),
-                                             fused_loss=t.loss_chunk_tokens > 0,
-                                             mixed_precision_reduce=t.mixed_precision_reduce)
         # Offloaded, the weights live in host memory but are drawn on the GPU (the numbers of a run
         # without offload), and the buffers (rotary tables) stay on the GPU, where the forward reads them.
         model.to_empty(device=parallel.offload.param_device(self.device, offload))
@@ -168,8 +154,7 @@ class Trainer:
         o, s = cfg.optimizer, cfg.lr_scheduler
         # optimizer.name's builder (optim/__init__.py's registry), from the [optimizer] section.
         self.optimizer = build_optimizer(self.model, o, self.device.type, host_params=cfg.parallel.cpu_offload)
-        self.scheduler = build_scheduler(self.optimizer, cfg.training.steps, s.warmup_steps, s.decay_ratio,
-                                         s.decay_type, s.min_lr_factor)
+        self.scheduler = build_scheduler(self.optimizer, s, cfg.training.steps)
         self.state = TrainState()
 
     def _resume(self) -> int | None:
@@ -179,7 +164,8 @@ class Trainer:
         # The run's tokenizer goes into its folder and into every step folder, for the export.
         self.tokenizer_files = run_tokenizer_files(self.run.model.dataset, builtin_corpus=self.run.builtin_corpus)
         self.checkpoint = CheckpointManager(
-            self.run, SavedParts(self.model, self.optimizer, self.scheduler, self.loader, self.state, self.float8),
+            self.run, SavedParts(self.model, self.optimizer, self.scheduler, self.loader, self.state,
+                                 self.converters.states),
             shape_after=lambda batches_read: self.run.stages.args_after(self.margs, batches_read),
             is_main=self.is_main, cuda=self.device.type == "cuda", folder_run=self.run_folder.run_id,
             step_files=self.tokenizer_files)
@@ -200,12 +186,12 @@ class Trainer:
         self.run_folder.write("config.toml", to_toml(self.run.resolved_config()))
         self.metrics = MetricsLogger(
             cfg.job.dump_folder, is_writer=self.is_main, tensorboard=cfg.metrics.enable_tensorboard,
-            device=self.device, float8_matmul_share=self.float8_report.matmul_share, purge_step=purge_step,
+            device=self.device, constants=self.converters.record(), purge_step=purge_step,
             wandb=(cfg.metrics.wandb_project, cfg.metrics.wandb_name) if cfg.metrics.enable_wandb else None)
         if resumed is not None:  # the first record of this process says so (scripts/plot_metrics.py marks it)
             self.metrics.note({"resumed_from": resumed})
-        # Float8 follows the weights (initialised or loaded) and updates its scales after each update.
-        self.float8.attach(self.optimizer, counters=self.state, metrics=self.metrics, log_freq=cfg.metrics.log_freq)
+        # The converters follow the weights (initialised or loaded), and act after each update (their scales).
+        self.converters.attach(self.optimizer, counters=self.state, metrics=self.metrics)
         self.profiler = Profiler(cfg.profiling, cfg.job.dump_folder, self.rank, self.device,
                                  start_step=self.state.step)
         # What a non-finite loss does (training.nonfinite): judged over the steps since the last check.
@@ -218,7 +204,7 @@ class Trainer:
         # beside it (detached) and summed by source (run/source_losses.py). One source: loss_fn alone.
         self.source_losses = SourceLosses(
             self.data.names, self.device,
-            build_token_loss(t.loss_chunk_tokens, self.cfg.compile.enable, compile_head=self.mesh is None),
+            build_loss(t.loss_chunk_tokens, self.cfg.compile.enable, compile_head=self.mesh is None, per_token=True),
         ) if self.data.mixed else None
 
     def _say_what_runs(self) -> None:
@@ -278,7 +264,7 @@ class Trainer:
         self.lr = float(self.optimizer.param_groups[0]["lr"])
         # The update overwrites the weights: a background save's copy of them must be complete first.
         self.checkpoint.before_update()
-        # Clip and update (float8 updates its scales after it, in its own hook). training.nonfinite =
+        # Clip and update (the converters act after it, in their hook). training.nonfinite =
         # skip reads on the host whether to update: one host sync a step, with skip only.
         if self.timer:
             self.timer.mark()

@@ -22,7 +22,9 @@ import torch.distributed as dist
 
 from titanlike import parallel
 from titanlike.config.schema import Fp8
+from titanlike.converters import ModelConverters
 from titanlike.float8 import Float8Converter
+from titanlike.model.converter import ConvertArgs
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import ModelArgs
 from titanlike.run.state import TrainState
@@ -100,7 +102,7 @@ def build(fp8: bool, mesh):
     cfg = Fp8(recipe="tensorwise" if fp8 else "none", emulate=DEVICE_TYPE == "cpu", auto_filter=False,
               filter_fqns=["output"])
     fp8 = Float8Converter.from_config(cfg, dp_shard=mesh.size())  # all-gather and precompute left to their defaults
-    fp8.convert(model, device=device(), batch=2, seq_len=SEQ)
+    fp8.convert(model, ConvertArgs(device=device(), batch=2, seq_len=SEQ))
     parallel.apply_fsdp(model, mesh, None, "default")
     model.to_empty(device=device())
     model.init_weights(seed=0, seq_len=SEQ)
@@ -130,7 +132,7 @@ def case(fp8: bool, mesh, rec: Recorder) -> dict:
     logits.float().pow(2).mean().backward()
     # The trainer attaches the converter before step 1 (so step 1 gathers with precomputed scales too);
     # here after the first forward, which then shows the scales computed on the fly.
-    component.attach(optimizer, counters=TrainState(), metrics=NoMetrics(), log_freq=1)
+    ModelConverters([component]).attach(optimizer, counters=TrainState(), metrics=NoMetrics())
     optimizer.step()  # the converter's hook precomputes every weight's scale
 
     precomputed = {}

@@ -16,6 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from titanlike.config.speed import ActivationCheckpoint
 from titanlike.model.decoder import Transformer
 from titanlike.model.loss import build_loss
 from titanlike.model.shape import ModelArgs
@@ -33,7 +34,7 @@ def held_after_forward(device: torch.device, outside: bool) -> int:
     model.init_weights(0, SEQ)
     model.to(torch.bfloat16)
     context = apply_context_parallel(model, dist.group.WORLD, device_type=device.type)
-    apply_activation_checkpointing(model, "full", "")
+    apply_activation_checkpointing(model, ActivationCheckpoint("full", ""))
     apply_compile(model, recompute_outside=outside)
     tokens = torch.randint(0, ARGS.vocab_size, (1, SEQ + 1), generator=torch.Generator().manual_seed(1)).to(device)
     loss_fn = build_loss(0, compile=False)

@@ -1,7 +1,7 @@
 """The checkpoint manager: built in one call from the parts of a run, it decides when to save, saves,
 publishes, verifies, resumes, falls back and owns its folder. The trainer calls it at a few points:
 
-    manager = CheckpointManager(run, SavedParts(model, optimizer, scheduler, loader, counters, float8), ...)
+    manager = CheckpointManager(run, SavedParts(model, optimizer, scheduler, loader, counters, converters), ...)
     manager.load_or_start()        resume from the newest intact step (or checkpoint.load_step, or a
                                    stopped run's save); None if there is nothing to resume
     manager.before_update()        before each optimizer step: a background save's copy of the tensors
@@ -27,7 +27,7 @@ import logging
 import os
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -37,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from titanlike import fs
+from titanlike.checkpoint import states as stateful
 from titanlike.checkpoint.folder import StepFolders
 from titanlike.checkpoint.identity import other_run, run_after_load
 from titanlike.checkpoint.manifest import ensure_signing_key, inspect, read_manifest
@@ -68,7 +69,7 @@ class DataPosition(Protocol):
 @dataclass(frozen=True)
 class SavedParts:
     """The parts of a run a checkpoint saves and restores, in the order a load restores them (weights
-    before what is derived from them: float8's scales)."""
+    before what is derived from them: a converter's scales)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -78,8 +79,8 @@ class SavedParts:
     """The data position: its state is saved as it is."""
     counters: Any
     """The run's counters (step, tokens, ...: run/state.py)."""
-    float8: Any
-    """The float8 converter (delayed scaling's history)."""
+    converters: Mapping[str, stateful.ConverterState]
+    """The model converters by name, each its own entry (model/converter.py)."""
 
 
 class CheckpointManager:
@@ -95,7 +96,9 @@ class CheckpointManager:
         self.states: dict[str, Any] = {
             "model": ModelState(parts.model), "optimizer": OptimizerState(parts.model, parts.optimizer),
             "lr_scheduler": SchedulerState(parts.scheduler), "dataloader": parts.loader,
-            "train_state": parts.counters, "float8": parts.float8}
+            "train_state": parts.counters}
+        assert not self.states.keys() & parts.converters.keys(), "a converter named as one of the run's states"
+        self.states.update(parts.converters)
         self.run = RunRecord(run.global_batch, run.dims.dp, cfg.job.seed, cfg.optimizer.state_dtype,
                              cfg.optimizer.name, resumable_settings(cfg, run.schedule, run.stages),
                              dump_folder=os.path.abspath(cfg.job.dump_folder))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import base64
 import random
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -24,6 +24,18 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from titanlike.overrides.float8 import unwrap_weight
+
+
+class ConverterState(Protocol):
+    """What a checkpoint needs of a model converter (model/converter.py): its state, saved and restored as it
+    is, after the weights; a checkpoint without its entry (or with another shape of it) loads as a fresh start
+    (`partial_load`)."""
+
+    partial_load: bool
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 def plain_tensors(sd: dict) -> dict:

@@ -1,4 +1,5 @@
-"""The job configuration: the schema (schema.py, speed.py), reading TOML and the command line
+"""The job configuration: the schema (schema.py, speed.py, fp8.py with the float8 recipes' facts,
+optimizer.py with the optimizers'), the rules across sections (rules.py), reading TOML and the command line
 (loader.py), the [data] strings (sources.py) and dataset.json (dataset.py), which model shape a config
 means (resolve.py), the degrees and batch plan at a world size (dims.py), and the run all of that
 resolves to, once (run.py). Plain Python, the root of the package: it imports nothing of titanlike
@@ -16,7 +17,8 @@ import os
 from titanlike.config import loader
 from titanlike.config.dims import check_cp_divides
 from titanlike.config.loader import ConfigError, field_docs, to_toml
-from titanlike.config.schema import JobConfig, validate_across_sections
+from titanlike.config.rules import validate_across_sections
+from titanlike.config.schema import JobConfig
 from titanlike.config.sources import SINGLE, DataSchedule
 from titanlike.config.stages import Stages
 

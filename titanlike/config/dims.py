@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from titanlike.config.fp8 import float8_all_gather
 from titanlike.config.loader import ConfigError
 from titanlike.config.schema import JobConfig
 
@@ -95,6 +96,31 @@ class ParallelDims:
     def sharded(self) -> bool:
         return self.world_size > 1
 
+    # ---- the rank layout: (dp_replicate, dp_shard, cp), cp innermost --------------------------------------
+    # The ranks of a context group are neighbours (one node, the fastest links, for the all-gathers of every
+    # attention layer); FSDP shards over dp_shard × cp. A degree added inside cp (tensor parallelism) would
+    # go innermost, and these three say where it lies.
+
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel rank of global rank `rank`: the cp ranks of a data-parallel group read the same
+        samples (each keeps its part of every sequence)."""
+        return rank // self.cp
+
+    @property
+    def fsdp_mesh(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """FSDP's mesh, (shape, dimension names): (dp_replicate, dp_shard × cp), or (dp_shard × cp,) without
+        replicas (the two degrees flattened into one dimension when built, not by DeviceMesh's private
+        `_flatten`)."""
+        shard = "dp_shard" if self.cp == 1 else "dp_shard_cp"
+        if self.dp_replicate > 1:
+            return (self.dp_replicate, self.fsdp_shard), ("dp_replicate", shard)
+        return (self.fsdp_shard,), (shard,)
+
+    @property
+    def context_mesh(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The mesh whose "cp" dimension is a rank's context group, (shape, dimension names)."""
+        return (self.world_size // self.cp, self.cp), ("dp", "cp")
+
 
 def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
     """The degrees and the batch plan a config means at this world size; ConfigError (one line) if none."""
@@ -122,7 +148,7 @@ def check_offload(cfg: JobConfig, dp_replicate: int, dp_shard: int) -> None:
             f"parallel.cpu_offload works with plain FSDP, not HSDP (parallel.dp_replicate resolves to {dp_replicate}): "
             f"set --parallel.dp_replicate 1")
     fp8 = cfg.fp8
-    if fp8.recipe == "tensorwise" and fp8.enable_fsdp_float8_all_gather is None and dp_shard > 1:
+    if fp8.enable_fsdp_float8_all_gather is None and float8_all_gather(fp8, dp_shard):
         raise ConfigError(
-            "parallel.cpu_offload cannot all-gather weights in float8, which tensorwise turns on with more than one "
-            "shard: set --fp8.enable_fsdp_float8_all_gather false")
+            f"parallel.cpu_offload cannot all-gather weights in float8, which {fp8.recipe} turns on with more than "
+            f"one shard: set --fp8.enable_fsdp_float8_all_gather false")

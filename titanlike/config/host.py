@@ -7,7 +7,6 @@ import glob
 import os
 import shutil
 import subprocess
-from typing import Any
 
 
 def available_cores() -> int:
@@ -61,6 +60,6 @@ def smallest_gpu(timeout_s: float = 10.0) -> tuple[str, float] | None:
     return min(cards, key=lambda card: card[1]) if cards else None
 
 
-def runs_on_cpu(cfg: Any) -> bool:
-    """A run that trains on the CPU: training.device = cpu, or auto with no GPU visible."""
-    return cfg.training.device == "cpu" or (cfg.training.device == "auto" and not gpu_visible())
+def runs_on_cpu(device: str) -> bool:
+    """Whether a run whose training.device is `device` trains on the CPU: cpu, or auto with no GPU visible."""
+    return device == "cpu" or (device == "auto" and not gpu_visible())

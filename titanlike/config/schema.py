@@ -2,11 +2,11 @@
 
 Each `[section]` is a dataclass; the string literal under a field is its documentation, which
 `--help`, error lines and docs/configuration.md all read back (loader.field_docs). Each section's
-`validate()` holds the rules that section alone decides; `validate_across_sections` holds the few
-that tie two sections together. All of them run before a process group or a GPU is touched (the
+`validate()` holds the rules that section alone decides; rules.py's `validate_across_sections` holds
+the few that tie two sections together. All of them run before a process group or a GPU is touched (the
 preflight imports no torch) and fail as one `ConfigError` line that names the key, the value and
-what would be valid. The sections of how a step runs fast (sharding, float8, compile, recompute) are
-in speed.py, the optimizer's in optimizer.py. Reading TOML and the command line is loader.py's job;
+what would be valid. The sections of how a step runs fast (sharding, compile, recompute) are in
+speed.py, float8's in fp8.py, the optimizer's in optimizer.py. Reading TOML and the command line is loader.py's job;
 parsing [data]'s mixture strings, sources.py's; which model shape a config means, resolve.py's.
 """
 
@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
-from titanlike.config import sources, speed
+from titanlike.config import sources
+from titanlike.config.fp8 import Fp8
 from titanlike.config.host import available_cores
 from titanlike.config.loader import need
 from titanlike.config.optimizer import Optimizer
-from titanlike.config.speed import ActivationCheckpoint, Compile, Fp8, Parallel
-from titanlike.config.stages import check_stages, stage_seq_lens
-from titanlike.model.shape import PRESETS, model_args
+from titanlike.config.speed import ActivationCheckpoint, Compile, Parallel
+from titanlike.model.shape import PRESETS
 
 # data.num_workers: loader processes beyond a few per core only cost memory (each holds the dataset).
 MAX_WORKERS_PER_CORE = 4
@@ -366,58 +366,9 @@ class JobConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Rules across sections, and the entry points.
+# Where a folder option points (the rules across sections are rules.py's).
 
 
 def in_dump_folder(dump_folder: str, folder: str) -> str:
     """A folder option (checkpoint.folder, profiling.folder): relative to job.dump_folder unless absolute."""
     return folder if os.path.isabs(folder) else os.path.join(dump_folder, folder)
-
-
-def validate_across_sections(cfg: JobConfig) -> None:
-    """Rules that tie one section's value to another's."""
-    ckpt = cfg.checkpoint.folder
-    # The checkpoint folder has a lock of its own beside the dump folder's: one folder for both would be
-    # "in use by another run", naming this one.
-    need(os.path.realpath(in_dump_folder(cfg.job.dump_folder, ckpt)) != os.path.realpath(cfg.job.dump_folder),
-         f"checkpoint.folder = {ckpt!r} is job.dump_folder itself ({cfg.job.dump_folder}): name a folder inside it "
-         f"(default \"checkpoint\") or elsewhere")
-    prof = in_dump_folder(cfg.job.dump_folder, cfg.profiling.folder)
-    need(not (cfg.profiling.enable or cfg.profiling.memory_snapshot) or not os.path.lexists(prof)
-         or os.path.isdir(prof),
-         f"profiling.folder = {cfg.profiling.folder!r} is a file: the traces go into a folder ({prof}); name "
-         f"another one")
-    m = cfg.model
-    need(m.flavor != "hf" or bool(cfg.checkpoint.initial_load_path),
-         "model.flavor = hf takes the shape from a Hugging Face folder's config.json: "
-         "set --checkpoint.initial_load_path")
-    max_seq_len = 0
-    if m.flavor != "hf":  # an hf shape is checked once its config.json is read (titanlike/config/resolve.py)
-        shape = model_args(m.flavor, **m.shape_overrides())
-        for problem in shape.problems():
-            need(False, f"model shape ({m.flavor} with the model.* overrides): {problem}")
-        max_seq_len, n_layers = shape.max_seq_len, shape.n_layers
-        blocks = cfg.activation_checkpoint.selective_ac_blocks
-        need(blocks <= n_layers,
-             f"activation_checkpoint.selective_ac_blocks = {blocks} is more than the model's {n_layers} blocks")
-    schedule = sources.schedule_of(cfg.data)
-    check_stages(cfg, max_seq_len if m.flavor != "hf" else None, schedule)
-    for where, seq_len in stage_seq_lens(cfg, schedule):  # a long-context stage's windows split over cp ranks too
-        speed.validate_context_parallel(cfg.parallel.cp, seq_len, m.attn_mask, cfg.training.device, where)
-    for phase in schedule.phases[1:]:
-        need(1 < phase.start_step <= cfg.training.steps,
-             f"{phase.option}: a mixture from step {phase.start_step} must start in [2, training.steps = "
-             f"{cfg.training.steps}] (the first applies from step 1; one past the last step is never read)")
-    need(
-        cfg.activation_checkpoint.mode != "budget" or cfg.compile.enable,
-        "activation_checkpoint.mode = budget is carried out by torch.compile's partitioner: set --compile.enable",
-    )
-    speed.offload_rules(cfg)
-    speed.overrides_rules(cfg)
-    need(cfg.checkpoint.load_step == -1 or cfg.checkpoint.enable,
-         f"checkpoint.load_step = {cfg.checkpoint.load_step} resumes from a checkpoint: it needs --checkpoint.enable")
-    need(
-        cfg.training.nonfinite != "rollback" or cfg.checkpoint.enable,
-        "training.nonfinite = rollback reloads the last checkpoint: it needs --checkpoint.enable",
-    )
-

@@ -19,7 +19,7 @@ import re
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 SINGLE = "data"
 """The name of `data.path`'s one source (in tokens_by_source and the like)."""
@@ -241,7 +241,17 @@ def phases_from_tables(value: Any) -> str:
     return ";".join(items)
 
 
-def builtin_corpus(data: Any) -> bool:
+class DataStrings(Protocol):
+    """What the schedule reads of the [data] section (schema.py's Data, which imports this module)."""
+
+    path: str
+    mix: str
+    anneal_mix: str
+    anneal_from_step: int
+    phase: str
+
+
+def builtin_corpus(data: DataStrings) -> bool:
     """Whether [data] (`data`) names no data at all: neither data.path nor data.mix, so the run reads
     the embedded corpus (byte tokens, no dataset.json)."""
     return not data.path and not data.mix
@@ -289,7 +299,7 @@ class DataSchedule:
                          for p in self.phases)
 
 
-def schedule_of(data: Any) -> DataSchedule:
+def schedule_of(data: DataStrings) -> DataSchedule:
     """The schedule that [data] (`data`) names; a ValueError for a string the schema would refuse."""
     first = tuple(parse_mix(data.mix)) if data.mix else (Source(SINGLE, data.path, 1.0),)
     phases = [Phase(1, first, "data.mix" if data.mix else "data.path")]

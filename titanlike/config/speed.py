@@ -1,14 +1,14 @@
-"""The config sections of how a step runs fast: sharding (parallel), float8 (fp8), torch.compile
-(compile) and recomputation (activation_checkpoint). Part of the schema (schema.py): the same
-dataclass-and-docstring form, the same `need` rules, checked by the same config meta-test."""
+"""The config sections of how a step runs fast: sharding (parallel), torch.compile (compile) and
+recomputation (activation_checkpoint); float8's [fp8] lives beside its recipes' facts (fp8.py). Part of
+the schema (schema.py): the same dataclass-and-docstring form, the same `need` rules, checked by the
+same config meta-test."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 from titanlike.config.loader import need
-from titanlike.config.optimizer import OPTIMIZERS
 from titanlike.model.shape import BLOCK_MATMULS
 
 # `reshard_after_forward = default` keeps the gathered weights from forward to backward (so backward
@@ -79,10 +79,6 @@ class Parallel:
 # two chunks must be whole tiles, so that its query tiles are tiles of the whole window.
 FLEX_BLOCK = 128
 
-# fp8.amax_history: each converted Linear keeps 3 × this many floats, rolled every step; 10^18 overflowed
-# the storage at the first step while the config check passed it.
-MAX_AMAX_HISTORY = 1024
-
 
 def validate_context_parallel(cp: int, seq_len: int, attn_mask: str, device: str, where: str = "data.seq_len") -> None:
     """parallel.cp against a window (`where`: the option that sets its seq_len): 2·cp equal chunks, and
@@ -96,66 +92,6 @@ def validate_context_parallel(cp: int, seq_len: int, attn_mask: str, device: str
          f"model.attn_mask = block_causal with parallel.cp = {cp} runs flex attention on a GPU, which can split "
          f"a window only into chunks of whole {FLEX_BLOCK}-token tiles: {where} = {seq_len} must be a "
          f"multiple of {2 * cp * FLEX_BLOCK} (2 × cp × {FLEX_BLOCK}; with --training.device cpu, of {2 * cp})")
-
-
-@dataclass
-class Fp8:
-    recipe: Literal["none", "tensorwise", "rowwise", "rowwise_with_gw_hp"] = "none"
-    """torchao float8 training recipe for the Linear layers (none = bf16)."""
-    enable_fsdp_float8_all_gather: bool | None = None
-    """All-gather weights in float8 (tensorwise only); unset = on when tensorwise and dp_shard > 1."""
-    precompute_float8_dynamic_scale_for_fsdp: bool | None = None
-    """One all-reduce after each optimizer step computes every weight's scale; unset = on with float8 all-gather."""
-    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
-    """Linear layers whose name contains one of these stay in high precision."""
-    auto_filter: Literal["true", "false", "measure"] = "true"
-    """Which Linears convert: true = those large enough to pay (by a size rule); measure = at start-up
-    on this GPU, time one whole compiled block forward + backward at the run's micro-batch with no,
-    the feed-forward's or every Linear in float8 and convert what was fastest (within 2 %, the more
-    precise choice if it keeps no more memory for backward; cached; the size rule without a GPU; the
-    output layer stays high precision); false = all (dimensions not multiples of 16 always stay high
-    precision)."""
-    scaling: Literal["dynamic", "delayed"] = "dynamic"
-    """How tensorwise scales each Linear's input, weight and output gradient: dynamic = from the
-    tensor's own amax (a read of the whole tensor before the cast); delayed = from the amaxes of the
-    last amax_history measurements, taken during the casts: faster (titanlike/float8/delayed.py).
-    Weights that FSDP all-gathers in float8 keep their precomputed dynamic scales either way.
-    Ignored with recipe = none; rowwise recipes need dynamic."""
-    amax_history: int = 16
-    """Measurements of the largest magnitudes that delayed scaling takes the maximum of; at most 1024
-    (TransformerEngine's default length: amaxes from further back would only make the scale lag)."""
-    amax_every: int = 1
-    """Delayed scaling measures the largest magnitudes on every this-many-th step only (1 = every
-    step): the steps between skip the measuring and run faster; a value that grew since the last
-    measurement saturates until the next."""
-    emulate: bool = False
-    """Emulate float8 matmuls in high precision (CPU tests, GPUs without float8)."""
-    health_log_freq: int = 10
-    """Log float8 weight health at every this-many-th log step (every metrics.log_freq × health_log_freq steps;
-    0 = off): per converted Linear, the weight amax and the shares of values that would saturate or flush to
-    zero when cast to float8; per layer in TensorBoard (fp8/<layer>/...), the worst layer in metrics.jsonl."""
-
-    def validate(self) -> None:
-        need(
-            not (self.enable_fsdp_float8_all_gather and self.recipe != "tensorwise"),
-            f"fp8.enable_fsdp_float8_all_gather needs fp8.recipe = tensorwise (got {self.recipe!r}): rowwise "
-            f"scales are per row of each matmul input, so a weight cannot be gathered in float8 once for all uses",
-        )
-        # With float8 off the scaling means nothing: `--fp8.recipe none` turns off a config that
-        # sets delayed scaling (train_configs/rtx5090_124m.toml) without a second flag.
-        need(
-            self.scaling == "dynamic" or self.recipe in ("tensorwise", "none"),
-            f"fp8.scaling = delayed needs fp8.recipe = tensorwise (got {self.recipe!r}): rowwise scales are per "
-            f"row of each tensor, which changes from step to step",
-        )
-        need(1 <= self.amax_history <= MAX_AMAX_HISTORY,
-             f"fp8.amax_history = {self.amax_history} must be in [1, {MAX_AMAX_HISTORY}] (default 16)")
-        need(self.amax_every >= 1, f"fp8.amax_every = {self.amax_every} must be >= 1")
-        need(
-            not (self.precompute_float8_dynamic_scale_for_fsdp and self.enable_fsdp_float8_all_gather is False),
-            "fp8.precompute_float8_dynamic_scale_for_fsdp needs fp8.enable_fsdp_float8_all_gather",
-        )
-        need(self.health_log_freq >= 0, f"fp8.health_log_freq = {self.health_log_freq} must be >= 0 (0 = off)")
 
 
 @dataclass
@@ -232,34 +168,3 @@ def matmul_outputs_kept(option: str) -> tuple[str, ...] | None:
         names = set(_op_names(option))
         return tuple(n for n in BLOCK_MATMULS if n in names)
     return None
-
-
-def offload_rules(cfg: Any) -> None:
-    """parallel.cpu_offload against the other sections (the degrees at a world size: dims.check_offload)."""
-    if not cfg.parallel.cpu_offload:
-        return
-    need(cfg.training.device != "cpu",
-         "parallel.cpu_offload moves weights, gradients and optimizer state from the GPU to host memory: a run "
-         "with training.device = cpu has nothing to offload; drop --parallel.cpu_offload")
-    need(not cfg.fp8.enable_fsdp_float8_all_gather,
-         "parallel.cpu_offload cannot all-gather weights in float8 (the offloaded weights are fp32 on the host): "
-         "set --fp8.enable_fsdp_float8_all_gather false")
-    need(cfg.parallel.gradient_sync == "micro_batch",
-         "parallel.gradient_sync = step keeps the whole model's gradients on the GPU between micro-batches, which "
-         "parallel.cpu_offload exists to avoid: set --parallel.gradient_sync micro_batch")
-    host_step = OPTIMIZERS[cfg.optimizer.name].host_step
-    need(not host_step,
-         f"parallel.cpu_offload runs the optimizer step on the CPU, where with optimizer.name = {cfg.optimizer.name} "
-         f"{host_step}: drop --parallel.cpu_offload, or use --optimizer.name "
-         f"{' or '.join(n for n, f in OPTIMIZERS.items() if not f.host_step)}")
-    need(cfg.parallel.dp_replicate in (1, -1),
-         f"parallel.cpu_offload works with plain FSDP, not HSDP (parallel.dp_replicate = {cfg.parallel.dp_replicate}): "
-         f"set --parallel.dp_replicate 1")
-
-
-def overrides_rules(cfg: Any) -> None:
-    """parallel.overrides against what needs one of them (the names themselves: titanlike/overrides)."""
-    kept = {n.strip() for n in cfg.parallel.overrides.split(",")}
-    need(cfg.activation_checkpoint.mode != "budget" or "on" in kept or "activation_memory_budget" in kept,
-         f"activation_checkpoint.mode = budget needs the override activation_memory_budget (torch's private "
-         f"setting), which parallel.overrides = {cfg.parallel.overrides!r} leaves off: use mode full or selective")

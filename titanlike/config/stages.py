@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from titanlike.config.loader import ConfigError
+from titanlike.config.schema import JobConfig
 from titanlike.config.sources import DataSchedule
 from titanlike.model.shape import SHAPE_LIMITS, ModelArgs
 
@@ -85,11 +86,12 @@ class Stages:
         return replace(args, rope_theta=self.at_batch(max(0, batches_read - 1)).rope_theta)
 
 
-def _settings(cfg: Any, schedule: DataSchedule) -> list[tuple[int, dict[str, Any]]]:
+def _settings(cfg: JobConfig, schedule: DataSchedule) -> list[tuple[int, dict[str, Any]]]:
     """(first step, every STAGE_KEYS value in force) of each stage, from the config's own values on;
     `schedule`: [data]'s, parsed (its stage changes)."""
-    current = {"seq_len": cfg.data.seq_len, "rope_theta": None, "local_batch_size": cfg.training.local_batch_size,
-               "global_batch_size": cfg.training.global_batch_size}
+    current: dict[str, Any] = {"seq_len": cfg.data.seq_len, "rope_theta": None,
+                               "local_batch_size": cfg.training.local_batch_size,
+                               "global_batch_size": cfg.training.global_batch_size}
     out = [(1, dict(current))]
     for step, changes in schedule.stage_changes:
         current.update(changes)
@@ -97,7 +99,7 @@ def _settings(cfg: Any, schedule: DataSchedule) -> list[tuple[int, dict[str, Any
     return out
 
 
-def stage_seq_lens(cfg: Any, schedule: DataSchedule) -> list[tuple[str, int]]:
+def stage_seq_lens(cfg: JobConfig, schedule: DataSchedule) -> list[tuple[str, int]]:
     """(option, seq_len) of every stage: data.seq_len, then each stage's of data.phase."""
     return [(_seq_len_option(step), s["seq_len"]) for step, s in _settings(cfg, schedule)]
 
@@ -122,7 +124,7 @@ def trained_window(settings: object, step: int) -> int | None:
                           if int(start) <= step)])
 
 
-def check_stages(cfg: Any, max_seq_len: int | None, schedule: DataSchedule) -> None:
+def check_stages(cfg: JobConfig, max_seq_len: int | None, schedule: DataSchedule) -> None:
     """The rules a stage table must keep at any world size; `max_seq_len`: the model's (None for an hf
     shape, checked once its config.json is read). ConfigError (one line) naming the stage. The one place
     that holds every stage's samples, the first's included, to the model's limit."""
@@ -154,7 +156,7 @@ def check_stages(cfg: Any, max_seq_len: int | None, schedule: DataSchedule) -> N
                               f"(× the data-parallel degree)")
 
 
-def resolve_stages(cfg: Any, args: ModelArgs, dp: int, schedule: DataSchedule) -> Stages:
+def resolve_stages(cfg: JobConfig, args: ModelArgs, dp: int, schedule: DataSchedule) -> Stages:
     """The stages at `dp` data-parallel ranks, for the model shape `args` and [data]'s parsed `schedule`;
     ConfigError (one line) for a stage whose batch does not split over the ranks or whose samples exceed
     the model's limit."""

@@ -1,67 +1,59 @@
-"""Float8 training through torchao, as one converter the trainer calls at four points:
+"""Float8 training through torchao, as one model converter (model/converter.py's protocol):
 
-    float8 = Float8Converter.from_config(cfg.fp8, dp_shard)   options from [fp8] and the data-parallel degree
-    float8.convert(model, device=..., ...)           on the meta model, before activation checkpointing,
+    float8 = Float8Converter.from_config(cfg.fp8, dp_shard, log_freq)   options from [fp8] and the degree
+    float8.convert(model, ConvertArgs(device=..., ...))   on the meta model, before activation checkpointing,
                                                      compile and FSDP: checks that this device can run the
                                                      recipe (one line if not), times whole blocks if
                                                      fp8.auto_filter = measure (measure.py), swaps the chosen
                                                      Linears for torchao's Float8Linear (layers.py) or
                                                      DelayedFloat8Linear (delayed.py), logs what it did
     float8.compile_options()                         what torch.compile needs for the converted blocks
-    float8.attach(optimizer, ...)                    once the weights are set: registers its own hook after
-                                                     each optimizer step (delayed scaling's history, the
-                                                     weights' scales for the next float8 all-gather, weight
-                                                     health every few log steps)
+    float8.start(counters)                           once the weights are set (initialised or loaded)
+    float8.after_step(step)                          after each optimizer update: delayed scaling's history,
+                                                     the weights' scales for the next float8 all-gather,
+                                                     weight health every few log steps (returned, for the
+                                                     records)
+    float8.record()                                  float8_matmul_share, for every train record
 
-It is a Stateful the checkpoint manager holds: its state is delayed scaling's amax history, and
-loading it (a resume or a rollback) recomputes the all-gather scales from the loaded weights, after
-them, never before. Nothing outside this package needs to know which of these do work for a recipe.
+Its state, in the checkpoint under "float8", is delayed scaling's amax history, and loading it (a resume or
+a rollback) recomputes the all-gather scales from the loaded weights, after them, never before. What each
+recipe is (its all-gather, its matmuls' dtypes, what it needs of a GPU) is config/fp8.py's RECIPES; nothing
+outside this package needs to know which of these steps do work for a recipe.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
-from typing import Protocol
 
 import torch
 from torch import nn
 
 from titanlike import overrides
+from titanlike.config.fp8 import Fp8
 from titanlike.float8 import all_gather, health, layers, measure
 from titanlike.float8.health import health_summary, weight_health
 from titanlike.float8.layers import Float8Report
 from titanlike.float8.options import Float8Options, inductor_options
+from titanlike.model.converter import ConvertArgs, StepCounter, StepReport
 
 logger = logging.getLogger("titanlike")
 
 __all__ = ["Float8Converter", "Float8Options", "Float8Report", "health_summary", "inductor_options", "weight_health"]
 
 
-class StepCounter(Protocol):
-    """The run's counters: `step` is the steps completed (a rollback sets it back)."""
-
-    step: int
-
-
-class MetricsSink(Protocol):
-    """Where weight health goes: per-layer values to TensorBoard, the worst layers to the next record."""
-
-    def scalars(self, step: int, values: dict[str, float]) -> None: ...
-
-    def note(self, values: dict) -> None: ...
-
-
 class Float8Converter:
-    """The float8 side of one run: frozen options in, the model converted, the hooks it needs."""
+    """The float8 side of one run: frozen options in, the model converted, what follows each update."""
 
+    name = "float8"
     # Its checkpoint entries may be absent (saved with dynamic scaling, or with float8 off) or shaped
     # otherwise (another amax_history): then delayed scaling starts afresh (see load_state_dict).
     partial_load = True
 
-    def __init__(self, options: Float8Options):
+    def __init__(self, options: Float8Options, log_freq: int = 1):
+        """`log_freq`: metrics.log_freq (weight health every log_freq × fp8.health_log_freq steps)."""
         self.options = options
+        self.health_every = log_freq * options.health_log_freq
         self.report = Float8Report()
         self.model: nn.Module | None = None
         self._counters: StepCounter | None = None
@@ -81,34 +73,33 @@ class Float8Converter:
             self._delayed = delayed
 
     @classmethod
-    def from_config(cls, fp8_cfg, dp_shard: int) -> Float8Converter:
-        return cls(Float8Options.from_config(fp8_cfg, dp_shard))
+    def from_config(cls, fp8_cfg: Fp8, dp_shard: int, log_freq: int = 1) -> Float8Converter:
+        """`dp_shard`: the ranks FSDP shards weights over (dp_shard × cp)."""
+        return cls(Float8Options.from_config(fp8_cfg, dp_shard), log_freq)
 
     @property
     def enabled(self) -> bool:
         return self.options.enabled
 
-    def convert(self, model: nn.Module, *, device: torch.device, batch: int = 1, seq_len: int = 1,
-                flops_per_token: int = 0, block_sample: Callable | None = None, compiled: bool = False) -> Float8Report:
+    def convert(self, model: nn.Module, args: ConvertArgs) -> None:
         """Convert the chosen Linears of `model` in place and log what converted and why not (with the
-        share of the `flops_per_token` that runs in float8). `block_sample(batch, seq, device)` gives a
-        fresh block and its forward's arguments, for timing blocks when fp8.auto_filter = measure
+        share of the args' `flops_per_token` that runs in float8); `self.report` says it. `block_sample`
+        gives a fresh block and its forward's arguments, for timing blocks when fp8.auto_filter = measure
         (micro-batches of `batch` sequences of `seq_len`). `compiled`: the run compiles (compile.enable),
         so inductor can run, and the float8 all-gather's weight cast may be compiled too."""
-        layers.check_device(self.options, device)
+        layers.check_device(self.options, args.device)
         self.model = model
-        plan = measure.measure(model, self.options, batch, seq_len, device, block_sample)
+        plan = measure.measure(model, self.options, args.batch, args.seq_len, args.device, args.block_sample)
         self.report = layers.convert(model, self.options, plan)
         if self.options.fsdp_float8_all_gather:
-            all_gather.use_fused_cast(compiled and overrides.active("fused_float8_weight_cast"))
+            all_gather.use_fused_cast(args.compiled and overrides.active("fused_float8_weight_cast"))
         if self._delayed:
             self._delayed.convert(model, self.options.amax_history)
-        if flops_per_token:
-            self.report.matmul_share = layers.float8_matmul_share(model, flops_per_token)
+        if args.flops_per_token:
+            self.report.matmul_share = layers.float8_matmul_share(model, args.flops_per_token, self.options.recipe)
         layers.log_report(self.options, self.report)
         for note in self.notes:
             logger.info(note)
-        return self.report
 
     def compile_options(self) -> dict[str, object]:
         """What float8 needs from torch.compile, when compile.enable is on (and only then: a run
@@ -116,36 +107,38 @@ class Float8Converter:
         converted blocks."""
         return inductor_options(self.options.recipe) if self.enabled else {}
 
-    def attach(self, optimizer: torch.optim.Optimizer, *, counters: StepCounter, metrics: MetricsSink,
-               log_freq: int) -> None:
-        """Once the weights are set (initialised, or loaded by a resume): register the hook that runs
-        after each update. `counters.step` counts the steps completed before the update in flight (the
-        run's counters, which a rollback sets back); weight health goes to `metrics` every
-        log_freq × fp8.health_log_freq steps."""
+    def start(self, counters: StepCounter) -> None:
+        """Once the weights are set (initialised, or loaded by a resume): delayed scaling's history (fresh
+        unless loaded), the all-gather's scales and the first step's recording follow them. `counters.step`
+        counts the steps completed (the run's counters, which a rollback sets back)."""
         if not self.enabled or self.model is None:
             return
         self._counters = counters
         if self._delayed and not self._loaded:
             self._delayed.reset(self.model)  # materialised just now: no history yet
         self._after_weights_set()
-        every = log_freq * self.options.health_log_freq
 
+    def after_step(self, step: int) -> StepReport | None:
+        """After the update of step `step`: delayed scaling's amaxes into its history, the next all-gather's
+        scales; every metrics.log_freq × fp8.health_log_freq steps the weights' health, returned."""
         model = self.model
+        if not self.enabled or model is None or self._counters is None:
+            return None
+        if self._delayed:
+            # Its amaxes into the history (one all-reduce for all layers); the next step measures or not.
+            self._delayed.update_scales(model)
+            self._delayed.set_recording(model, step + 1, self.options.amax_every)
+        if self.options.precompute_scales:
+            all_gather.precompute_scales(model)  # one all-reduce for every weight's scale
+        if not (self.health_every and step % self.health_every == 0):
+            return None
+        values = health.weight_health(model)  # a collective: every rank runs it at the same steps
+        return StepReport(scalars={f"fp8/{name}/{key}": v for name, h in values.items() for key, v in h.items()},
+                          note=health_summary(values))
 
-        def after_update(opt, args, kwargs) -> None:
-            step = counters.step + 1  # the step whose update just ran
-            if self._delayed:
-                # Its amaxes into the history (one all-reduce for all layers); the next step measures or not.
-                self._delayed.update_scales(model)
-                self._delayed.set_recording(model, step + 1, self.options.amax_every)
-            if self.options.precompute_scales:
-                all_gather.precompute_scales(model)  # one all-reduce for every weight's scale
-            if every and step % every == 0:  # a collective: every rank runs it at the same steps
-                values = health.weight_health(model)
-                metrics.scalars(step, {f"fp8/{name}/{key}": v for name, h in values.items() for key, v in h.items()})
-                metrics.note(health_summary(values))
-
-        optimizer.register_step_post_hook(after_update)
+    def record(self) -> dict[str, float]:
+        """What every train record carries of float8: the share of the matmul FLOPs that run in it."""
+        return {"float8_matmul_share": self.report.matmul_share}
 
     def _after_weights_set(self) -> None:
         """The weights were initialised, loaded or rolled back: the all-gather's scales follow them, and

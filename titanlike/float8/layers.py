@@ -15,21 +15,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from titanlike.config.fp8 import RECIPES
 from titanlike.errors import UserError
 from titanlike.float8.measure import Float8Plan
 from titanlike.float8.options import Float8Options
 
 logger = logging.getLogger("titanlike")
 
-# Smallest Linear (in_features × out_features) that converts under the size rule. In isolation a
-# tensorwise 2048×2048 matmul runs slower than bf16 on an H100, but inside the compiled model its
-# casts fuse with the neighbouring norm and RoPE kernels: the whole 1b model trains fastest with
-# every layer but the output in float8 (docs/benchmarks/2026-11-22-stacked-qkv-gqa.md). Rowwise
-# pays on the wide layers only: in the 1b model converting w1/w2/w3 is as fast as converting every
-# layer but the output (docs/benchmarks/2026-11-22-rowwise-tiling-four-h200.md), so the smaller ones
-# stay in bf16 and keep their precision. A consumer GPU can differ: fp8.auto_filter = measure
-# decides from its own timings.
-MIN_FEATURES_PRODUCT = {"tensorwise": 2048 * 2048, "rowwise": 4096 * 4096, "rowwise_with_gw_hp": 4096 * 4096}
+# Smallest side of a Linear that converts under the size rule; the smallest in × out features is each
+# recipe's (config/fp8.py RECIPES, min_features, with why). A consumer GPU can differ: fp8.auto_filter =
+# measure decides from its own timings.
 MIN_FEATURES = 1024
 
 
@@ -57,7 +52,7 @@ def skip_reason(fqn: str, linear: nn.Linear, options: Float8Options, plan: Float
     if options.auto_filter == "measure" and plan is not None:
         return plan.reason(fqn)
     if options.auto_filter:
-        if min(k, n) < MIN_FEATURES or k * n < MIN_FEATURES_PRODUCT[options.recipe]:
+        if min(k, n) < MIN_FEATURES or k * n < RECIPES[options.recipe].min_features:
             return f"{k}×{n} is too small for float8 to pay (fp8.auto_filter)"
     return None
 
@@ -85,13 +80,15 @@ def convert(model: nn.Module, options: Float8Options, plan: Float8Plan | None = 
     return report
 
 
-def float8_matmul_share(model: nn.Module, flops_per_token: int) -> float:
-    """Share of the model's training matmul FLOPs that run in float8 (6 FLOPs per weight per token)."""
+def float8_matmul_share(model: nn.Module, flops_per_token: int, recipe: str) -> float:
+    """Share of the model's training matmul FLOPs that run in float8: 2 FLOPs per weight per token for each of
+    a converted Linear's three matmuls that `recipe` runs in float8 (config/fp8.py RECIPES, matmuls)."""
     try:
         from torchao.float8.float8_linear import Float8Linear
     except ImportError:
         return 0.0
-    fp8 = sum(6 * m.in_features * m.out_features for m in model.modules() if isinstance(m, Float8Linear))
+    in_float8 = 2 * RECIPES[recipe].matmuls.count("float8")
+    fp8 = sum(in_float8 * m.in_features * m.out_features for m in model.modules() if isinstance(m, Float8Linear))
     return fp8 / flops_per_token
 
 
@@ -124,11 +121,11 @@ def check_device(options: Float8Options, device: torch.device) -> None:
         return
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     if device.type == "cuda":
-        cap = torch.cuda.get_device_capability(device)
-        if cap < (8, 9):
+        cap, need = torch.cuda.get_device_capability(device), RECIPES[options.recipe].capability
+        if cap < need:
             raise UserError(
                 f"fp8.recipe = {options.recipe}: {name} (compute capability {cap[0]}.{cap[1]}) has no float8 "
-                f"tensor cores (they start at 8.9: Ada, Hopper, Blackwell); use --fp8.recipe none"
+                f"tensor cores (they start at {need[0]}.{need[1]}: Ada, Hopper, Blackwell); use --fp8.recipe none"
             )
     try:
         _run_probe(options.recipe, device)
@@ -153,14 +150,10 @@ def _run_probe(recipe: str, device: torch.device) -> None:
 
 
 def what_to_do(recipe: str, device: torch.device) -> str:
-    """The end of the probe's error line: what the user can run instead."""
-    other = "tensorwise" if recipe != "tensorwise" else "none"
+    """The end of the probe's error line: what the user can run instead (config/fp8.py RECIPES: instead, and
+    what it says on some GPUs)."""
+    facts = RECIPES[recipe]
     if device.type == "cpu":
-        return f"use --fp8.recipe {other} or --fp8.emulate (slow, for testing)"
-    if recipe.startswith("rowwise") and torch.cuda.get_device_capability(device)[0] == 12:
-        # RTX 50xx (sm_120). torch has a rowwise kernel for it, but whether it runs depends on the
-        # torch build: field reports differ (CUBLAS_STATUS_NOT_SUPPORTED on some, working on
-        # others). We have measured none, so we name no version as working.
-        return ("torch's rowwise float8 matmul for sm_120 (RTX 50xx) is reported to work on some torch versions "
-                "(field reports differ; docs/float8.md): try another torch version, or use --fp8.recipe tensorwise")
-    return f"use --fp8.recipe {other}"
+        return f"use --fp8.recipe {facts.instead} or --fp8.emulate (slow, for testing)"
+    note = facts.device_notes.get(torch.cuda.get_device_capability(device)[0])
+    return note or f"use --fp8.recipe {facts.instead}"

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from titanlike.config.fp8 import RECIPES, Fp8, float8_all_gather
+
 AutoFilter = Literal[True, False, "measure"]
 
 
@@ -38,23 +40,22 @@ class Float8Options:
 
     @property
     def enabled(self) -> bool:
-        return self.recipe != "none"
+        return RECIPES[self.recipe].float8
 
     @property
     def delayed(self) -> bool:
         return self.enabled and self.scaling == "delayed"
 
     @classmethod
-    def from_config(cls, fp8_cfg, dp_shard: int) -> Float8Options:
-        """Effective options: all-gather in float8 by default when tensorwise shards weights."""
-        all_gather = fp8_cfg.enable_fsdp_float8_all_gather
-        if all_gather is None:
-            all_gather = fp8_cfg.recipe == "tensorwise" and dp_shard > 1
-        all_gather = bool(all_gather and dp_shard > 1)  # nothing to gather with one shard
+    def from_config(cls, fp8_cfg: Fp8, dp_shard: int) -> Float8Options:
+        """Effective options: all-gather in float8 by default where the recipe can and weights are sharded
+        (config/fp8.py float8_all_gather)."""
+        all_gather = float8_all_gather(fp8_cfg, dp_shard)
         precompute = fp8_cfg.precompute_float8_dynamic_scale_for_fsdp
         if precompute is None:
             precompute = all_gather
-        auto_filter = {"true": True, "false": False}.get(fp8_cfg.auto_filter, fp8_cfg.auto_filter)
+        given: object = fp8_cfg.auto_filter  # "true", "false", "measure" (tests also hand a bool)
+        auto_filter: AutoFilter = "measure" if given == "measure" else given in (True, "true")
         return cls(
             recipe=fp8_cfg.recipe,
             emulate=fp8_cfg.emulate,
@@ -72,17 +73,16 @@ class Float8Options:
         """torchao's Float8LinearConfig for these options."""
         from torchao.float8 import Float8LinearConfig
 
-        if self.recipe == "tensorwise":
-            return Float8LinearConfig(enable_fsdp_float8_all_gather=self.fsdp_float8_all_gather, emulate=self.emulate)
         config = Float8LinearConfig.from_recipe_name(self.recipe)
-        # The recipe configs are frozen dataclasses; copy with emulation switched on.
-        return dataclasses.replace(config, emulate=True) if self.emulate else config
+        # The recipe configs are frozen dataclasses: a copy with the all-gather and emulation switched as set.
+        return dataclasses.replace(config, enable_fsdp_float8_all_gather=self.fsdp_float8_all_gather,
+                                   emulate=self.emulate)
 
 
 def inductor_options(recipe: str) -> dict[str, Any]:
     """Inductor settings for compiling layers converted to `recipe` (torch.compile's `options`): the
     rowwise recipes' (titanlike/overrides/compile.py says which and why); none for the others."""
-    if not recipe.startswith("rowwise"):
+    if not RECIPES[recipe].inductor_options:
         return {}
     from titanlike.overrides.compile import rowwise_inductor_options
 

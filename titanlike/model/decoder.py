@@ -7,6 +7,9 @@ the same model on 1 GPU, on 8, or on a CPU test with 2 ranks.
 
 Rotary embeddings use real arithmetic and the "rotate half" pairing (dimension i with i + d/2),
 which is what Hugging Face's Llama uses, so exported weights need no permutation.
+
+What code outside the model may change of how it runs (context parallelism's attention, activation
+checkpointing, a compiled body, calls between blocks) is one object, `model.hooks` (hooks.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titanlike.model.hooks import BlockHooks, ModelHooks
 from titanlike.model.loss import LinearCrossEntropy
 from titanlike.model.masks import document_mask, masked_attention
 from titanlike.model.shape import ModelArgs
@@ -68,9 +72,6 @@ class Attention(nn.Module):
         # before RoPE. It bounds the attention logits, which lets small models take higher LRs.
         self.q_norm = RMSNorm(a.head_dim, a.norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(a.head_dim, a.norm_eps) if a.qk_norm else None
-        # Set by context parallelism (parallel/context.py): attention of this rank's part of the
-        # sequence, attend(q, k, v, mask, gqa) on (batch, heads, seq, head_dim), over the keys of all.
-        self.attend: Callable[..., torch.Tensor] | None = None
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """q (B, S, H, D), k and v (B, S, Hkv, D), with QK-norm and RoPE applied."""
@@ -83,12 +84,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None,
+                attend: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """`attend`: the block's hooks.attend (context parallelism), or None."""
         bsz, seq, _ = x.shape
         q, k, v = self.project(x, cos, sin)
         gqa = self.n_kv_heads != self.n_heads
-        if self.attend is not None:  # context parallelism: `mask` is its own (parallel/context.py)
-            out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, gqa)
+        if attend is not None:  # context parallelism: `mask` is its own (parallel/context.py)
+            out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, gqa)
             return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
         if mask is not None:  # block_causal: attention within each document (masks.py)
             out = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, gqa)
@@ -122,24 +125,20 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(a)
         self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
         self.feed_forward = FeedForward(a)
-        # Set by activation checkpointing (parallel/activation_checkpoint.py): runs the body so that its activations
-        # are recomputed in backward. A hook rather than a wrapper module keeps parameter names.
-        self.checkpoint_fn: Callable[..., torch.Tensor] | None = None
-        # The name of checkpoint_fn's recompute policy, which checkpoint_fn looks the policy up by. Compiled
-        # blocks share graphs, and dynamo does not look into a policy function: it guards on this name, so
-        # blocks under different policies (activation_checkpoint.selective_ac_blocks) get a graph each.
-        self.checkpoint_policy: str = ""
+        # How this block runs where a transform changes it: its attention, recomputation, body (hooks.py).
+        self.hooks = BlockHooks()
 
     def body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask, self.hooks.attend)
         return x + self.feed_forward(self.ffn_norm(x))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         # `mask`: a document mask (masks.py) with model.attn_mask = block_causal; None is causal.
         args = (x, cos, sin) if mask is None else (x, cos, sin, mask)
-        if self.checkpoint_fn is not None:
-            return self.checkpoint_fn(self.body, *args, policy=self.checkpoint_policy)
-        return self.body(*args)
+        body = self.hooks.body or self.body
+        if self.hooks.recompute is not None:
+            return self.hooks.recompute(body, *args, policy=self.hooks.policy)
+        return body(*args)
 
 
 class OutputLayer(nn.Linear):
@@ -171,7 +170,6 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.document_end = document_end if args.attn_mask == "block_causal" else None
-        self.flex_attention: bool | None = None  # document masks for flex attention; None = on CUDA
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
@@ -181,9 +179,8 @@ class Transformer(nn.Module):
         # Rotary tables are derived state: rebuilt by init_weights(), never checkpointed.
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
-        # Called, by block index, before that block's forward: between blocks, outside their compiled graphs
-        # (a hook on a compiled block is traced into it). parallel.StepFence holds the CPU there.
-        self.before_block: dict[int, Callable[[], None]] = {}
+        # Everything outside code may change of how the model runs, in one object (hooks.py).
+        self.hooks = ModelHooks(blocks=[block.hooks for block in self.blocks()])
 
     def sample_block(self, batch: int, seq: int, device: torch.device) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
         """A fresh block of this model's shape on `device` (random weights, norm gains 1) and the
@@ -231,10 +228,10 @@ class Transformer(nn.Module):
         if context is not None:  # context parallelism: the mask ContextParallel.shard made
             mask = context.mask
         elif self.document_end is not None:  # one mask for every layer, from this micro-batch's tokens
-            mask = document_mask(tokens, self.document_end, self.flex_attention)
+            mask = document_mask(tokens, self.document_end, self.hooks.flex_attention)
         for i, layer in enumerate(self.layers):
-            if i in self.before_block:
-                self.before_block[i]()
+            if i in self.hooks.before_block:
+                self.hooks.before_block[i]()
             h = layer(h, cos, sin, mask)
         return self.output(self.norm(h)) if head is None else head(self.norm, self.output, h)
 

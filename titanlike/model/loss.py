@@ -28,6 +28,7 @@ weights) must run outside compiled code, so there only the cross-entropy is comp
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -98,24 +99,12 @@ def chunked_output_loss(output: nn.Module, h: torch.Tensor, targets: torch.Tenso
     return total / targets.numel()
 
 
-def cross_entropy_sum_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk's summed fp32 cross-entropy and its gradient with respect to the logits,
-    softmax(logits) − onehot(targets), in the logits' dtype. Compiled, this is one pass over the
-    logits for the row maxima and sums and one that writes the gradient."""
-    x = logits.float()
-    shifted = x - x.amax(dim=-1, keepdim=True)
-    exp = shifted.exp()
-    sum_exp = exp.sum(dim=-1, keepdim=True)
-    loss = (sum_exp.log() - shifted.gather(-1, targets[:, None])).sum()
-    is_target = torch.arange(x.shape[-1], device=x.device) == targets[:, None]
-    grad = exp / sum_exp - is_target.float()
-    return loss, grad.to(logits.dtype)
-
-
 def cross_entropy_sum_grad_and_tokens(logits: torch.Tensor, targets: torch.Tensor
                                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """cross_entropy_sum_and_grad (the same operations, so the same sum), and the per-token losses
-    that sum adds up (fp32, one per row)."""
+    """One chunk's summed fp32 cross-entropy, its gradient with respect to the logits,
+    softmax(logits) − onehot(targets), in the logits' dtype, and the per-token losses the sum adds up
+    (fp32, one per row, detached). Compiled, this is one pass over the logits for the row maxima and
+    sums and one that writes the gradient."""
     x = logits.float()
     shifted = x - x.amax(dim=-1, keepdim=True)
     exp = shifted.exp()
@@ -125,6 +114,24 @@ def cross_entropy_sum_grad_and_tokens(logits: torch.Tensor, targets: torch.Tenso
     is_target = torch.arange(x.shape[-1], device=x.device) == targets[:, None]
     grad = exp / sum_exp - is_target.float()
     return loss, grad.to(logits.dtype), per_token[:, 0].detach()
+
+
+def without_tokens(ce_grad: Callable[..., tuple[torch.Tensor, ...]]
+                   ) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """`ce_grad` (cross_entropy_sum_grad_and_tokens, compiled or not) giving the sum and the gradient alone.
+    The plain loss runs the graph that also gives each token's loss (a mixture's, build_loss's per_token):
+    the same graph gives the same sum to the last bit, where a graph of its own fused the sum another way
+    on a GPU. The per-token losses it writes besides are 4 bytes a token."""
+
+    def sum_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, grad, _ = ce_grad(logits, targets)
+        return loss, grad
+
+    return sum_and_grad
+
+
+cross_entropy_sum_and_grad = without_tokens(cross_entropy_sum_grad_and_tokens)
+"""One chunk's summed fp32 cross-entropy and its gradient with respect to the logits."""
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -191,106 +198,89 @@ def fuses(output: nn.Module) -> bool:
     return callable(getattr(output, "loss_sum", None)) and getattr(output, "bias", None) is None
 
 
-def build_loss(chunk_tokens: int, compile: bool, compile_head: bool = False) -> LossFn:
-    """loss(model, inputs, targets): over whole logits (chunk_tokens = 0) or chunked. With `compile`,
-    the cross-entropy is compiled (the upcast and softmax then fuse into one kernel); with
-    `compile_head` too (one process: no FSDP hooks on the head), the final norm and the output layer
-    are compiled with it into one graph."""
-    if not chunk_tokens:
-        if compile and compile_head:
-            compiled_head = torch.compile(head_loss, fullgraph=True)
+@overload
+def build_loss(chunk_tokens: int, compile: bool, compile_head: bool = ..., *,
+               per_token: Literal[False] = ...) -> LossFn: ...
+@overload
+def build_loss(chunk_tokens: int, compile: bool, compile_head: bool = ..., *,
+               per_token: Literal[True]) -> TokenLossFn: ...
+def build_loss(chunk_tokens: int, compile: bool, compile_head: bool = False, *,
+               per_token: bool = False) -> LossFn | TokenLossFn:
+    """loss(model, inputs, targets, context=None): over whole logits (chunk_tokens = 0) or chunked. With
+    `compile`, the cross-entropy is compiled (the upcast and softmax then fuse into one kernel); with
+    `compile_head` too (one process: no FSDP hooks on the head), the final norm and the output layer are
+    compiled with it into one graph.
 
-            def compiled_head_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                                   context=None) -> torch.Tensor:
-                return model(inputs, head=lambda norm, output, h: compiled_head(norm, output, h, targets),
-                             context=context)
+    `per_token` (a mixture's per-source training loss): the loss returns (the mean loss, each token's fp32
+    loss, detached, shaped like the targets), the mean computed by the same operations on the same values
+    as without, so bit for bit the same. The reading costs one more pass over each chunk's logits (the
+    fused chunked loss gets it from the pass it makes anyway; the compiled head, one more forward of the
+    output layer)."""
+    if chunk_tokens:
+        return _chunked_loss(chunk_tokens, compile, per_token)
+    if compile and compile_head:
+        return _compiled_head_loss(per_token)
+    return _whole_logits_loss(compile, per_token)
 
-            return compiled_head_loss
-        ce = torch.compile(cross_entropy) if compile else cross_entropy
 
-        def whole_logits_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                              context=None) -> torch.Tensor:
-            return ce(model(inputs, context=context), targets)
+def _compiled_head_loss(per_token: bool) -> Callable[..., Any]:
+    compiled_head = torch.compile(head_loss, fullgraph=True)
+    # The per-token reading is a second graph under no_grad: one graph giving both fused differently on a
+    # GPU (the loss then differed in its last bits), for one more output-layer matmul (forward only) a step.
+    compiled_tokens = torch.compile(head_token_losses, fullgraph=True) if per_token else None
 
-        return whole_logits_loss
+    def compiled_head_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                           context: object = None) -> Any:
+        def head(norm: nn.Module, output: nn.Module, h: torch.Tensor) -> Any:
+            loss = compiled_head(norm, output, h, targets)
+            if compiled_tokens is None:
+                return loss
+            with torch.no_grad():
+                return loss, compiled_tokens(norm, output, h, targets)
 
+        return _shaped(model(inputs, head=head, context=context), targets, per_token)
+
+    return compiled_head_loss
+
+
+def _whole_logits_loss(compile: bool, per_token: bool) -> Callable[..., Any]:
+    ce = torch.compile(cross_entropy) if compile else cross_entropy
+    ce_tokens = (torch.compile(token_cross_entropy) if compile else token_cross_entropy) if per_token else None
+
+    def whole_logits_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, context: object = None) -> Any:
+        logits = model(inputs, context=context)
+        if ce_tokens is None:
+            return ce(logits, targets)
+        return ce(logits, targets), ce_tokens(logits.flatten(0, 1), targets.flatten(0, 1)).view_as(targets)
+
+    return whole_logits_loss
+
+
+def _chunked_loss(chunk_tokens: int, compile: bool, per_token: bool) -> Callable[..., Any]:
     # Chunks all have chunk_tokens rows but the last: two compiled graphs at most, each.
     ce_sum = torch.compile(cross_entropy_sum) if compile else cross_entropy_sum
-    ce_grad: Callable = cross_entropy_sum_and_grad
-    if compile:
-        # Compiled, the graph that also gives each token's loss (a mixture's, build_token_loss): the same
-        # graph gives the same sum to the last bit, where a graph of its own fused the sum another way
-        # on a GPU. The per-token losses it writes besides are 4 bytes a token.
-        with_tokens = torch.compile(cross_entropy_sum_grad_and_tokens)
+    with_tokens = torch.compile(cross_entropy_sum_grad_and_tokens) if compile else cross_entropy_sum_grad_and_tokens
+    ce_grad = with_tokens if per_token else without_tokens(with_tokens)
 
-        def ce_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            loss, grad, _ = with_tokens(logits, targets)
-            return loss, grad
-
-    def chunked_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, context=None) -> torch.Tensor:
-        def head(norm: nn.Module, output: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    def chunked_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, context: object = None) -> Any:
+        def head(norm: nn.Module, output: nn.Module, h: torch.Tensor) -> Any:
             h = norm(h)
             if torch.is_grad_enabled() and fuses(output):
                 loss_sum: Callable = output.loss_sum  # type: ignore[assignment]
-                return loss_sum(h.flatten(0, 1), targets.flatten(0, 1), chunk_tokens, ce_grad) / targets.numel()
-            return chunked_output_loss(output, h, targets, chunk_tokens, ce_sum)
+                out = loss_sum(h.flatten(0, 1), targets.flatten(0, 1), chunk_tokens, ce_grad, token_losses=per_token)
+                return (out[0] / targets.numel(), out[1]) if per_token else out / targets.numel()
+            tokens = torch.empty(targets.numel(), dtype=torch.float32, device=targets.device) if per_token else None
+            loss = chunked_output_loss(output, h, targets, chunk_tokens, ce_sum, token_losses=tokens)
+            return loss if tokens is None else (loss, tokens)
 
-        return model(inputs, head=head, context=context)
+        return _shaped(model(inputs, head=head, context=context), targets, per_token)
 
     return chunked_loss
 
 
-def build_token_loss(chunk_tokens: int, compile: bool, compile_head: bool = False) -> TokenLossFn:
-    """loss(model, inputs, targets, context=None) -> (the mean loss, each token's loss): build_loss's loss, computed
-    by the same operations on the same values, with every token's fp32 loss read beside it, detached
-    (a mixture's per-source training loss sums them by source). The per-token reading costs one more
-    pass over each chunk's logits (the fused chunked loss gets it from the pass it makes anyway; the
-    compiled head, one more forward of the output layer)."""
-    if not chunk_tokens:
-        if compile and compile_head:
-            # The loss is head_loss's own compiled graph, and the reading a second one under no_grad: one
-            # graph giving both fused differently on a GPU (the loss then differed in its last bits), for
-            # one more output-layer matmul (forward only) a mixed step.
-            compiled_head = torch.compile(head_loss, fullgraph=True)
-            compiled_tokens = torch.compile(head_token_losses, fullgraph=True)
-
-            def compiled_head_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, context=None
-                                   ) -> tuple[torch.Tensor, torch.Tensor]:
-                def head(norm: nn.Module, output: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                    loss = compiled_head(norm, output, h, targets)
-                    with torch.no_grad():
-                        return loss, compiled_tokens(norm, output, h, targets)
-
-                loss, tokens = model(inputs, head=head, context=context)
-                return loss, tokens.view_as(targets)
-
-            return compiled_head_loss
-        ce = torch.compile(cross_entropy) if compile else cross_entropy
-        ce_tokens = torch.compile(token_cross_entropy) if compile else token_cross_entropy
-
-        def whole_logits_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, context=None
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
-            logits = model(inputs, context=context)
-            return ce(logits, targets), ce_tokens(logits.flatten(0, 1), targets.flatten(0, 1)).view_as(targets)
-
-        return whole_logits_loss
-
-    ce_sum = torch.compile(cross_entropy_sum) if compile else cross_entropy_sum
-    ce_grad = torch.compile(cross_entropy_sum_grad_and_tokens) if compile else cross_entropy_sum_grad_and_tokens
-
-    def chunked_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, context=None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        def head(norm: nn.Module, output: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            h = norm(h)
-            if torch.is_grad_enabled() and fuses(output):
-                loss_sum: Callable = output.loss_sum  # type: ignore[assignment]
-                total, tokens = loss_sum(h.flatten(0, 1), targets.flatten(0, 1), chunk_tokens, ce_grad,
-                                         token_losses=True)
-                return total / targets.numel(), tokens
-            tokens = torch.empty(targets.numel(), dtype=torch.float32, device=targets.device)
-            return chunked_output_loss(output, h, targets, chunk_tokens, ce_sum, token_losses=tokens), tokens
-
-        loss, tokens = model(inputs, head=head, context=context)
-        return loss, tokens.view_as(targets)
-
-    return chunked_loss
+def _shaped(out: Any, targets: torch.Tensor, per_token: bool) -> Any:
+    """The loss as the model's head returned it; with per_token, each token's loss shaped like the targets."""
+    if not per_token:
+        return out
+    loss, tokens = out
+    return loss, tokens.view_as(targets)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from titanlike.config.optimizer import Optimizer as OptimizerConfig
+from titanlike.config.schema import LRScheduler
 from titanlike.optim import adamw, muon
 
 Builder = Callable[[nn.Module, OptimizerConfig, str, bool], torch.optim.Optimizer]
@@ -71,13 +72,15 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, decay_ratio: float
     return min_lr_factor + (1 - min_lr_factor) * shape
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int, decay_ratio: float,
-                    decay_type: str, min_lr_factor: float) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, section: LRScheduler,
+                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The [lr_scheduler] section's schedule over `total_steps` (training.steps) updates."""
+    s = section
     # LambdaLR calls the function with the number of scheduler.step() calls so far (0 at
     # construction), i.e. the update about to happen is step count + 1.
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda done: lr_factor(done + 1, total_steps, warmup_steps, decay_ratio, decay_type, min_lr_factor),
+        lambda done: lr_factor(done + 1, total_steps, s.warmup_steps, s.decay_ratio, s.decay_type, s.min_lr_factor),
     )
 
 

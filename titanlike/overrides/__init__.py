@@ -23,6 +23,7 @@ the preflight checks `parallel.overrides` with it.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from titanlike.errors import UserError
@@ -33,7 +34,7 @@ class Override:
     name: str
     """What `parallel.overrides` calls it."""
     module: str
-    """The module of this package that holds it, with its probe `probe_<name>()`."""
+    """The module of this package that holds it, and its probe (a function marked `@probe_for(name)`)."""
     replaces: str
     """The stock behaviour it replaces, and the private names it relies on."""
     checked: str
@@ -114,6 +115,7 @@ OVERRIDES = (
 NAMES = tuple(o.name for o in OVERRIDES)
 BY_NAME = {o.name: o for o in OVERRIDES}
 
+_probes: dict[str, Callable[[], str | None]] = {}  # name -> its probe, as its module registered it
 _chosen: set[str] | None = None  # None: not configured yet, every override whose probe passes is on
 _verdicts: dict[str, str | None] = {}  # name -> None (the probe passed) or why it failed
 
@@ -134,12 +136,28 @@ def chosen_names(spec: str) -> set[str]:
     return set(names)
 
 
+def probe_for(name: str) -> Callable[[Callable[[], str | None]], Callable[[], str | None]]:
+    """Marks the function it decorates as override `name`'s probe: why the override cannot run on this torch
+    and torchao, or None. The override's module registers it when imported (the first `probe(name)` imports
+    it: this module imports no torch); a name OVERRIDES lacks fails that import."""
+    if name not in BY_NAME:
+        raise ValueError(f"no override is called {name!r}: OVERRIDES has {', '.join(NAMES)}")
+
+    def register(check: Callable[[], str | None]) -> Callable[[], str | None]:
+        _probes[name] = check
+        return check
+
+    return register
+
+
 def probe(name: str) -> str | None:
     """Why override `name` cannot run on this torch and torchao, or None: its probe, run once."""
     if name not in _verdicts:
-        module = importlib.import_module(f"titanlike.overrides.{BY_NAME[name].module}")
+        module = f"titanlike.overrides.{BY_NAME[name].module}"
+        importlib.import_module(module)  # registers its probes
+        assert name in _probes, f"{module} registers no probe for the override {name}"
         try:
-            _verdicts[name] = getattr(module, f"probe_{name}")()
+            _verdicts[name] = _probes[name]()
         except Exception as e:  # a probe that breaks on a library it does not know: that is its answer
             _verdicts[name] = f"its probe failed ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
     return _verdicts[name]

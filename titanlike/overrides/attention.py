@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from titanlike.overrides import version_outside
+from titanlike.overrides import probe_for, version_outside
 
 aten = torch.ops.aten
 
@@ -41,6 +41,7 @@ def cpu_attention_backward(grad, q, k, v, out, lse, causal: bool):
         grad_out=grad, query=q, key=k, value=v, out=out, logsumexp=lse, dropout_p=0.0, is_causal=causal)
 
 
+@probe_for("cp_attention_kernels")
 def probe_cp_attention_kernels() -> str | None:
     """Each op, called by keyword on meta tensors (shapes only, nothing runs), and what chunk_attention takes
     from cuDNN's forward to hand its backward: the random-number seed and offset, as tensors."""
@@ -64,7 +65,7 @@ def probe_cp_attention_kernels() -> str | None:
 def attention_ops() -> set:
     """The ops whose outputs an op-level selective-AC policy keeps besides the matmuls: SDPA's kernels (the
     ones this torch has), flex attention, and float8's amax reductions."""
-    ops = {aten.max.default, aten.amax.default}
+    ops: set[object] = {aten.max.default, aten.amax.default}
     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                  "_scaled_dot_product_cudnn_attention"):
         if hasattr(aten, name):
@@ -75,5 +76,6 @@ def attention_ops() -> set:
 
 
 def matmul_ops() -> set:
-    """A block's matmuls as the policy sees them: mm, or float8's scaled mm."""
-    return {aten.mm.default, aten._scaled_mm.default}
+    """A block's matmuls as the policy sees them: mm, or float8's scaled mm (where this torch has it: float8
+    needs it, and a torch without it runs no float8 matmul for the policy to see)."""
+    return {aten.mm.default} | ({aten._scaled_mm.default} if hasattr(aten, "_scaled_mm") else set())

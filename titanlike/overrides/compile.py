@@ -9,7 +9,7 @@ from typing import Any
 
 from titanlike import overrides
 from titanlike.errors import UserError
-from titanlike.overrides import version_outside
+from titanlike.overrides import probe_for, version_outside
 
 # Inductor settings for rowwise float8 layers: without emulated precision casts inductor may fuse away
 # the rounding of the rowwise recipes' intermediate casts, a known source of NaNs (pytorch#150859);
@@ -30,6 +30,7 @@ def _functorch_config():
     return functorch_config
 
 
+@probe_for("rowwise_inductor_options")
 def probe_rowwise_inductor_options() -> str | None:
     known = _inductor_config().get_config_copy()
     missing = [k for k in ROWWISE_INDUCTOR_OPTIONS if k not in known]
@@ -41,6 +42,7 @@ def rowwise_inductor_options() -> dict[str, Any]:
     return dict(ROWWISE_INDUCTOR_OPTIONS) if overrides.active("rowwise_inductor_options") else {}
 
 
+@probe_for("autograd_cache_off_for_8bit_adamw")
 def probe_autograd_cache_off_for_8bit_adamw() -> str | None:
     return None if hasattr(_functorch_config(), "enable_autograd_cache") else "functorch has no enable_autograd_cache"
 
@@ -54,6 +56,7 @@ def no_autograd_cache():
     return _functorch_config().patch(enable_autograd_cache=False)
 
 
+@probe_for("activation_memory_budget")
 def probe_activation_memory_budget() -> str | None:
     return None if hasattr(_functorch_config(), "activation_memory_budget") else \
         "functorch has no activation_memory_budget"
@@ -99,8 +102,9 @@ def _aligned_splits_class():
         """Inductor's heuristics, with split reductions cut into aligned parts on GPUs (`aligned_split`)."""
 
         # A method here whether inductor's is a static one (torch 2.11, 2.13) or not (2.14): inductor calls it
-        # on its choices object, so bound either way.
-        def reduction_split_factor(self, device, reduction_numel_hint, numel_hint, inner_reduction):
+        # on its choices object, so bound either way (a type checker reading 2.13's stubs sees a static one).
+        def reduction_split_factor(self, device, reduction_numel_hint, numel_hint,  # type: ignore[override]
+                                   inner_reduction):
             split = super().reduction_split_factor(device, reduction_numel_hint, numel_hint, inner_reduction)
             return aligned_split(int(reduction_numel_hint), int(split)) if device.type == "cuda" else split
 
@@ -134,6 +138,7 @@ def choices_hook_moved() -> str | None:
     return None
 
 
+@probe_for("aligned_reduction_splits")
 def probe_aligned_reduction_splits() -> str | None:
     import torch
 

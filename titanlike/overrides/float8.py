@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from titanlike.overrides import version_outside
+from titanlike.overrides import probe_for, version_outside
 
 # What delayed scaling calls, by keyword: (module, name, the parameters it must take first).
 _DELAYED_NEEDS = (
@@ -22,6 +22,7 @@ _DELAYED_NEEDS = (
 )
 
 
+@probe_for("delayed_scaling")
 def probe_delayed_scaling() -> str | None:
     import importlib
 
@@ -101,6 +102,7 @@ def _fused_pre_all_gather(self, mesh):
     return (_fused_cast(shard.reshape(-1), scale, self._dtype).view(shard.shape),), (scale,)
 
 
+@probe_for("fused_float8_weight_cast")
 def probe_fused_float8_weight_cast() -> str | None:
     import torchao
     from torchao.float8.float8_training_tensor import LinearMMConfig

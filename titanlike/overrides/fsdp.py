@@ -10,9 +10,10 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from titanlike.overrides import version_outside
+from titanlike.overrides import probe_for, version_outside
 
 
+@probe_for("gradients_in_compute_pool")
 def probe_gradients_in_compute_pool() -> str | None:
     from torch.distributed.fsdp import FSDPModule
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from titanlike.config.speed import matmul_outputs_kept, named_blocks
+from titanlike.config.speed import ActivationCheckpoint, matmul_outputs_kept, named_blocks
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import BLOCK_MATMULS
 from titanlike.overrides.attention import attention_ops, matmul_ops
@@ -50,9 +50,9 @@ def _save_policy_context(keep: frozenset[int] | None):
     return context
 
 
-# Op-level policies by name ("op", "op:NAMES"): a block's checkpoint_fn looks its policy up here by the
-# block's checkpoint_policy. Compiled, that lookup is what makes dynamo guard on the name, so blocks under
-# different policies get a graph each; a policy bound into checkpoint_fn (a partial) is not guarded, and
+# Op-level policies by name ("op", "op:NAMES"): a block's hooks.recompute looks its policy up here by the
+# block's hooks.policy. Compiled, that lookup is what makes dynamo guard on the name, so blocks under
+# different policies get a graph each; a policy bound into hooks.recompute (a partial) is not guarded, and
 # every block ran the first one's (tests/test_parallel.py).
 _POLICIES: dict[str, Callable] = {}
 
@@ -76,17 +76,18 @@ def checkpointed_around_compiled(body, *args, policy: str = ""):
     return checkpoint(body, *args, use_reentrant=False, early_stop=False)
 
 
-def apply_activation_checkpointing(model: Transformer, mode: str, option: str, budget: float = 1.0,
-                                   named_blocks_count: int = 0) -> None:
-    """`named_blocks_count`: activation_checkpoint.selective_ac_blocks (with an op:NAMES option, how many
-    blocks follow it; the others follow "op")."""
+def apply_activation_checkpointing(model: Transformer, ac: ActivationCheckpoint) -> None:
+    """What each block of `model` keeps for backward, as the [activation_checkpoint] section says: its mode,
+    selective_ac_option, memory_budget and selective_ac_blocks (with an op:NAMES option, how many blocks
+    follow it; the others follow "op")."""
+    mode, option = ac.mode, ac.selective_ac_option
     if mode == "none":
         return
     if mode == "budget":
         # No checkpoint wrapper: compile's min-cut partitioner decides what each graph saves, held
         # to `budget` of the bytes it would save unbudgeted. A process-wide setting, so it applies
         # to every graph compiled here (the blocks and the loss), read when each is compiled.
-        set_activation_memory_budget(budget)
+        set_activation_memory_budget(ac.memory_budget)
         return
     kept = matmul_outputs_kept(option) if mode == "selective" else None
     if kept is not None:
@@ -94,11 +95,11 @@ def apply_activation_checkpointing(model: Transformer, mode: str, option: str, b
         _POLICIES[option] = _save_policy_context(keep)
         _POLICIES["op"] = _save_policy_context(None)
         blocks = list(model.blocks())
-        named = named_blocks(len(blocks), named_blocks_count)
+        named = named_blocks(len(blocks), ac.selective_ac_blocks)
         for i, block in enumerate(blocks):
-            block.checkpoint_fn, block.checkpoint_policy = _checkpointed, option if i in named else "op"
+            block.hooks.recompute, block.hooks.policy = _checkpointed, option if i in named else "op"
         return
     every = 1 if mode == "full" else int(option)
     for i, block in enumerate(model.blocks()):
         if i % every == 0:
-            block.checkpoint_fn = _checkpointed
+            block.hooks.recompute = _checkpointed

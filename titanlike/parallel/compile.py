@@ -25,11 +25,11 @@ def apply_compile(model: Transformer, options: dict[str, object] | None = None,
     # Per block rather than whole-model: blocks are identical, so inductor compiles one graph
     # and reuses it, and FSDP's per-block hooks stay outside the graphs.
     for block in model.blocks():
-        whole = block.checkpoint_fn is not None and not block.checkpoint_policy
+        whole = block.hooks.recompute is not None and not block.hooks.policy
         if recompute_outside and whole:
             # The body alone (one graph shared by every block, as the module's); forward stays eager and
             # hands it to the checkpoint.
-            block.body = torch.compile(block.body, fullgraph=True, options=options or None)  # type: ignore[method-assign, arg-type]
-            block.checkpoint_fn = checkpointed_around_compiled
+            block.hooks.body = torch.compile(block.body, fullgraph=True, options=options or None)  # type: ignore[arg-type]
+            block.hooks.recompute = checkpointed_around_compiled
         else:
             block.compile(fullgraph=True, options=options or None)

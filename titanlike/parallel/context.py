@@ -226,7 +226,7 @@ def kernel_for(q: torch.Tensor):
 def apply_context_parallel(model: Transformer, group, device_type: str = "cpu") -> ContextParallel:
     """Make every attention layer of `model` gather its keys and values over `group` (of `device_type`
     devices); the model then takes local tokens and a SequenceShard (ContextParallel.shard) per micro-batch."""
-    context = ContextParallel(group, flex=model.flex_attention, device_type=device_type)
-    for block in model.blocks():
-        block.attention.attend = context.attend
+    context = ContextParallel(group, flex=model.hooks.flex_attention, device_type=device_type)
+    for block in model.hooks.blocks:
+        block.attend = context.attend
     return context

@@ -139,7 +139,7 @@ class StepFence:
     queued before it is done.
 
     Where it waits: at the step's start, or with context parallelism (`hold_in` the model) in the forward,
-    before the block a quarter of the way down (the model's `before_block`: between compiled blocks, not in
+    before the block a quarter of the way down (the model's `hooks.before_block`: between compiled blocks, not in
     one). Under cp a block's forward costs the CPU more than the GPU (FSDP's gathers, the cp attention's
     parts): held at the step's start, the CPU began each forward with only the update queued ahead, and on
     two H200s the GPU waited for it about 1 ms before every block.
@@ -153,7 +153,7 @@ class StepFence:
         self.in_forward = self.device is not None and hold_in is not None
         if hold_in is not None and self.in_forward:
             # Through a lambda: `wait` is looked up at each call (the tests swap it for a recorder).
-            hold_in.before_block[len(hold_in.layers) // 4] = lambda: self.wait()
+            hold_in.hooks.before_block[len(hold_in.layers) // 4] = lambda: self.wait()
 
     def step_start(self) -> None:
         """At the start of a step: the wait, unless the model's forward holds it."""

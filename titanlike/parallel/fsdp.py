@@ -8,22 +8,26 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from titanlike import overrides
+from titanlike.config.schema import JobConfig
 from titanlike.config.speed import resolve_reshard
 from titanlike.model.decoder import Transformer
 from titanlike.model.shape import count_params
 from titanlike.overrides.fsdp import gradients_in_compute_pool
 from titanlike.parallel.device import device_memory_bytes
+from titanlike.parallel.offload import policy as cpu_offload_policy
 
 __all__ = ["apply_fsdp", "reduce_dtype", "resolve_reshard", "shard_model", "sync_after"]
 
 logger = logging.getLogger("titanlike")
 
 
-def apply_fsdp(model: Transformer, mesh, param_dtype: torch.dtype | None, reshard: str,
+def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | None, reshard: str,
                offload_policy=None, fused_loss: bool = False, reduce_dtype: torch.dtype = torch.float32) -> None:
     """`reduce_dtype`: the dtype the gradients are summed over the ranks in (FSDP's reduce-scatter input).
     `offload_policy`: FSDP's CPUOffloadPolicy (parallel/offload.py), or None to keep everything on the GPU.
@@ -106,27 +110,31 @@ def unshard_in_backward(module, needed: bool) -> None:
         module.set_unshard_in_backward(needed)
 
 
-def reduce_dtype(mixed_precision_reduce: str, mesh) -> torch.dtype:
+def reduce_dtype(mixed_precision_reduce: str, mesh: DeviceMesh | None) -> torch.dtype:
     """The dtype the ranks of `mesh` (None: one rank) sum gradients in. One rank sums nothing: a bf16 reduce
     would only round its gradients."""
     summing = mesh is not None and mesh.size() > 1
     return torch.bfloat16 if mixed_precision_reduce == "bf16" and summing else torch.float32
 
 
-def shard_model(model: Transformer, mesh, device: torch.device, *, mixed_precision: str, reshard: str,
-                memory_limit_gib: float, log: bool, offload_policy=None, fused_loss: bool = False,
-                mixed_precision_reduce: str = "fp32") -> contextlib.AbstractContextManager:
+def shard_model(model: Transformer, mesh: DeviceMesh | None, device: torch.device, cfg: JobConfig, *,
+                log: bool) -> contextlib.AbstractContextManager[Any]:
     """FSDP over `mesh` (None: one rank, nothing to shard; a one-rank mesh when offloading). bf16 compute
-    on a GPU: FSDP casts the gathered weights; one rank uses autocast instead. Gradients are summed in
-    `mixed_precision_reduce`'s dtype where there is more than one rank to sum. Returns the context each
-    forward runs in."""
-    gpu_bf16 = device.type == "cuda" and mixed_precision == "bf16"
+    on a GPU (training.mixed_precision): FSDP casts the gathered weights; one rank uses autocast instead.
+    Gradients are summed in training.mixed_precision_reduce's dtype where there is more than one rank to
+    sum; parallel.cpu_offload keeps the shards in host memory. Returns the context each forward runs in."""
+    t = cfg.training
+    gpu_bf16 = device.type == "cuda" and t.mixed_precision == "bf16"
     if mesh is None:
         return torch.autocast("cuda", dtype=torch.bfloat16) if gpu_bf16 else contextlib.nullcontext()
     gathered = 2 * count_params(model.args)[0]  # bytes of every weight gathered in bf16
+    # Resharding is decided for the memory the run has: a cap, or a fit's number of GiB (`auto`: the card's own).
+    fit_gib = t.fit_gib if isinstance(t.fit_gib, float) else 0.0
+    memory_limit_gib = min(filter(None, (t.gpu_memory_limit_gib, fit_gib)), default=0.0)
+    reshard = cfg.parallel.reshard_after_forward
     chosen = resolve_reshard(reshard, gathered, device_memory_bytes(device, memory_limit_gib))
-    apply_fsdp(model, mesh, torch.bfloat16 if gpu_bf16 else None, chosen, offload_policy, fused_loss,
-               reduce_dtype(mixed_precision_reduce, mesh))
+    apply_fsdp(model, mesh, torch.bfloat16 if gpu_bf16 else None, chosen, cpu_offload_policy(cfg.parallel.cpu_offload),
+               t.loss_chunk_tokens > 0, reduce_dtype(t.mixed_precision_reduce, mesh))
     if log and chosen != reshard:
         logger.info(f"FSDP keeps the gathered weights from forward to backward ({gathered / 1e9:.1f} GB in bf16, "
                     f"small next to the GPU's memory); --parallel.reshard_after_forward always frees them")

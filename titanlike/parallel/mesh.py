@@ -1,11 +1,9 @@
 """The process group and the DeviceMeshes of a run with more than one rank, and the one collective the
 trainer itself needs (a mean over ranks).
 
-Ranks are laid out (dp_replicate, dp_shard, cp), cp innermost: the ranks of a context group are
-neighbours (one node, the fastest links, for the all-gathers of every attention layer), and rank // cp
-is the data-parallel rank. FSDP shards over dp_shard × cp, the two flattened into one mesh dimension:
-built as such with init_device_mesh rather than by flattening a 3-D mesh, whose `_flatten` is private
-API. The context group is a mesh of its own (`context_mesh`)."""
+The rank layout, (dp_replicate, dp_shard, cp) with cp innermost, and the meshes' shapes are the resolved
+degrees' (config/dims.py ParallelDims: dp_rank, fsdp_mesh, context_mesh); this module builds them. The
+context group is a mesh of its own (`context_mesh`)."""
 
 from __future__ import annotations
 
@@ -14,9 +12,13 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from titanlike.config.dims import ParallelDims
 
 
-def init_distributed(dims, device: torch.device, timeout_s: int, cpu_offload: bool = False):
+def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: int,
+                     cpu_offload: bool = False) -> DeviceMesh | None:
     """Start the process group and build the mesh; None with one rank (no process group at all),
     unless `cpu_offload`: FSDP is what offloads, so one rank gets a process group and mesh of its own.
     `dims`: the resolved degrees (dp_replicate, dp_shard, cp, sharded). The mesh is FSDP's: (dp_replicate,
@@ -36,21 +38,19 @@ def init_distributed(dims, device: torch.device, timeout_s: int, cpu_offload: bo
     else:
         dist.init_process_group(backend, timeout=timeout, device_id=device_id, store=dist.HashStore(), rank=0,
                                 world_size=1)
-    shard = "dp_shard" if dims.cp == 1 else "dp_shard_cp"
-    if dims.dp_replicate > 1:
-        return init_device_mesh(device.type, (dims.dp_replicate, dims.fsdp_shard),
-                                mesh_dim_names=("dp_replicate", shard))
-    return init_device_mesh(device.type, (dims.fsdp_shard,), mesh_dim_names=(shard,))
+    shape, names = dims.fsdp_mesh
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)
 
 
-def context_mesh(dims, device: torch.device):
+def context_mesh(dims: ParallelDims, device: torch.device) -> DeviceMesh | None:
     """This rank's context group as a 1-D mesh (its cp ranks), or None without context parallelism.
     After init_distributed."""
     if dims.cp == 1:
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device.type, (dims.world_size // dims.cp, dims.cp), mesh_dim_names=("dp", "cp"))["cp"]
+    shape, names = dims.context_mesh
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)["cp"]
 
 
 def mean_over_ranks(values: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from titanlike.config import load_config
+from titanlike.config import JobConfig, load_config
 from titanlike.config.dims import parallel_dims
 from titanlike.config.resolve import resolve_model
 from titanlike.errors import UserError, error_exit
@@ -73,13 +73,13 @@ def report(argv: list[str]) -> str:
     return "\n".join(lines)
 
 
-def on_gpus(cfg):
+def on_gpus(cfg: JobConfig) -> JobConfig:
     """The run as it would train on the cards this plans for, whatever machine asks (one without a GPU
     would train on its CPU, where some levers do not apply)."""
     return dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, device="cuda"))
 
 
-def card_line(cfg, argv: list[str], world: int, card_gib: float) -> str:
+def card_line(cfg: JobConfig, argv: list[str], world: int, card_gib: float) -> str:
     """What a card takes: the run as it is (with room, tight, or not at all), and what `--training.fit_gib auto`
     chooses there where it would change the run."""
     usable = usable_gib(card_gib, world)

@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 from titanlike.config.dims import ParallelDims
+from titanlike.config.fp8 import RECIPES, Recipe, float8_all_gather
 from titanlike.config.optimizer import DEFAULT, OPTIMIZERS
 from titanlike.config.schema import JobConfig
 from titanlike.config.speed import matmul_outputs_kept, named_blocks, resolve_reshard
@@ -35,13 +36,8 @@ from titanlike.model.shape import BLOCK_MATMULS, ModelArgs, count_params
 GIB = 2**30
 
 # ---- constants calibrated against recorded measurements (tests/test_plan.py MEASURED) -------------------
-# Float8 Linears keep their inputs for backward in float8 (1 byte) rather than bf16: without recompute a
-# block keeps this share of its bf16 bytes (1b on one H100: 46.3 GiB tensorwise against 56.9 in bf16).
-FLOAT8_NONE_SHARE = 0.63
-# With selective `op` the kept matmul outputs are bf16 either way, and float8 adds its amax reductions and a
-# few casts kept beside them: bytes per token per block, per unit of model width (8b on two H200s: 104.1 GiB
-# tensorwise against 103.5 in bf16, with float8 all-gather saving 0.4 GiB of gathered weights).
-FLOAT8_OP_EXTRA_PER_DIM = 0.5
+# (What float8 Linears keep for backward is each recipe's: config/fp8.py RECIPES, kept_share and
+# op_extra_per_dim.)
 # Whole logits: bytes per logit held at the start of backward (bf16 logits and their gradient, less what
 # compile's fused head frees early). One process, compiled head: 1b with full recompute and 8-bit moments
 # (20.3 GiB), where the logits are most of the peak. Under FSDP the head is eager (its hooks gather the
@@ -102,7 +98,7 @@ class Shape:
     ac_mode: str
     ac_option: str
     ac_budget: float
-    float8: bool
+    fp8: Recipe  # fp8.recipe's facts: what its Linears keep for backward
     float8_all_gather: bool
     compile: bool
     chunk_tokens: int
@@ -124,21 +120,19 @@ def shape_of(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, card_gib: floa
     first stage's), with `parallel.reshard_after_forward = default` resolved as FSDP resolves it on a card of
     `card_gib` (parallel/fsdp.py resolve_reshard)."""
     t, ac, fp8 = cfg.training, cfg.activation_checkpoint, cfg.fp8
-    float8 = fp8.recipe != "none"
-    ag = fp8.enable_fsdp_float8_all_gather
-    float8_ag = dims.fsdp_shard > 1 and fp8.recipe == "tensorwise" and (ag is None or ag)
     gathered = 2 * count_params(args)[0]
     reshard = resolve_reshard(cfg.parallel.reshard_after_forward, gathered, int(card_gib * GIB) if card_gib else None)
     # With context parallelism each rank holds 1/cp of every window's tokens (and FSDP shards over dp × cp).
     window, micro_batch = (stage.seq_len, stage.local_batch) if stage else (cfg.data.seq_len, t.local_batch_size)
     return Shape(args, dims, micro_batch * window // dims.cp, ac.mode, ac.selective_ac_option,
-                 ac.memory_budget, float8, float8_ag, cfg.compile.enable, t.loss_chunk_tokens,
-                 cfg.optimizer.state_dtype, reshard, bool(getattr(cfg.parallel, "cpu_offload", False)),
+                 ac.memory_budget, RECIPES[fp8.recipe], float8_all_gather(fp8, dims.fsdp_shard),
+                 cfg.compile.enable, t.loss_chunk_tokens,
+                 cfg.optimizer.state_dtype, reshard, cfg.parallel.cpu_offload,
                  cfg.model.attn_mask == "block_causal", ac.selective_ac_blocks,
                  override_chosen(cfg.parallel.overrides, "cp_attention_kernels"),
                  2 if t.mixed_precision_reduce == "bf16" and dims.dp_replicate * dims.fsdp_shard > 1 else 4,
                  override_chosen(cfg.parallel.overrides, "gradients_in_compute_pool"),
-                 getattr(cfg.parallel, "gradient_sync", "micro_batch") == "step", cfg.optimizer.name)
+                 cfg.parallel.gradient_sync == "step", cfg.optimizer.name)
 
 
 def override_chosen(overrides: str, name: str) -> bool:
@@ -190,9 +184,9 @@ def block_bytes(s: Shape) -> tuple[float, float]:
     if s.ac_option.startswith("op"):  # op:NAMES in the blocks that follow it, op in the others
         named = len(named_blocks(layers, s.ac_blocks))
         op = (named * op_kept_bytes_per_token(a, s.ac_option) + (layers - named) * op) / layers
-    if s.float8:
-        none *= FLOAT8_NONE_SHARE
-        op += FLOAT8_OP_EXTRA_PER_DIM * a.dim
+    if s.fp8.float8:
+        none *= s.fp8.kept_share
+        op += s.fp8.op_extra_per_dim * a.dim
     block_input = 2 * a.dim  # a fully recomputed block keeps its input only
     if s.dims.cp > 1:
         # Context parallelism (parallel/context.py): attention's backward reads the keys and values of the
@@ -284,7 +278,7 @@ def estimate(s: Shape) -> Estimate:
     # FSDP the gathered bf16 weights are that copy already; float8 still keeps its casts.
     # Selective `op` and full recompute redo the casts in backward instead.
     selective_op = s.ac_mode == "selective" and s.ac_option.startswith("op")
-    copy_bytes = 2.0 if (s.float8 or not sharded) and not selective_op else 0.0
+    copy_bytes = 2.0 if (s.fp8.float8 or not sharded) and not selective_op else 0.0
     kept += copy_bytes * block_params * (a.n_layers - block_bytes_recomputed_whole(s))
     # Offloaded over more than one rank (parallel/fsdp.py keeps torch's reduce-scatter buffers then): each
     # block's reduce-scatter input and output come from the reduce-scatter stream's own pool before
@@ -379,7 +373,7 @@ def ac_words(s: Shape) -> str:
         what = f"budget {s.ac_budget}"
     else:
         what = s.ac_mode
-    return f" ({what}, {s.tokens:,} tokens{', float8' if s.float8 else ''}{'' if s.compile else ', eager'})"
+    return f" ({what}, {s.tokens:,} tokens{', float8' if s.fp8.float8 else ''}{'' if s.compile else ', eager'})"
 
 
 def estimate_run(cfg: JobConfig, world: int, card_gib: float | None = None, args: ModelArgs | None = None) -> Estimate:

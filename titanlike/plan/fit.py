@@ -81,9 +81,9 @@ def run_target(cfg: JobConfig, world: int, card: tuple[str, float] | None) -> Ta
     from titanlike.config.host import runs_on_cpu
 
     value = cfg.training.fit_gib
-    if not value or (value == "auto" and runs_on_cpu(cfg)):
+    if not value or (value == "auto" and runs_on_cpu(cfg.training.device)):
         return None
-    if runs_on_cpu(cfg):
+    if runs_on_cpu(cfg.training.device):
         raise UserError(f"training.fit_gib = {value:g} fits a run into GPU memory, and this run trains on the CPU (no "
                         f"GPU is visible, or training.device = cpu): run it where its GPUs are, or leave fit_gib 0")
     if value != "auto":

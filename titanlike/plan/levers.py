@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from titanlike.config.fp8 import RECIPES
 from titanlike.config.host import runs_on_cpu
 from titanlike.config.optimizer import OPTIMIZERS
 from titanlike.config.schema import JobConfig
@@ -48,10 +49,6 @@ class Choice:
     @property
     def flag(self) -> str:
         return f"--{self.key} {self.value}"
-
-
-def _has(section: str, key: str) -> Callable[[JobConfig], bool]:
-    return lambda cfg: hasattr(getattr(cfg, section), key)
 
 
 def _takes(state_dtype: str) -> Callable[[JobConfig], bool]:
@@ -122,7 +119,7 @@ CHOICES: tuple[Choice, ...] = (
            f"{B}2026-11-26-cp-kernels-fit-to-target.md: 8b over two H200s with weights, gradients and the optimizer's "
            "state in host memory and the optimizer step on the CPU ran 0.30× the speed; 1b 0.354× "
            f"({B}2026-11-26-cp-long-windows-1b-levers.md)",
-           usable=lambda cfg: hasattr(cfg.parallel, "cpu_offload") and not runs_on_cpu(cfg) and _steps_on_host(cfg)),
+           usable=lambda cfg: not runs_on_cpu(cfg.training.device) and _steps_on_host(cfg)),
 )
 
 MICRO_BATCH_SOURCE = ("estimate: 3 % a halving of the micro-batch, 7 % two, 12 % three (more micro-batches, the same "
@@ -198,7 +195,7 @@ def apply(cfg: JobConfig, choice: Choice, global_batch: int) -> JobConfig | None
         # The global batch stays: the micro-batches grow in number (gradient accumulation).
         return dataclasses.replace(cfg, training=dataclasses.replace(
             t, local_batch_size=t.local_batch_size // divisor, global_batch_size=global_batch))
-    if choice.key == "parallel.cpu_offload" and cfg.fp8.recipe == "tensorwise":
+    if choice.key == "parallel.cpu_offload" and RECIPES[cfg.fp8.recipe].all_gather:
         # Offloaded weights are gathered from host fp32 shards: never in float8 (config/dims.check_offload).
         cfg = dataclasses.replace(cfg, fp8=dataclasses.replace(cfg.fp8, enable_fsdp_float8_all_gather=False))
     return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{key: choice.value})})
@@ -225,6 +222,6 @@ def flags(cfg: JobConfig, choices: tuple[Choice, ...], global_batch: int) -> lis
         else:
             value = str(c.value).lower() if isinstance(c.value, bool) else c.value
             out.append(f"--{c.key} {value}")
-            if c.key == "parallel.cpu_offload" and cfg.fp8.recipe == "tensorwise":
+            if c.key == "parallel.cpu_offload" and RECIPES[cfg.fp8.recipe].all_gather:
                 out.append("--fp8.enable_fsdp_float8_all_gather false")
     return out

@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 
 from titanlike.config.dims import ParallelDims, parallel_dims
+from titanlike.config.fp8 import RECIPES
 from titanlike.config.optimizer import OPTIMIZERS
+from titanlike.config.schema import JobConfig
 from titanlike.config.stages import Stage
 from titanlike.parallel.device import allocator_settings
 
@@ -55,7 +57,7 @@ def gpu_memory(device: torch.device) -> dict | None:
     }
 
 
-def oom_message(cfg, dims: ParallelDims, rank: int, step: int | None, memory: dict | None,
+def oom_message(cfg: JobConfig, dims: ParallelDims, rank: int, step: int | None, memory: dict | None,
                 snapshot: str | None = None, stage: Stage | None = None) -> str:
     """One line for torch.OutOfMemoryError: where, how much, and the options that use less memory.
 
@@ -67,7 +69,7 @@ def oom_message(cfg, dims: ParallelDims, rank: int, step: int | None, memory: di
     t, d = cfg.training, cfg.data
     when = "while building the model" if step is None else f"after {step} completed steps"
     where = f"rank {rank}" + (f" ({memory['name']}, {memory['total']:.1f} GiB)" if memory else "")
-    cap = getattr(t, "gpu_memory_limit_gib", 0)
+    cap = t.gpu_memory_limit_gib
     if memory and cap:
         where = where[:-1] + f", capped at {cap:g} GiB by training.gpu_memory_limit_gib)"
     peak = (f"peak {memory['allocated']:.1f} GiB allocated, {memory['reserved']:.1f} GiB reserved"
@@ -97,12 +99,10 @@ def oom_message(cfg, dims: ParallelDims, rank: int, step: int | None, memory: di
             knobs.append("--optimizer.state_dtype 8bit (AdamW's moments in about 2 bytes a parameter instead of 8)")
         else:
             knobs.append("--optimizer.state_dtype bf16 (AdamW's moments in 4 bytes a parameter instead of 8)")
-    if cfg.fp8.recipe != "tensorwise" and dims.sharded:
-        knobs.append(f"--fp8.recipe tensorwise (now {cfg.fp8.recipe}): FSDP then gathers weights in float8")
-    elif cfg.fp8.recipe != "tensorwise" and cfg.compile.enable:
-        # Measured, not derived: 1b, seq 4096, batch 6 on one H100 (docs/benchmarks/2026-11-22-stacked-qkv-gqa.md).
-        knobs.append(f"--fp8.recipe tensorwise (now {cfg.fp8.recipe}): compiled, it lowered the 1b preset's peak "
-                     f"from 64 to 53 GiB on one GPU")
+    leaner = RECIPES[cfg.fp8.recipe].leaner  # a recipe that keeps less, and why (config/fp8.py)
+    if leaner and (dims.sharded or cfg.compile.enable):
+        why = RECIPES[leaner].saves[0 if dims.sharded else 1]
+        knobs.append(f"--fp8.recipe {leaner} (now {cfg.fp8.recipe}): {why}")
     if dims.sharded and cfg.parallel.reshard_after_forward != "always":
         knobs.append("--parallel.reshard_after_forward always (frees every gathered weight after forward)")
     allocator = allocator_settings() or ""
@@ -115,7 +115,7 @@ def oom_message(cfg, dims: ParallelDims, rank: int, step: int | None, memory: di
     return f"out of GPU memory on {where} {when}: {peak}; {batch}; to use less: {', '.join(knobs)}{seen}"
 
 
-def explain(e: RuntimeError, cfg, world_size: int, rank: int, *, step: int | None = None,
+def explain(e: RuntimeError, cfg: JobConfig | None, world_size: int, rank: int, *, step: int | None = None,
             device: torch.device | None = None, dims: ParallelDims | None = None,
             oom_snapshot: Callable[[int], str | None] | None = None,
             stage: Stage | None = None) -> tuple[int, str] | None:

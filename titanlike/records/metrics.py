@@ -127,11 +127,13 @@ class StepTimer:
 
 class MetricsLogger:
     def __init__(self, folder: str, *, is_writer: bool, tensorboard: bool, device: torch.device,
-                 float8_matmul_share: float, purge_step: int | None = None,
+                 constants: dict[str, float], purge_step: int | None = None,
                  wandb: tuple[str, str] | None = None):
+        """`constants`: values that join every train record after the first (what the model converters
+        report)."""
         self.is_writer = is_writer
         self.device = device
-        self.float8_share = float8_matmul_share
+        self.constants = dict(constants)
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         self.peak = peak_bf16_flops(self.device_name) if device.type == "cuda" else None
         if device.type == "cuda" and self.peak is None and is_writer:
@@ -139,7 +141,7 @@ class MetricsLogger:
         self.jsonl: fs.AppendFile | None = None
         self.tb = None
         self.wandb: WandbSink | None = None
-        self._notes: dict = {}  # values that join the next record (float8's weight health)
+        self._notes: dict = {}  # values that join the next record (what a converter measured after a step)
         if is_writer:
             os.makedirs(folder, exist_ok=True)
             self.jsonl = fs.AppendFile(os.path.join(folder, "metrics.jsonl"))
@@ -219,7 +221,7 @@ class MetricsLogger:
         if first:
             record["first_step_s"] = time.perf_counter() - self._loop_start
         else:
-            record.update(tokens_seen=tokens_seen, **self.throughput(), float8_matmul_share=self.float8_share)
+            record.update(tokens_seen=tokens_seen, **self.throughput(), **self.constants)
         record.update(by_source)
         self.log(step, {**record, **self.memory()}, total_steps=total_steps, eta_s=eta_s)
         if first:

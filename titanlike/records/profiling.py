@@ -35,6 +35,7 @@ import warnings
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
+from titanlike.config.schema import Profiling
 from titanlike.overrides import cuda
 
 logger = logging.getLogger("titanlike")
@@ -54,17 +55,20 @@ MEMORY_HISTORY_ENTRIES = 100_000
 
 
 class Profiler:
-    def __init__(self, cfg, dump_folder: str, rank: int, device: torch.device, start_step: int):
+    def __init__(self, cfg: Profiling, dump_folder: str, rank: int, device: torch.device, start_step: int):
         self.cfg = cfg
         self.rank = rank
         self.folder = cfg.folder if os.path.isabs(cfg.folder) else os.path.join(dump_folder, cfg.folder)
         self.next_step = start_step + 1  # the global step the profiler is set up for
         self.recorded: list[int] = []  # steps recorded since the last trace was written
-        self.memory = cfg.memory_snapshot and device.type == "cuda"
+        # The allocator's history is torch's private API (overrides/cuda.py): a torch without it skips the
+        # snapshots with one line, as a device without CUDA does, and the run goes on.
+        missing = cuda.memory_history_problem() if cfg.memory_snapshot and device.type == "cuda" else None
+        self.memory = cfg.memory_snapshot and device.type == "cuda" and missing is None
         self.snapshot_taken = False
         if cfg.memory_snapshot and not self.memory and rank == 0:
-            logger.warning("profiling.memory_snapshot records the CUDA allocator: nothing to record on "
-                           f"{device.type}, skipped")
+            why = missing or f"nothing to record on {device.type}"
+            logger.warning(f"profiling.memory_snapshot records the CUDA allocator: {why}, skipped")
         if self.memory:
             cuda.record_memory_history(MEMORY_HISTORY_ENTRIES)
         self.torch_profiler = None

@@ -21,7 +21,7 @@ TokenLossFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 class SourceLosses:
-    """`token_loss`: model/loss.py's build_token_loss, whose mean is the plain loss's, bit for bit."""
+    """`token_loss`: model/loss.py's build_loss(..., per_token=True), whose mean is the plain loss's, bit for bit."""
 
     def __init__(self, names: list[str], device: torch.device, token_loss: TokenLossFn):
         self.names, self.device, self.token_loss = names, device, token_loss

@@ -50,7 +50,9 @@ def install() -> None:
         reading["batch"] = self.batches_read + 1  # the global batch this micro-batch belongs to
         return plain_next(self)
 
-    def build_loss(*args, **kwargs):
+    def build_loss(*args, per_token=False, **kwargs):
+        if per_token:  # a mixture's per-source reading: the training loss beside it is the one poisoned
+            return plain_build(*args, per_token=True, **kwargs)
         return poisoned(plain_build(*args, **kwargs), reading)
 
     loader.TrainLoader.__next__ = next_micro_batch  # type: ignore[method-assign]
