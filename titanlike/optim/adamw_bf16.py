@@ -76,6 +76,23 @@ def _update_fn(device: torch.device):
     return _COMPILED["cuda"]
 
 
+def load_state_keeping_dtypes(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """torch.optim.Optimizer.load_state_dict, but each state tensor kept in its own dtype. torch's casts every
+    floating state tensor to its parameter's: bf16 moments would come back fp32 (twice the memory, all of it
+    at once, and a run that no longer rounds as the uninterrupted one did). The same mapping of saved ids to
+    parameters, in group order."""
+    saved_groups = state_dict["param_groups"]
+    if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in optimizer.param_groups]:
+        raise ValueError("the saved optimizer state has other parameter groups than this optimizer")
+    by_id = {saved: p for sg, g in zip(saved_groups, optimizer.param_groups)
+             for saved, p in zip(sg["params"], g["params"])}
+    for saved, value in state_dict["state"].items():
+        p = by_id[saved]
+        optimizer.state[p] = {k: v.to(device=p.device) if isinstance(v, torch.Tensor) else v for k, v in value.items()}
+    for sg, g in zip(saved_groups, optimizer.param_groups):
+        g.update({k: v for k, v in sg.items() if k != "params"})
+
+
 class AdamWBf16Moments(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias-corrected moments) with bf16 moments and fp32 arithmetic."""
 
@@ -94,19 +111,7 @@ class AdamWBf16Moments(torch.optim.Optimizer):
                                      "exp_avg_sq": torch.zeros_like(p, dtype=torch.bfloat16)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's Optimizer.load_state_dict casts every floating state tensor to its parameter's dtype: it
-        would turn the bf16 moments into fp32 ones (twice the memory, and a run that no longer rounds as the
-        uninterrupted one did). The same mapping of saved ids to parameters, each tensor kept in its dtype."""
-        saved_groups = state_dict["param_groups"]
-        if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError("the saved optimizer state has other parameter groups than this optimizer")
-        by_id = {saved: p for sg, g in zip(saved_groups, self.param_groups)
-                 for saved, p in zip(sg["params"], g["params"])}
-        for saved, value in state_dict["state"].items():
-            p = by_id[saved]
-            self.state[p] = {k: v.to(device=p.device) if isinstance(v, torch.Tensor) else v for k, v in value.items()}
-        for sg, g in zip(saved_groups, self.param_groups):
-            g.update({k: v for k, v in sg.items() if k != "params"})
+        load_state_keeping_dtypes(self, state_dict)
 
     @torch.no_grad()
     def step(self, closure=None):

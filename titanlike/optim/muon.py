@@ -64,7 +64,7 @@ from torch.optim.adamw import adamw
 if TYPE_CHECKING:
     from titanlike.config.optimizer import Optimizer as OptimizerConfig
 
-from titanlike.optim.adamw_bf16 import step_group
+from titanlike.optim.adamw_bf16 import load_state_keeping_dtypes, step_group
 from titanlike.optim.orthogonalize import (
     ADJUST_LR,
     NS_COEFFICIENTS,
@@ -238,18 +238,9 @@ class Muon(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's, then each state tensor back in its own dtype (torch casts them to their parameter's): the
-        momentum in fp32, bf16 AdamW moments in bf16 (bf16 → fp32 → bf16 is exact)."""
-        super().load_state_dict(state_dict)
-        for group in self.param_groups:
-            dtypes = ({"momentum_buffer": torch.float32} if group["kind"] == MUON else
-                      {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16} if group["state_dtype"] == "bf16"
-                      else {})
-            for p in group["params"]:
-                for key, dtype in dtypes.items():
-                    value = self.state[p].get(key)
-                    if value is not None and value.dtype != dtype:
-                        self.state[p][key] = value.to(dtype)
+        """Each state tensor in its saved dtype: fp32 momentum, bf16 AdamW moments (torch's would cast them all
+        to the parameters' fp32)."""
+        load_state_keeping_dtypes(self, state_dict)
 
     @torch.no_grad()
     def step(self, closure=None):
