@@ -30,6 +30,27 @@ def printed_config(proc: subprocess.CompletedProcess) -> dict:
 
 
 @pytest.mark.slow  # torchrun twice: the slow tier, where the launcher's other modes run
+
+class ClosedPipe:
+    """A stdout whose reader went away (`--help | head -3`): every write and flush fails, as a closed pipe's
+    does; its descriptor is a stand-in file, which the command points at /dev/null."""
+
+    def __init__(self, stand_in: int):
+        self.stand_in = stand_in
+
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def fileno(self):
+        return self.stand_in
+
+
+def closed_pipe(tmp_path) -> ClosedPipe:
+    return ClosedPipe(os.open(tmp_path / "stdout", os.O_WRONLY | os.O_CREAT))
+
 def test_torchrun_with_no_arguments_trains_what_the_launcher_trains():
     launcher = printed_config(bash_mode("--job.print_config"))
     torchrun = printed_config(python_mode("--job.print_config"))
@@ -115,23 +136,12 @@ def test_help_into_a_closed_pipe_is_no_traceback(monkeypatch, capsys, tmp_path):
     """`./run_train.sh --help | head -3`: the reader goes away before the help is written."""
     from titanlike import preflight
 
-    stand_in = os.open(tmp_path / "stdout", os.O_WRONLY | os.O_CREAT)  # the descriptor preflight points away
-
-    class ClosedPipe:
-        def write(self, text):
-            raise BrokenPipeError(32, "Broken pipe")
-
-        def flush(self):
-            raise BrokenPipeError(32, "Broken pipe")
-
-        def fileno(self):
-            return stand_in
-
+    pipe = closed_pipe(tmp_path)
     for args in (["--help"], ["--job.print_config"]):
-        monkeypatch.setattr(sys, "stdout", ClosedPipe())
+        monkeypatch.setattr(sys, "stdout", pipe)
         assert preflight.main(args) == preflight.PRINTED
         monkeypatch.undo()
-    os.close(stand_in)
+    os.close(pipe.stand_in)
     assert "Traceback" not in capsys.readouterr().err
 
 
@@ -158,23 +168,12 @@ def test_titanlike_train_help_names_the_command_typed_and_survives_a_closed_pipe
             monkeypatch.setattr(sys, "argv", [argv0])
             assert train.main(["--help"]) == 0
             assert capsys.readouterr().out.startswith(usage)
-        stand_in = os.open(tmp_path / "stdout", os.O_WRONLY | os.O_CREAT)
-
-        class ClosedPipe:
-            def write(self, text):
-                raise BrokenPipeError(32, "Broken pipe")
-
-            def flush(self):
-                raise BrokenPipeError(32, "Broken pipe")
-
-            def fileno(self):
-                return stand_in
-
+        pipe = closed_pipe(tmp_path)
         for args in (["--help"], ["--job.print_config"]):
-            monkeypatch.setattr(sys, "stdout", ClosedPipe())
+            monkeypatch.setattr(sys, "stdout", pipe)
             assert train.main(args) == 0
             monkeypatch.setattr(sys, "stdout", sys.__stdout__)
-        os.close(stand_in)
+        os.close(pipe.stand_in)
     finally:
         logging.root.handlers[:] = handlers
         logging.root.setLevel(level)

@@ -79,6 +79,14 @@ def hf_tokenizer(tmp_path_factory) -> str:
 # ---- formats and tokenizers -----------------------------------------------------------------------
 
 
+
+# titanlike-prepare whose workers never finish a chunk: a run to signal, or to hold OUT, while it tokenizes.
+HANGING_PREPARE = ("import sys, time\n"
+                   "import titanlike.data.prepare.workers as w\n"
+                   "w.read_chunk = lambda chunk: time.sleep(600)\n"
+                   "from titanlike.data.prepare.cli import main\n"
+                   "sys.exit(main(sys.argv[1:]))\n")
+
 def test_every_format_with_the_byte_tokenizer(tmp_path):
     inputs = write_inputs(tmp_path / "in")
     info = prepare(str(tmp_path / "out"), inputs, workers=1, val_fraction=0)
@@ -469,12 +477,7 @@ def test_a_stopped_prepare_removes_its_temporary_folder(tmp_path, sig, workers):
 
     (tmp_path / "a.txt").write_text("some text")
     out = tmp_path / "out"
-    script = ("import sys, time\n"
-              "import titanlike.data.prepare.workers as w\n"
-              "w.read_chunk = lambda chunk: time.sleep(600)\n"
-              "from titanlike.data.prepare.cli import main\n"
-              "sys.exit(main(sys.argv[1:]))\n")
-    proc = subprocess.Popen([sys.executable, "-c", script, str(out), str(tmp_path / "a.txt"), "--workers",
+    proc = subprocess.Popen([sys.executable, "-c", HANGING_PREPARE, str(out), str(tmp_path / "a.txt"), "--workers",
                              str(workers)], env=_env(), stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import _env, call
+from test_prepare import HANGING_PREPARE
 from titanlike import fs
 from titanlike.data.prepare import driver, output
 from titanlike.data.prepare.cli import main
@@ -200,13 +201,8 @@ def test_a_killed_run_leaves_no_claim(tmp_path):
     the work folder the killed one left, and leaves no lock file."""
     (tmp_path / "a.txt").write_text("some text")
     out = tmp_path / "out"
-    script = ("import sys, time\n"
-              "import titanlike.data.prepare.workers as w\n"
-              "w.read_chunk = lambda chunk: time.sleep(600)\n"
-              "from titanlike.data.prepare.cli import main\n"
-              "sys.exit(main(sys.argv[1:]))\n")
-    first = subprocess.Popen([sys.executable, "-c", script, str(out), str(tmp_path / "a.txt"), "--workers", "1"],
-                             env=_env(), stderr=subprocess.PIPE, text=True, start_new_session=True)
+    first = subprocess.Popen([sys.executable, "-c", HANGING_PREPARE, str(out), str(tmp_path / "a.txt"), "--workers",
+                              "1"], env=_env(), stderr=subprocess.PIPE, text=True, start_new_session=True)
     work = tmp_path / f"out.tmp-{first.pid}"
     try:
         deadline = time.monotonic() + 60
