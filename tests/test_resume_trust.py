@@ -194,6 +194,41 @@ def test_no_intact_checkpoint_stops_with_exit_2(ref, tmp_path, corpus):
         f"to start afresh, move them out of the folder or use another --checkpoint.folder"]
 
 
+
+@pytest.mark.parametrize("failure", ["mismatch", "out-of-memory"])
+def test_a_step_that_matches_its_checksums_but_does_not_load_is_kept_as_it_is(ref, tmp_path, corpus, monkeypatch,
+                                                                               failure):
+    """Every byte of step-6 is as saved, but loading it fails (a setting no check covers, memory): that
+    is not damage, so nothing is renamed and the run does not fall back to step 4 (which would bury the
+    newest save and train from an older one)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    folder = only_steps(ref, tmp_path, 4, 6)
+    cause = "Size mismatch between saved torch.Size([320, 256]) and current torch.Size([384, 256])"
+
+    def load(*args, **kwargs):
+        if failure == "mismatch":
+            raise RuntimeError(cause)
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(dcp, "load", load)
+    proc = train(tmp_path, corpus, *K, check=False)
+    assert proc.returncode != 0 and "train step" not in proc.stderr
+    assert steps_in(folder) == ["step-4", "step-6"]  # neither set aside as damaged nor abandoned
+    assert "checkpoint damaged" not in proc.stderr and "falling back" not in proc.stderr
+    if failure == "mismatch":
+        assert proc.returncode == 2
+        assert error_lines(proc.stderr) == [
+            f"error: {folder}/step-6 matches its checksums but does not load into this run (RuntimeError: {cause}); "
+            f"nothing was renamed or changed: resume with the settings it was saved with, or start from its "
+            f"weights alone with --checkpoint.initial_load_path {folder}/step-6 in a new --job.dump_folder"]
+        assert "Traceback" not in proc.stderr
+    else:
+        lines = error_lines(proc.stderr)  # reported as what it is, the trainer's one line on memory
+        assert len(lines) == 1 and lines[0].startswith("error: out of GPU memory on rank 0"), lines
+
+
 # ---- 2. no code from a file ---------------------------------------------------------------------------
 
 

@@ -56,6 +56,23 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
 
+def _first_failure(e: BaseException) -> BaseException:
+    """What went wrong in a load: DCP wraps each rank's exception in a CheckpointException ({rank:
+    (exception, traceback)}); the first rank's, or `e` itself."""
+    failures = getattr(e, "failures", None) if isinstance(e, CheckpointException) else None
+    for wrapped in (failures or {}).values():
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        if isinstance(inner, BaseException):
+            return inner
+    return e
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """A load that ran out of memory is reported as such (the trainer says its peak), not as a bad
+    checkpoint."""
+    return isinstance(_first_failure(e), (MemoryError, torch.cuda.OutOfMemoryError))
+
+
 class DataPosition(Protocol):
     """What the checkpoint needs of the data's position (the loader): its state, saved and restored as
     it is, and the number of global batches a saved state has read (the weights' stage follows from it)."""
@@ -244,11 +261,19 @@ class CheckpointManager:
                                 f"dump folder's records of its earlier run move to earlier-runs/")
                 try:
                     self._load(step)
-                except (Exception, CheckpointException) as e:  # damage the manifest could not see
-                    if isinstance(e, UserError):
+                except (Exception, CheckpointException) as e:
+                    # Every byte matched its checksum, so this is not damage: the run differs from the one
+                    # that saved (a setting no check covers), or the machine failed the read. Renaming the
+                    # step as damaged would send the run back to an older one and bury the newest save.
+                    if isinstance(e, UserError) or _out_of_memory(e):
                         raise
-                    cause = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-                    kind, problem = "damaged", f"{self.step_dir(step)} cannot be read ({type(e).__name__}: {cause})"
+                    failure = _first_failure(e)
+                    cause = (str(failure).strip().splitlines() or [type(failure).__name__])[0][:200]
+                    raise CheckpointError(
+                        f"{self.step_dir(step)} matches its checksums but does not load into this run "
+                        f"({type(failure).__name__}: {cause}); nothing was renamed or changed: resume with the "
+                        f"settings it was saved with, or start from its weights alone with "
+                        f"--checkpoint.initial_load_path {self.step_dir(step)} in a new --job.dump_folder") from None
             if kind == "ok":
                 self.resumed_from, self.branched = step, bool(other)
                 self._set_aside_later(step)
