@@ -229,6 +229,36 @@ def test_a_step_that_matches_its_checksums_but_does_not_load_is_kept_as_it_is(re
         assert len(lines) == 1 and lines[0].startswith("error: out of GPU memory on rank 0"), lines
 
 
+
+def test_a_background_save_checksums_its_files_off_the_training_thread(ref, tmp_path, corpus, monkeypatch):
+    """Reading a saved step back for its checksums is a fifth to a third of a save: for a background
+    save it runs in the writer's own thread once the files are written, so the training thread only
+    gathers the results. The last save (in the foreground) checksums where it runs. The steps resume
+    bit for bit."""
+    import threading
+
+    from titanlike.checkpoint import writer
+
+    threads: list[tuple[str, str]] = []
+    real = writer.describe_files
+
+    def describe(folder, names):
+        threads.append((os.path.basename(folder), threading.current_thread().name))
+        return real(folder, names)
+
+    monkeypatch.setattr(writer, "describe_files", describe)
+    train(tmp_path, corpus, *K, "--checkpoint.async_mode", "async")
+    assert [folder for folder, _ in threads] == ["step-2.tmp", "step-4.tmp", "step-6.tmp", "step-8.tmp"]
+    assert all(name.startswith("titanlike-checksum") for _, name in threads[:3]), threads
+    assert threads[3][1] == threading.main_thread().name  # the last save waits for nothing else
+    assert steps_in(tmp_path / "checkpoint") == ["step-2", "step-4", "step-6", "step-8"]
+    resumed = tmp_path / "resumed"
+    only_steps(tmp_path, resumed, 4)
+    train(resumed, corpus, *K)
+    full = losses(ref)
+    assert losses(resumed) == {s: full[s] for s in range(5, 9)}
+
+
 # ---- 2. no code from a file ---------------------------------------------------------------------------
 
 

@@ -10,7 +10,7 @@ import logging
 import os
 import shutil
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -56,9 +56,11 @@ class StepWriter:
         self.steps, self.keep_latest_k, self.pinned, self.rank, self.world = steps, keep_latest_k, pinned, rank, world
         self.group, self.save_group, self.cuda, self.eight_bit = group, save_group, cuda, eight_bit
         self.is_main, self.sharded = rank == 0, world > 1
-        self.pending: tuple[int, Future] | None = None  # (step, upload future) of a background save
+        # (step, future) of a background save: the upload, then this rank's checksums of what it wrote
+        self.pending: tuple[int, Future] | None = None
         self.staging: Future | None = None  # its host copy, which the next update must wait for
         self.stager: HostCopyStager | None = None  # pinned host buffers kept from one save to the next
+        self.checksummer: ThreadPoolExecutor | None = None  # checksums a background save's files once written
         self.estimate_mb = 0.0  # what the save under way takes, about: the failure line of a first save says it
 
     def barrier(self) -> None:
@@ -68,7 +70,7 @@ class StepWriter:
 
     @property
     def writing(self) -> bool:
-        """A background save is still writing on this rank."""
+        """A background save is still writing (or checksumming what it wrote) on this rank."""
         return self.pending is not None and not self.pending[1].done()
 
     def write(self, step: int, tensors: dict, files: dict[str, Any], background: bool) -> float:
@@ -105,7 +107,8 @@ class StepWriter:
         return time.perf_counter() - start
 
     def _async_save(self, state: dict, tmp: str) -> Future:
-        """Start a background save; returns the future of the upload (the files written)."""
+        """Start a background save; returns the future of this rank's checksums of what it wrote, which
+        follow the upload (the files written) in a thread of their own."""
         kwargs: dict = {"checkpoint_id": tmp, "process_group": self.save_group, "no_dist": not self.sharded}
         pinned = self.cuda and self.pinned
         if pinned or self.eight_bit:
@@ -116,10 +119,29 @@ class StepWriter:
             kwargs["async_stager"] = self.stager
         result = dcp.async_save(state, **kwargs)
         if isinstance(result, Future):
-            return result
-        # A stager that stages in the background makes torch return both the staging and the upload futures.
-        self.staging = result.staging_completion
-        return result.upload_completion
+            upload = result
+        else:  # a stager that stages in the background: torch returns the staging and the upload futures
+            self.staging = result.staging_completion
+            upload = result.upload_completion
+        # Reading every file back for its checksum took a fifth to a third of a save
+        # (docs/benchmarks/2026-12-02-checkpoint-hash-cost.md): done here, off the training thread, the
+        # publish at a later step only gathers the results.
+        if self.checksummer is None:
+            self.checksummer = ThreadPoolExecutor(1, thread_name_prefix="titanlike-checksum")
+        return self.checksummer.submit(self._checksums_after, upload, tmp)
+
+    def _checksums_after(self, upload: Future, tmp: str) -> dict[str, Any]:
+        upload.result()  # what the upload raised, the publish raises
+        return self._my_checksums(tmp)
+
+    def _my_checksums(self, tmp: str) -> dict[str, Any]:
+        """Size and checksums of the files of step-N.tmp that this rank wrote (manifest.owner). Complete once
+        this rank's part of the save is: DCP's coordinator (rank 0) writes `.metadata` before its save returns."""
+        try:
+            names = sorted(os.listdir(tmp))
+            return describe_files(tmp, [n for n in names if owner(n, self.world) == self.rank])
+        except OSError as e:
+            return {"error": f"{e.strerror}: {e.filename}"}  # this rank's failure, for all to see
 
     def wait_for_staging(self) -> None:
         """Before each optimizer step: a background copy of the tensors the update overwrites must be
@@ -139,21 +161,19 @@ class StepWriter:
         step, future = self.pending
         self.pending = None
         try:
-            future.result()
+            mine = future.result()
         except (Exception, CheckpointException) as e:
             self._fail(step, e)
-        self._publish(step)
+        self._publish(step, mine)
 
-    def _publish(self, step: int) -> None:
-        """All ranks have written: checksum every file (each rank its own), write the signed manifest,
-        make the checkpoint visible by one rename, then prune old ones."""
+    def _publish(self, step: int, mine: dict[str, Any] | None = None) -> None:
+        """All ranks have written: gather every rank's checksums of its files (`mine`, made in the
+        background; else made here), write the signed manifest, make the checkpoint visible by one
+        rename, then prune old ones."""
         self.barrier()
         tmp = self.steps.step_dir(step) + ".tmp"
-        try:
-            names = sorted(os.listdir(tmp))
-            mine: dict[str, Any] = describe_files(tmp, [n for n in names if owner(n, self.world) == self.rank])
-        except OSError as e:
-            mine = {"error": f"{e.strerror}: {e.filename}"}  # this rank's failure, for all to see
+        if mine is None:
+            mine = self._my_checksums(tmp)
         parts: list[Any] = [mine]
         if self.sharded:
             parts = [None] * self.world
@@ -193,3 +213,6 @@ class StepWriter:
         if self.stager is not None:
             self.stager.close()
             self.stager = None
+        if self.checksummer is not None:
+            self.checksummer.shutdown(wait=True)
+            self.checksummer = None
