@@ -1,4 +1,4 @@
-"""The checkpoint folder on disk: its step folders, and what a save's failure means in words.
+"""The checkpoint folder on disk: its step folders, and what a failed save or load means in words.
 
     step-200/            a complete checkpoint (manifest.json written last)
     step-300.tmp/        a save in progress, or one a crash interrupted: never loaded, reported
@@ -114,3 +114,35 @@ def failure_cause(e: BaseException, folder: str, keep_latest_k: int, checkpoint_
     inner = next((x for x in errors if not isinstance(x, CheckpointException) and str(x).strip()), e)
     text = (str(inner).strip().splitlines() or [""])[0][:200]
     return f"{type(inner).__name__}: {text}" if text else type(inner).__name__
+
+
+def _first_failure(e: BaseException) -> BaseException:
+    """What went wrong in a load: DCP wraps each rank's exception in a CheckpointException ({rank:
+    (exception, traceback)}); the first rank's, or `e` itself."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    failures = e.failures if isinstance(e, CheckpointException) else {}
+    for wrapped in failures.values():
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        if isinstance(inner, BaseException):
+            return inner
+    return e
+
+
+def unloadable(step_dir: str, e: BaseException) -> str | None:
+    """The one line for a step whose every byte matches its checksum but that failed to load into this run,
+    or None where `e` says best what it is (a UserError; running out of memory, which the trainer reports
+    with its peak). Such a step is not damaged: the run differs from the one that saved it in a way no
+    check names, or the read failed. Setting it aside would send the run back to an older step and bury
+    the newest save, so it stays as it is."""
+    import torch
+
+    from titanlike.errors import UserError
+
+    failure = _first_failure(e)
+    if isinstance(e, UserError) or isinstance(failure, (MemoryError, torch.cuda.OutOfMemoryError)):
+        return None
+    cause = (str(failure).strip().splitlines() or [type(failure).__name__])[0][:200]
+    return (f"{step_dir} matches its checksums but does not load into this run ({type(failure).__name__}: {cause}); "
+            f"nothing was renamed or changed: resume with the settings it was saved with, or start from its "
+            f"weights alone with --checkpoint.initial_load_path {step_dir} in a new --job.dump_folder")

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from titanlike import fs
 from titanlike.checkpoint import states as stateful
-from titanlike.checkpoint.folder import StepFolders
+from titanlike.checkpoint.folder import StepFolders, unloadable
 from titanlike.checkpoint.identity import other_run, run_after_load
 from titanlike.checkpoint.manifest import ensure_signing_key, inspect, read_manifest
 from titanlike.checkpoint.record import TRAINER_STATE, Due, RunRecord, from_earlier_layout
@@ -53,24 +53,6 @@ from titanlike.errors import UserError
 logger = logging.getLogger("titanlike")
 # DCP warns that a single-process save is single-process (its background thread ignores no_dist).
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-
-
-
-def _first_failure(e: BaseException) -> BaseException:
-    """What went wrong in a load: DCP wraps each rank's exception in a CheckpointException ({rank:
-    (exception, traceback)}); the first rank's, or `e` itself."""
-    failures = getattr(e, "failures", None) if isinstance(e, CheckpointException) else None
-    for wrapped in (failures or {}).values():
-        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-        if isinstance(inner, BaseException):
-            return inner
-    return e
-
-
-def _out_of_memory(e: BaseException) -> bool:
-    """A load that ran out of memory is reported as such (the trainer says its peak), not as a bad
-    checkpoint."""
-    return isinstance(_first_failure(e), (MemoryError, torch.cuda.OutOfMemoryError))
 
 
 class DataPosition(Protocol):
@@ -262,18 +244,11 @@ class CheckpointManager:
                 try:
                     self._load(step)
                 except (Exception, CheckpointException) as e:
-                    # Every byte matched its checksum, so this is not damage: the run differs from the one
-                    # that saved (a setting no check covers), or the machine failed the read. Renaming the
-                    # step as damaged would send the run back to an older one and bury the newest save.
-                    if isinstance(e, UserError) or _out_of_memory(e):
+                    # Every byte matched its checksum: not damage, so never set aside (folder.unloadable).
+                    why = unloadable(self.step_dir(step), e)
+                    if why is None:
                         raise
-                    failure = _first_failure(e)
-                    cause = (str(failure).strip().splitlines() or [type(failure).__name__])[0][:200]
-                    raise CheckpointError(
-                        f"{self.step_dir(step)} matches its checksums but does not load into this run "
-                        f"({type(failure).__name__}: {cause}); nothing was renamed or changed: resume with the "
-                        f"settings it was saved with, or start from its weights alone with "
-                        f"--checkpoint.initial_load_path {self.step_dir(step)} in a new --job.dump_folder") from None
+                    raise CheckpointError(why) from None
             if kind == "ok":
                 self.resumed_from, self.branched = step, bool(other)
                 self._set_aside_later(step)
