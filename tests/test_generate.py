@@ -236,3 +236,16 @@ def test_a_long_prompt_builds_no_dense_mask_and_one_position_of_logits(monkeypat
         assert generate(m, prompt, 3, static=static) == expected
         assert max(masks) <= len(prompt) + 3, masks  # a decode step's mask is one row at most
         assert max(rows) == 1, rows
+
+
+def test_a_step_folder_generates_within_the_window_it_trained_on(trained_run):
+    """The context of a step folder is the longest window its weights trained on (64 tokens here), as the
+    export writes it, not model.max_seq_len (131072): positions past it were never trained."""
+    from titanlike.hf.generate import main
+
+    step = str(trained_run / "checkpoint" / "step-4")
+    rc, err = call(main, step, "--max-new-tokens", "64", "--device", "cpu")
+    assert rc == 2 and [line for line in err.splitlines() if line.startswith("error: ")] == [
+        "error: --max-new-tokens 64: the model's context is 64 tokens and the prompt takes 1; ask for 63 or fewer"]
+    rc, err = call(main, step, "--max-new-tokens", "63", "--temperature", "0", "--device", "cpu")
+    assert rc == 0, err

@@ -14,6 +14,7 @@ run's own training (titanlike-export's checks); an exported folder through confi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -184,7 +185,7 @@ def load(source: str, tokenizer: str, device: torch.device, trust_pickled_dcp: b
     from titanlike.checkpoint.weights import is_dcp_folder, read_model_weights
     from titanlike.config.resolve import read_hf_config
     from titanlike.data.tokenizer import load_tokenizer, tokenizer_from_folder
-    from titanlike.hf.export import first_nonfinite, run_tokenizer, tokenizer_fits
+    from titanlike.hf.export import first_nonfinite, run_tokenizer, tokenizer_fits, trained_window_of
     from titanlike.hf.interchange import read_hf_folder
 
     if not os.path.isdir(source):
@@ -206,6 +207,9 @@ def load(source: str, tokenizer: str, device: torch.device, trust_pickled_dcp: b
     else:
         margs, state = read_model_weights(source, trust_pickled_dcp, flag="--trust-pickled-dcp")
         tok = run_tokenizer(source, tokenizer, margs.vocab_size)
+        # The context is the longest window the weights trained on, as the export writes it: RoPE positions
+        # past it were never trained, and what comes out there is noise.
+        margs = dataclasses.replace(margs, max_seq_len=min(margs.max_seq_len, trained_window_of(source) or 2**63))
     bad = first_nonfinite(state)  # NaN weights would generate garbage (or the first id) silently
     if bad:
         raise UserError(f"{source}: the weights hold non-finite values (NaN or inf): {bad}; they come from a run "
