@@ -221,8 +221,9 @@ def test_a_step_that_matches_its_checksums_but_does_not_load_is_kept_as_it_is(re
         assert proc.returncode == 2
         assert error_lines(proc.stderr) == [
             f"error: {folder}/step-6 matches its checksums but does not load into this run (RuntimeError: {cause}); "
-            f"nothing was renamed or changed: resume with the settings it was saved with, or start from its "
-            f"weights alone with --checkpoint.initial_load_path {folder}/step-6 in a new --job.dump_folder"]
+            f"nothing was renamed or changed: resume with the settings it was saved with, start from its weights "
+            f"alone with --checkpoint.initial_load_path {folder}/step-6 in a new --job.dump_folder, or move it out "
+            f"of the folder to resume from the step before it"]
         assert "Traceback" not in proc.stderr
     else:
         lines = error_lines(proc.stderr)  # reported as what it is, the trainer's one line on memory

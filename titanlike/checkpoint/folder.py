@@ -144,5 +144,6 @@ def unloadable(step_dir: str, e: BaseException) -> str | None:
         return None
     cause = (str(failure).strip().splitlines() or [type(failure).__name__])[0][:200]
     return (f"{step_dir} matches its checksums but does not load into this run ({type(failure).__name__}: {cause}); "
-            f"nothing was renamed or changed: resume with the settings it was saved with, or start from its "
-            f"weights alone with --checkpoint.initial_load_path {step_dir} in a new --job.dump_folder")
+            f"nothing was renamed or changed: resume with the settings it was saved with, start from its weights "
+            f"alone with --checkpoint.initial_load_path {step_dir} in a new --job.dump_folder, or move it out of "
+            f"the folder to resume from the step before it")

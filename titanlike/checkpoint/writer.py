@@ -213,6 +213,6 @@ class StepWriter:
         if self.stager is not None:
             self.stager.close()
             self.stager = None
-        if self.checksummer is not None:
-            self.checksummer.shutdown(wait=True)
+        if self.checksummer is not None:  # a save left unpublished stays step-N.tmp: nothing to wait for here
+            self.checksummer.shutdown(wait=False, cancel_futures=True)
             self.checksummer = None
