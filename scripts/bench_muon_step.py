@@ -6,8 +6,8 @@
 On one rank Muon orthogonalises every block matrix each step, whatever the batch, so its cost is a fixed
 time per step. The table splits it: the whole Muon step (momentum, Newton–Schulz, the weight update),
 Newton–Schulz alone (orthogonalize_local), and Newton–Schulz compiled, each with the TFLOP/s its
-multiply-adds reach (ns_flops). What a training step pays on top of AdamW's is the first column less
-AdamW's step on the same matrices (the last column). Needs a GPU.
+multiply-adds reach (ns_flops). What a training step pays on top of AdamW's is Muon's step less AdamW's
+fused step on the same matrices (the last column). Needs a GPU.
 """
 
 from __future__ import annotations
