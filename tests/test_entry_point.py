@@ -44,3 +44,23 @@ def test_console_script_reports_a_typo_in_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: unknown config key training.stepz in the command line; did you mean training.steps?"]
+
+
+def test_a_typo_with_stderr_closed_or_broken_still_exits_2_and_writes_nothing_else(tmp_path):
+    """With stderr closed (`2>&-`: Python's sys.stderr is None, and print would write the line to stdout,
+    the command's output) or a pipe nobody reads any more, the error line has nowhere to go: the exit code
+    still says what happened, and no traceback is attempted."""
+    import os
+
+    command = [console_script(), "--training.stepz", "7"]
+    closed = subprocess.run(command, env=_env(), stdout=subprocess.PIPE, text=True, timeout=120, cwd=tmp_path,
+                            preexec_fn=lambda: os.close(2))
+    assert closed.returncode == 2 and closed.stdout == ""
+    read, write = os.pipe()
+    os.close(read)  # the reader has gone: a write raises BrokenPipeError
+    try:
+        broken = subprocess.run(command, env=_env(), stdout=subprocess.PIPE, stderr=write, text=True, timeout=120,
+                                cwd=tmp_path)
+    finally:
+        os.close(write)
+    assert broken.returncode == 2 and broken.stdout == ""

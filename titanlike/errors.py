@@ -24,10 +24,23 @@ class UserError(Exception):
 EXIT_CODE = 2  # what an entry point returns for a mistake the user can fix
 
 
+def say_error(line: str) -> None:
+    """`line` on stderr, if there is one to write to: a command started with stderr closed (`2>&-`, where
+    Python's sys.stderr is None and print would fall back to stdout, the command's output) or into a pipe
+    whose reader has gone still ends with its exit code, not a traceback nobody can read."""
+    stream = sys.stderr
+    if stream is None:
+        return
+    try:
+        print(line, file=stream, flush=True)
+    except (OSError, ValueError):  # a closed or broken stream
+        pass
+
+
 def error_exit(error: BaseException) -> int:
     """How every entry point ends on a mistake the user can fix: its one `error:` line on stderr; returns
     the exit code."""
-    print(f"error: {error}", file=sys.stderr)
+    say_error(f"error: {error}")
     return EXIT_CODE
 
 
@@ -36,7 +49,7 @@ class ArgumentParser(argparse.ArgumentParser):
     (argparse's own prints the usage too); `--help` shows the usage."""
 
     def error(self, message: str) -> NoReturn:
-        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        say_error(f"error: {message} (see {self.prog} --help)")
         raise SystemExit(2)
 
 
@@ -78,5 +91,5 @@ def stopped_exit(error: BaseException, what_is_left: str) -> int:
     written"), exit code 128 + the signal, as the shell reports a process the signal ended."""
     signum = error.signum if isinstance(error, Stopped) else signal.SIGINT
     name = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
-    print(f"error: {name}; {what_is_left}", file=sys.stderr)
+    say_error(f"error: {name}; {what_is_left}")
     return 128 + signum

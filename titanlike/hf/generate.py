@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from titanlike import fs
-from titanlike.errors import ArgumentParser, Stopped, UserError, error_exit, stopped_exit, stops_unwind
+from titanlike.errors import ArgumentParser, Stopped, UserError, error_exit, say_error, stopped_exit, stops_unwind
 from titanlike.model.decoder import Transformer
 
 # --temperature: logits divided by it must stay finite float32 numbers (1e-320 made them inf, 1e308 made the
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     except UnicodeEncodeError:
         p.error("--prompt is not valid UTF-8 text")
     if a.device == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda: no CUDA GPU is available", file=sys.stderr)
+        say_error("error: --device cuda: no CUDA GPU is available")
         return 2
     device = torch.device("cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()) else "cpu")
     try:

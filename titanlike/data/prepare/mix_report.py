@@ -19,7 +19,7 @@ import sys
 from titanlike import fs
 from titanlike.config.dataset import DatasetError, dataset_info_path, read_dataset_info, shared_dataset_info
 from titanlike.config.sources import parse_mix
-from titanlike.errors import ArgumentParser, UserError, error_exit
+from titanlike.errors import ArgumentParser, UserError, error_exit, say_error
 
 
 def folder_record(path: str) -> dict:
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         for line in report(a.folders, a.mix, tokens):
             print(line)
     except ValueError as e:
-        print(f"error: --mix {a.mix!r}: {e}", file=sys.stderr)
+        say_error(f"error: --mix {a.mix!r}: {e}")
         return 2
     except (UserError, DatasetError) as e:
         return error_exit(e)
