@@ -231,6 +231,24 @@ def test_a_step_that_matches_its_checksums_but_does_not_load_is_kept_as_it_is(re
 
 
 
+def test_a_sharded_load_failure_is_read_from_the_rank_that_raised_it():
+    """Under DCP every rank's exception comes wrapped in one CheckpointException ({rank: (exception,
+    traceback)}): the line names the rank's own error, and an out-of-memory inside stays one."""
+    import torch
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from titanlike.checkpoint.folder import unloadable
+
+    mismatch = CheckpointException("CheckpointException ranks:dict_keys([1])",
+                                   {1: (RuntimeError("Size mismatch for model.output.weight\nmore"), None)})
+    line = unloadable("/c/step-6", mismatch)
+    assert line is not None and line.startswith(
+        "/c/step-6 matches its checksums but does not load into this run (RuntimeError: Size mismatch for "
+        "model.output.weight); nothing was renamed or changed")
+    oom = CheckpointException("x", {0: (torch.cuda.OutOfMemoryError("CUDA out of memory"), None)})
+    assert unloadable("/c/step-6", oom) is None
+
+
 def test_a_background_save_checksums_its_files_off_the_training_thread(ref, tmp_path, corpus, monkeypatch):
     """Reading a saved step back for its checksums is a fifth to a third of a save: for a background
     save it runs in the writer's own thread once the files are written, so the training thread only
