@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 from titanlike.process import lifeline
+from titanlike.process.logs import say
 from titanlike.run.stopping import PREEMPTED_MARKER_ENV
 
 
@@ -100,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         how = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else f"signal {failure.signal_name()}"
         others = f" ({len(e.failures) - 1} more stopped after it)" if len(e.failures) > 1 else ""
         # Not an "error:" line: the worker's own line above is the one that says what to fix.
-        print(f"torchrun: worker rank {rank} on {socket.gethostname()} stopped with {how}{others}; its output "
-              f"above says why", file=sys.stderr, flush=True)
+        say(f"torchrun: worker rank {rank} on {socket.gethostname()} stopped with {how}{others}; its output "
+            f"above says why")
         return failure.exitcode if 0 < failure.exitcode < 128 else 1
     except SignalException as e:
         marker = os.environ.get(PREEMPTED_MARKER_ENV)

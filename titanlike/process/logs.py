@@ -33,7 +33,10 @@ def silence_console() -> None:
 
 
 def say(line: str) -> None:
-    """One line on stderr, where a console that has gone away (a closed pipe or terminal) is no error."""
+    """One line on stderr, where a console that has gone away (a closed pipe or terminal) is no error, nor a
+    stderr closed from the start (sys.stderr None: print would write to stdout)."""
+    if sys.stderr is None:
+        return
     try:
         print(line, file=sys.stderr, flush=True)
     except OSError:
