@@ -160,19 +160,33 @@ def report(title: str, states: dict, root: Path, makes: dict, repeat: int) -> No
               f"{alone[name] / base:.1%} |")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def checkpoint_bench_arguments(doc: str) -> argparse.Namespace:
+    """The options of a checkpoint benchmark: --gib, --repeat, --folder."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--gib", type=float, default=2.0, help="the synthetic checkpoint's size (default 2)")
     p.add_argument("--repeat", type=int, default=3, help="runs of each measurement; the best is kept (default 3)")
     p.add_argument("--folder", default="", help="where the checkpoints are written (default: a new folder in /tmp)")
-    a = p.parse_args()
-    import numpy as np
+    return p.parse_args()
+
+
+def checkpoint_bench_root(folder: str, prefix: str) -> Path:
+    """Where a benchmark writes its checkpoints (`folder`, or a new one in /tmp), with a throwaway signing key
+    for their manifests; torch on one thread, as a save's own work is."""
     import torch
 
     torch.set_num_threads(1)
-    root = Path(a.folder or tempfile.mkdtemp(prefix="titanlike-hash-bench-", dir="/tmp"))
+    root = Path(folder or tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     root.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("XDG_CONFIG_HOME", str(root / "config"))  # the manifest's signing key: a throwaway one
+    os.environ.setdefault("XDG_CONFIG_HOME", str(root / "config"))
+    return root
+
+
+def main() -> None:
+    a = checkpoint_bench_arguments(__doc__)
+    import numpy as np
+    import torch
+
+    root = checkpoint_bench_root(a.folder, "titanlike-hash-bench-")
     makes = hashers()
     print(f"python {sys.version.split()[0]}, zlib {zlib.ZLIB_RUNTIME_VERSION}, torch {torch.__version__}, "
           f"{os.cpu_count()} CPU(s), checkpoints in {root}")

@@ -12,16 +12,19 @@ on the training thread). The best of --repeat runs is kept. CPU only; nothing is
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_checkpoint_hash import debug_states, synthetic_states  # noqa: E402
+from bench_checkpoint_hash import (  # noqa: E402
+    checkpoint_bench_arguments,
+    checkpoint_bench_root,
+    debug_states,
+    synthetic_states,
+)
 
 
 def stall(states: dict, root: Path, checksums_at_publish: bool, repeat: int) -> float:
@@ -52,17 +55,10 @@ def stall(states: dict, root: Path, checksums_at_publish: bool, repeat: int) -> 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--gib", type=float, default=2.0, help="the synthetic checkpoint's size (default 2)")
-    p.add_argument("--repeat", type=int, default=3, help="runs of each measurement; the best is kept (default 3)")
-    p.add_argument("--folder", default="", help="where the checkpoints are written (default: a new folder in /tmp)")
-    a = p.parse_args()
+    a = checkpoint_bench_arguments(__doc__)
     import torch
 
-    torch.set_num_threads(1)
-    root = Path(a.folder or tempfile.mkdtemp(prefix="titanlike-stall-bench-", dir="/tmp"))
-    root.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("XDG_CONFIG_HOME", str(root / "config"))  # the manifest's signing key: a throwaway one
+    root = checkpoint_bench_root(a.folder, "titanlike-stall-bench-")
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, {os.cpu_count()} CPU(s), checkpoints in {root}")
     print("\n| checkpoint | publish, checksums made at it (s) | publish, checksums made in the writer's thread (s) |")
     print("|---|---:|---:|")
