@@ -427,7 +427,8 @@ def test_a_dump_folder_whose_name_is_not_utf8_is_one_line(tmp_path, corpus):
 
 @pytest.mark.parametrize("argv,message", [
     (["--max-new-tokens", "1e12"], "argument --max-new-tokens: invalid int value: '1e12'"),
-    (["--max-new-tokens", str(10**12)], "--max-new-tokens 1000000000000: the model's context is 131072 tokens"),
+    # The context of a step folder is the longest window it trained on (64 tokens), not model.max_seq_len.
+    (["--max-new-tokens", str(10**12)], "--max-new-tokens 1000000000000: the model's context is 64 tokens"),
     (["--temperature", "nan"], "--temperature nan must be 0 (greedy) or in [0.0001, 10000]"),
     (["--prompt", "\udcff\udcfe"], "--prompt is not valid UTF-8 text"),
 ])
