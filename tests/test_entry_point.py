@@ -46,13 +46,14 @@ def test_console_script_reports_a_typo_in_one_line(tmp_path):
         "error: unknown config key training.stepz in the command line; did you mean training.steps?"]
 
 
-def test_a_typo_with_stderr_closed_or_broken_still_exits_2_and_writes_nothing_else(tmp_path):
+def test_an_error_with_stderr_closed_or_broken_still_exits_2_and_writes_nothing_else(tmp_path):
     """With stderr closed (`2>&-`: Python's sys.stderr is None, and print would write the line to stdout,
     the command's output) or a pipe nobody reads any more, the error line has nowhere to go: the exit code
-    still says what happened, and no traceback is attempted."""
+    still says what happened, and no traceback is attempted. titanlike-prepare, whose stdout is its summary
+    (every entry point ends through the same errors.error_exit), on an input that does not exist."""
     import os
 
-    command = [console_script(), "--training.stepz", "7"]
+    command = [sys.executable, "-m", "titanlike.data.prepare", str(tmp_path / "out"), str(tmp_path / "missing.txt")]
     closed = subprocess.run(command, env=_env(), stdout=subprocess.PIPE, text=True, timeout=120, cwd=tmp_path,
                             preexec_fn=lambda: os.close(2))
     assert closed.returncode == 2 and closed.stdout == ""
@@ -64,3 +65,5 @@ def test_a_typo_with_stderr_closed_or_broken_still_exits_2_and_writes_nothing_el
     finally:
         os.close(write)
     assert broken.returncode == 2 and broken.stdout == ""
+    shown = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert shown.returncode == 2 and shown.stderr == f"error: {tmp_path / 'missing.txt'}: no such file or folder\n"

@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with stops_unwind():
             info = prepare(a.out, a.inputs, a.tokenizer, a.workers, a.text_field or "", a.val_fraction,
-                           a.shard_tokens, a.overwrite, a.bos_token, a.eos_token, progress=sys.stderr.isatty())
+                           a.shard_tokens, a.overwrite, a.bos_token, a.eos_token,
+                           progress=sys.stderr is not None and sys.stderr.isatty())  # None: stderr closed
     except UserError as e:
         return error_exit(e)
     except (KeyboardInterrupt, Stopped) as e:
