@@ -130,7 +130,7 @@ class StepWriter:
             self.checksummer = ThreadPoolExecutor(1, thread_name_prefix="titanlike-checksum")
         return self.checksummer.submit(self._checksums_after, upload, tmp)
 
-    def _checksums_after(self, upload: Future, tmp: str) -> dict[str, Any]:
+    def _checksums_after(self, upload: Future[Any], tmp: str) -> dict[str, Any]:
         upload.result()  # what the upload raised, the publish raises
         return self._my_checksums(tmp)
 
