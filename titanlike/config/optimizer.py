@@ -51,6 +51,11 @@ class Optimizer:
     """Muon orthogonalises the Nesterov direction (gradient + momentum × buffer) rather than the buffer."""
     ns_steps: int = 5
     """Muon's Newton–Schulz iterations a step, 1 to 99: each costs about 3 bf16 matmuls the size of its matrix."""
+    ns_coefficients: Literal["quintic", "polar_express"] = "quintic"
+    """The polynomial of Muon's Newton–Schulz steps. quintic: Keller Jordan's (3.4445, -4.7750, 2.0315) at every
+    step (torch.optim.Muon's). polar_express: a polynomial for each step, the best one for where the singular
+    values can be by then (arXiv:2505.16932; optim/polar_express.py derives them for optimizer.ns_steps); the
+    same cost, closer to orthogonal (docs/optimizers.md)."""
     adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
     """How Muon scales each orthogonalised update before the learning rate. match_rms_adamw: by
     0.2·sqrt(max(rows, cols)), an update of AdamW's RMS, so that AdamW's lr and weight decay carry over.
@@ -146,7 +151,8 @@ OPTIMIZERS: dict[str, OptimizerFacts] = {
         state_bytes=lambda args, dtype: MOMENT_BYTES[dtype] * count_params(args)[0],
         describe=lambda dtype: f"AdamW, {dtype} moments"),
     "muon": OptimizerFacts(
-        keys=(*ADAMW_KEYS, "momentum", "nesterov", "ns_steps", "adjust_lr"), state_dtypes=("fp32", "bf16"),
+        keys=(*ADAMW_KEYS, "momentum", "nesterov", "ns_steps", "ns_coefficients", "adjust_lr"),
+        state_dtypes=("fp32", "bf16"),
         state_bytes=muon_state_bytes, step_bytes=muon_step_bytes,
         describe=lambda dtype: f"Muon's fp32 momentum, AdamW's {dtype} moments for the rest",
         state_dtype_refusal="its AdamW parameters take fp32 or bf16 moments (torchao's 8-bit AdamW is an optimizer "

@@ -28,7 +28,8 @@ adamw_bf16.py's update (fp32 arithmetic, bf16 moments), as optimizer.state_dtype
 
 A Muon matrix W with gradient G (momentum mu, learning rate lr, weight decay wd):
     B <- mu·B + G;  U = G + mu·B (Nesterov, the default) or B
-    O = NewtonSchulz(U): bf16, divided by its Frobenius norm, 5 quintic steps (orthogonalize.py)
+    O = NewtonSchulz(U): bf16, divided by its Frobenius norm, 5 quintic steps (orthogonalize.py), each
+        with the quintic's (a, b, c) or Polar Express's own for that step (ns_coefficients)
     W <- W·(1 - lr·wd) - lr·scale·O
 torch.optim.Muon keeps B as a mean ((1 - mu)·G added); that is (1 - mu) times this B, the same O after the
 norm, to bf16 rounding. The lr rule (adjust_lr): "match_rms_adamw", scale = 0.2·sqrt(max(rows, cols)),
@@ -67,12 +68,14 @@ if TYPE_CHECKING:
 from titanlike.optim.adamw_bf16 import load_state_keeping_dtypes, step_group
 from titanlike.optim.orthogonalize import (
     ADJUST_LR,
-    NS_COEFFICIENTS,
     NS_EPS,
+    NS_POLYNOMIALS,
     NS_STEPS,
+    Coefficients,
     Matrix,
     ShardGroup,
     assign_owners,
+    ns_schedule,
     orthogonalize_local,
     orthogonalize_sharded,
     piece_bounds,
@@ -133,8 +136,22 @@ def build(model: nn.Module, section: OptimizerConfig, device_type: str, host_par
         raise ValueError("Muon steps where the model computes: not with parallel.cpu_offload")
     return Muon(transformer_param_groups(model, section.weight_decay), lr=section.lr,
                 weight_decay=section.weight_decay, momentum=section.momentum, nesterov=section.nesterov,
-                ns_steps=section.ns_steps, adjust_lr=section.adjust_lr, betas=(section.betas[0], section.betas[1]),
+                ns_coefficients=section.ns_coefficients, ns_steps=section.ns_steps, adjust_lr=section.adjust_lr,
+                betas=(section.betas[0], section.betas[1]),
                 eps=section.eps, fused=device_type == "cuda", state_dtype=section.state_dtype)
+
+
+def _schedule(group: dict[str, Any]) -> Coefficients:
+    """A Muon group's Newton–Schulz coefficients, step by step: by name (NS_POLYNOMIALS) or its one (a, b, c)."""
+    value = group["ns_coefficients"]
+    if isinstance(value, str):
+        if value not in NS_POLYNOMIALS:
+            raise ValueError(f"ns_coefficients = {value!r}: must be one of {', '.join(NS_POLYNOMIALS)} or (a, b, c)")
+        return ns_schedule(value, group["ns_steps"])
+    if len(value) != 3:
+        raise ValueError(f"ns_coefficients = {value!r}: must be one of {', '.join(NS_POLYNOMIALS)} or (a, b, c)")
+    a, b, c = (float(v) for v in value)
+    return ((a, b, c),)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -162,15 +179,18 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[dict[str, Any]], lr: float, weight_decay: float = 0.1, *,
                  momentum: float = 0.95, nesterov: bool = True,
-                 ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, ns_steps: int = NS_STEPS,
+                 ns_coefficients: str | tuple[float, float, float] = "quintic", ns_steps: int = NS_STEPS,
                  ns_eps: float = NS_EPS, adjust_lr: str = "match_rms_adamw",
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, fused: bool | None = None,
                  state_dtype: str = "fp32"):
-        """`fused`: AdamW's fused kernel (None: on CUDA; foreach on the CPU). Set it for parameters that live
-        on the host while the model computes on a GPU (CPU offload), as build_optimizer does. `state_dtype`:
-        the AdamW groups' moments, fp32 (torch's AdamW) or bf16 (adamw_bf16.py's update)."""
-        self._kind_defaults = {
-            MUON: {"momentum": momentum, "nesterov": nesterov, "ns_coefficients": tuple(ns_coefficients),
+        """`ns_coefficients`: "quintic" (NS_COEFFICIENTS at every step), "polar_express" (each step's own,
+        polar_express.py), or one (a, b, c) for every step, as torch.optim.Muon takes it. `fused`: AdamW's
+        fused kernel (None: on CUDA; foreach on the CPU). Set it for parameters that live on the host while the
+        model computes on a GPU (CPU offload), as build_optimizer does. `state_dtype`: the AdamW groups'
+        moments, fp32 (torch's AdamW) or bf16 (adamw_bf16.py's update)."""
+        self._kind_defaults: dict[str, dict[str, Any]] = {
+            MUON: {"momentum": momentum, "nesterov": nesterov,
+                   "ns_coefficients": ns_coefficients if isinstance(ns_coefficients, str) else tuple(ns_coefficients),
                    "ns_steps": ns_steps, "ns_eps": ns_eps, "adjust_lr": adjust_lr, "row_splits": []},
             ADAMW: {"betas": tuple(betas), "eps": eps, "fused": fused, "state_dtype": state_dtype},
         }
@@ -208,6 +228,7 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"momentum = {group['momentum']}: must be in [0, 1)")
         if not 1 <= group["ns_steps"] < 100:
             raise ValueError(f"ns_steps = {group['ns_steps']}: must be in 1..99")
+        _schedule(group)  # a polynomial it does not know is refused here, not at the first step
         for p in group["params"]:
             if p.ndim != 2:
                 raise ValueError(f"a Muon group holds a parameter of shape {tuple(p.shape)}: only 2-D matrices")
@@ -323,7 +344,7 @@ class Muon(torch.optim.Optimizer):
         rows, cols = p.shape
         return Matrix(grad, momentum, group["momentum"] if group["nesterov"] else None, rows, cols,
                       tuple(piece_bounds(rows, tuple(group["row_splits"]))),
-                      (tuple(group["ns_coefficients"]), group["ns_steps"], group["ns_eps"]), group["adjust_lr"])
+                      (_schedule(group), group["ns_steps"], group["ns_eps"]), group["adjust_lr"])
 
     @staticmethod
     def _apply(entries: list[tuple[dict[str, Any], torch.Tensor, Matrix]], outs: list[torch.Tensor],

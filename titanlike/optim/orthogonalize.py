@@ -32,27 +32,46 @@ from titanlike.config.optimizer import NS_BATCH_ELEMENTS
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """(a, b, c) of the quintic iteration X <- a X + (b A + c A²) X with A = X Xᵀ: the coefficients of Keller
 Jordan's Muon, chosen for the steepest slope at zero (singular values end near, not at, 1)."""
+NS_POLYNOMIALS = ("quintic", "polar_express")
+"""optimizer.ns_coefficients: the quintic's one (a, b, c) at every step, or Polar Express's own for each step
+(optim/polar_express.py)."""
 NS_STEPS = 5
 NS_EPS = 1e-7
 """The Frobenius norm a matrix is divided by is at least this (a zero update stays zero)."""
 ADJUST_LR = ("match_rms_adamw", "original")
 
 
-def newton_schulz(batch: torch.Tensor, coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+Coefficients = tuple[tuple[float, float, float], ...]
+"""Each Newton–Schulz step's (a, b, c); steps past the end take the last."""
+
+
+def ns_schedule(polynomial: str, steps: int) -> Coefficients:
+    """The (a, b, c) of each of `steps` steps for optimizer.ns_coefficients = `polynomial`."""
+    if polynomial == "quintic":
+        return (NS_COEFFICIENTS,)
+    if polynomial == "polar_express":
+        from titanlike.optim.polar_express import polar_express
+
+        return polar_express(steps)
+    raise ValueError(f"ns_coefficients = {polynomial!r}: must be one of {', '.join(NS_POLYNOMIALS)}")
+
+
+def newton_schulz(batch: torch.Tensor, coefficients: Coefficients = (NS_COEFFICIENTS,),
                   steps: int = NS_STEPS, eps: float = NS_EPS) -> torch.Tensor:
     """The orthogonalised (k, rows, cols) `batch`, each matrix on its own, in bf16: cast to bf16, divided by
     its Frobenius norm (at least `eps`; that bounds its spectral norm by 1), then `steps` quintic
-    iterations, as torch.optim.Muon computes one matrix. A tall matrix is iterated as its transpose, so
+    iterations, step i with coefficients[i] (the last for the steps past the end); with the quintic's one
+    (a, b, c), as torch.optim.Muon computes one matrix. A tall matrix is iterated as its transpose, so
     that the Gram matrix X Xᵀ is the small one."""
     if batch.ndim != 3:
         raise ValueError(f"newton_schulz takes a (k, rows, cols) batch, not shape {tuple(batch.shape)}")
-    a, b, c = coefficients
     tall = batch.shape[1] > batch.shape[2]
     x = batch.bfloat16()
     if tall:
         x = x.mT
     x = x / torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True).clamp(min=eps)
-    for _ in range(steps):
+    for step in range(steps):
+        a, b, c = coefficients[min(step, len(coefficients) - 1)]
         gram = torch.bmm(x, x.mT)
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A²
         x = torch.baddbmm(x, poly, x, beta=a)  # a X + (b A + c A²) X
@@ -109,8 +128,8 @@ class Matrix:
     cols: int
     pieces: tuple[tuple[int, int], ...]
     """Row ranges orthogonalised separately (a stacked projection's q, k and v), or the whole."""
-    ns: tuple[tuple[float, float, float], int, float]
-    """Newton–Schulz's (coefficients, steps, eps)."""
+    ns: tuple[Coefficients, int, float]
+    """Newton–Schulz's (each step's coefficients, steps, eps)."""
     adjust_lr: str
 
     def write_update(self, out: torch.Tensor) -> None:
