@@ -63,7 +63,8 @@ def test_muon_groups_are_torch_muon(rule, momentum):
     but bf16 rounds otherwise: within bf16's few per cent, step after step (a wrong scale, momentum or
     Nesterov term is off by far more: 15 % for a scale from another matrix's rows)."""
     ours, theirs = _params(MATRICES), _params(MATRICES)
-    opt = Muon([{"kind": MUON, "params": ours}], lr=LR, weight_decay=WD, momentum=momentum, adjust_lr=rule)
+    opt = Muon([{"kind": MUON, "params": ours}], lr=LR, weight_decay=WD, momentum=momentum, adjust_lr=rule,
+               ns_coefficients="quintic")
     ref = torch.optim.Muon(theirs, lr=LR, weight_decay=WD, momentum=momentum, nesterov=True, adjust_lr_fn=rule)
     for step in range(4):
         before = [p.detach().clone() for p in ours]

@@ -52,13 +52,23 @@ def test_a_resume_with_another_optimizer_is_refused_and_its_weights_start_a_new_
 def test_each_log_record_has_the_update_rms_by_kind_and_the_optimizers_share_of_the_step(swaps):
     """Muon's records carry each kind's update RMS per unit of lr, within what each update can be: Muon's at
     most 0.2 (match_rms_adamw's RMS of an orthogonal update) times the largest singular value Newton–Schulz's
-    polynomial makes of values in [0, 1] (bf16 aside); AdamW's normalised moment m̂/sqrt(v̂) at most
-    (1 - β1)/sqrt(1 - β2)/sqrt(1 - β1²/β2) (Cauchy–Schwarz over the moments' sums; bias correction keeps it
-    under that). AdamW alone measures none. Both carry the clip and update's seconds and its share of the step."""
-    from titanlike.optim.orthogonalize import NS_COEFFICIENTS
+    polynomials (the default's, composed over its steps) make of values in [0, 1] (bf16 aside); AdamW's
+    normalised moment m̂/sqrt(v̂) at most (1 - β1)/sqrt(1 - β2)/sqrt(1 - β1²/β2) (Cauchy–Schwarz over the
+    moments' sums; bias correction keeps it under that). AdamW alone measures none. Both carry the clip and
+    update's seconds and its share of the step."""
+    from titanlike.config.optimizer import Optimizer
+    from titanlike.optim.orthogonalize import ns_schedule
 
-    a, b, c = NS_COEFFICIENTS
-    widest = max(a * x + b * x**3 + c * x**5 for x in (i / 10000 for i in range(10001)))
+    section = Optimizer()
+    schedule = ns_schedule(section.ns_coefficients, section.ns_steps)
+
+    def composed(x: float) -> float:
+        for step in range(section.ns_steps):
+            a, b, c = schedule[min(step, len(schedule) - 1)]
+            x = a * x + b * x**3 + c * x**5
+        return x
+
+    widest = max(composed(i / 10000) for i in range(10001))
     b1, b2 = 0.9, 0.95
     adamw_bound = (1 - b1) / (1 - b2) ** 0.5 / (1 - b1**2 / b2) ** 0.5
     assert 1.1 < widest < 1.3 and 1.1 < adamw_bound < 1.2  # the bounds mean something

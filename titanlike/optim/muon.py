@@ -28,8 +28,8 @@ adamw_bf16.py's update (fp32 arithmetic, bf16 moments), as optimizer.state_dtype
 
 A Muon matrix W with gradient G (momentum mu, learning rate lr, weight decay wd):
     B <- mu·B + G;  U = G + mu·B (Nesterov, the default) or B
-    O = NewtonSchulz(U): bf16, divided by its Frobenius norm, 5 quintic steps (orthogonalize.py), each
-        with the quintic's (a, b, c) or Polar Express's own for that step (ns_coefficients)
+    O = NewtonSchulz(U): bf16, divided by its Frobenius norm, 5 odd-quintic steps (orthogonalize.py),
+        each with Polar Express's own (a, b, c) for that step or the quintic's one (ns_coefficients)
     W <- W·(1 - lr·wd) - lr·scale·O
 torch.optim.Muon keeps B as a mean ((1 - mu)·G added); that is (1 - mu) times this B, the same O after the
 norm, to bf16 rounding. The lr rule (adjust_lr): "match_rms_adamw", scale = 0.2·sqrt(max(rows, cols)),
@@ -179,7 +179,7 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[dict[str, Any]], lr: float, weight_decay: float = 0.1, *,
                  momentum: float = 0.95, nesterov: bool = True,
-                 ns_coefficients: str | tuple[float, float, float] = "quintic", ns_steps: int = NS_STEPS,
+                 ns_coefficients: str | tuple[float, float, float] = "polar_express", ns_steps: int = NS_STEPS,
                  ns_eps: float = NS_EPS, adjust_lr: str = "match_rms_adamw",
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, fused: bool | None = None,
                  state_dtype: str = "fp32"):

@@ -1,4 +1,4 @@
-"""Orthogonalising Muon's matrices: the quintic Newton–Schulz iteration (batched), the update scale, and the
+"""Orthogonalising Muon's matrices: the odd-quintic Newton–Schulz iteration (batched), the update scale, and the
 two collectives that give Newton–Schulz whole matrices when FSDP holds them in row shards.
 
 Newton–Schulz must see the whole matrix: on a shard of rows it would orthogonalise the shard, a different
