@@ -2,16 +2,16 @@
 can be by then (Amsel, Persson, Musco and Gower, "The Polar Express", arXiv:2505.16932).
 
 Muon's quintic iteration applies one odd polynomial p(x) = a x + b x³ + c x⁵ to the singular values five
-times. Its fixed coefficients (3.4445, −4.7750, 2.0315) pull small singular values up fast but leave the
-result anywhere in about [0.7, 1.2]. Polar Express instead tracks the interval [lo, hi] the singular
-values lie in after each step and takes, for the next step, the odd quintic closest to 1 over that
-interval in the max norm (Chebyshev's equioscillation: 1 − p(x) reaches ±E alternately at lo, at the two
+times. Its fixed coefficients (3.4445, −4.7750, 2.0315) pull small singular values up fast but leave them
+anywhere in about [0.47, 1.2] (from [1e-3, 1], five steps). Polar Express instead tracks the interval
+[lo, hi] the singular values lie in after each step and takes, for the next step, the odd quintic closest
+to 1 over that interval in the max norm (Chebyshev's equioscillation: 1 − p(x) reaches ±E alternately at lo, at the two
 inner extrema of p, and at hi; the Remez exchange below finds them). The next interval is then
 [p(lo), p(hi)] = [1 − E, 1 + E]. After five steps, every singular value in [1e-3, 1] ends within 0.134 of 1
 (`composed_error`, exact arithmetic), where the quintic leaves it within 0.53.
 
 This module derives the coefficients itself (numpy, float64, once a step count; they are cached) rather
-than carrying a table. Three settings of the derivation, as the paper sets them and for its reasons:
+than carrying a table. Three settings of the derivation, near the paper's and for its reasons:
 
 - LOWER: the smallest singular value designed for, relative to the largest (the input is divided by its
   Frobenius norm, so the largest is at most 1). Smaller ones are still pulled up, just not optimally.
