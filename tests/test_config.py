@@ -796,3 +796,20 @@ def test_gpt2_112m_config_is_the_reports_shape():
     margs = resolve_model_args(load_config(["--job.config_file", str(ROOT / "train_configs" / "gpt2_112m.toml")]))
     assert (margs.n_layers, margs.n_heads, margs.dim, margs.vocab_size) == (12, 12, 768, 49152)
     assert round(count_params(margs)[0] / 1e6) == 112
+
+
+def test_a_resume_says_each_changed_setting_and_what_an_older_muon_checkpoint_ran_with():
+    """changed_settings (the resume's lines): one line for each setting that differs from the checkpoint's
+    record, in the record's terms; a Muon checkpoint saved before optimizer.ns_coefficients was recorded ran
+    the quintic, so this run's Polar Express is one line, and a run asking for the quintic none."""
+    from titanlike.config import changed_settings
+
+    now = load_config(["--optimizer.name", "muon"]).optimizer.settings()
+    before = {key: value for key, value in now.items() if key != "optimizer.ns_coefficients"}
+    assert changed_settings(before, now) == ["optimizer.ns_coefficients: checkpoint quintic → config polar_express"]
+    lr_line = changed_settings({**before, "optimizer.lr": 1.0}, now)[0]
+    assert lr_line == f"optimizer.lr: checkpoint 1.0 → config {now['optimizer.lr']}"
+    quintic = load_config(["--optimizer.name", "muon", "--optimizer.ns_coefficients", "quintic"]).optimizer.settings()
+    assert changed_settings(before, quintic) == [] and changed_settings(now, now) == []
+    adamw = load_config([]).optimizer.settings()
+    assert "optimizer.ns_coefficients" not in adamw and changed_settings({}, adamw) == []

@@ -45,7 +45,7 @@ from titanlike.checkpoint.record import TRAINER_STATE, Due, RunRecord, from_earl
 from titanlike.checkpoint.states import ModelState, OptimizerState, SchedulerState, holds_tensors, set_rng_state
 from titanlike.checkpoint.weights import MODEL_ARGS, CheckpointMismatch, check_model_shape, check_tokenizer
 from titanlike.checkpoint.writer import RNG_FILE, CheckpointError, StepWriter
-from titanlike.config import resumable_settings, resume_note
+from titanlike.config import changed_settings, resumable_settings
 from titanlike.config.optimizer import UNRECORDED
 from titanlike.config.run import ResolvedRun
 from titanlike.errors import UserError
@@ -362,11 +362,8 @@ class CheckpointManager:
 
     def _say_changed_settings(self, before_settings: dict) -> None:
         """One line for each setting a resume changed (checkpoint value → config value)."""
-        for key, now in self.run.settings.items():
-            before = before_settings.get(key, now)
-            if before != now:
-                note = resume_note(key).format(now=now)
-                logger.info(f"{key}: checkpoint {before} → config {now}" + (f" ({note})" if note else ""))
+        for line in changed_settings(before_settings, self.run.settings):
+            logger.info(line)
 
     def restore(self, step: int) -> str:
         """A rollback: step-N's weights, optimizer, schedule and counters; the data position (and RNG)

@@ -22,8 +22,8 @@ from titanlike.config.schema import JobConfig
 from titanlike.config.sources import SINGLE, DataSchedule
 from titanlike.config.stages import Stages
 
-__all__ = ["ConfigError", "JobConfig", "field_docs", "help_text", "load_config", "resume_note", "resumable_settings",
-           "sections", "to_toml", "validate"]
+__all__ = ["ConfigError", "JobConfig", "changed_settings", "field_docs", "help_text", "load_config", "resume_note",
+           "resumable_settings", "sections", "to_toml", "validate"]
 
 USAGE = "usage: {prog} [--section.key value ...]   (TOML file via --job.config_file)"
 
@@ -79,6 +79,24 @@ def resumable_settings(cfg: JobConfig, schedule: DataSchedule, stages: Stages | 
 def source_key(name: str) -> str:
     """How a resume's line names a source's folder: data.path, or `data source NAME` in a mixture."""
     return "data.path" if name == SINGLE else f"data source {name}"
+
+
+UNRECORDED_SETTINGS = {"optimizer.ns_coefficients": "quintic"}
+"""What a run saved before a setting was recorded ran with: Muon's one polynomial before
+optimizer.ns_coefficients existed. A resume of such a checkpoint compares against it."""
+
+
+def changed_settings(before: dict, now: dict) -> list[str]:
+    """The lines a resume logs, one for each setting of `now` (this run's resumable_settings) that differs
+    from `before` (the checkpoint's record): "key: checkpoint old → config new", and what it means. A key
+    the checkpoint does not record is compared with UNRECORDED_SETTINGS, or not at all."""
+    lines = []
+    for key, value in now.items():
+        old = before.get(key, UNRECORDED_SETTINGS.get(key, value))
+        if old != value:
+            note = resume_note(key).format(now=value)
+            lines.append(f"{key}: checkpoint {old} → config {value}" + (f" ({note})" if note else ""))
+    return lines
 
 
 def resume_note(key: str) -> str:
