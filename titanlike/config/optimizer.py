@@ -52,10 +52,11 @@ class Optimizer:
     ns_steps: int = 5
     """Muon's Newton–Schulz iterations a step, 1 to 99: each costs about 3 bf16 matmuls the size of its matrix."""
     ns_coefficients: Literal["quintic", "polar_express"] = "polar_express"
-    """The polynomial of Muon's Newton–Schulz steps, at the same cost. polar_express: a polynomial for each step,
-    the best one for where the singular values can be by then (arXiv:2505.16932; optim/polar_express.py derives
-    them for optimizer.ns_steps), closer to orthogonal; on 124m it ended lower than the quintic at the same
-    lr (docs/optimizers.md). quintic: Keller Jordan's (3.4445, -4.7750, 2.0315) at every step, torch.optim.Muon's."""
+    """The polynomial of Muon's Newton–Schulz steps, the same matmuls either way. polar_express: a polynomial for
+    each step, the best one for where the singular values can be by then (arXiv:2505.16932; optim/polar_express.py
+    derives them for optimizer.ns_steps), closer to orthogonal; on 124m it ended lower than the quintic at the
+    same lr (docs/optimizers.md). quintic: Keller Jordan's (3.4445, -4.7750, 2.0315) at every step,
+    torch.optim.Muon's."""
     adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
     """How Muon scales each orthogonalised update before the learning rate. match_rms_adamw: by
     0.2·sqrt(max(rows, cols)), an update of AdamW's RMS, so that AdamW's lr and weight decay carry over.

@@ -53,7 +53,7 @@ def ns_schedule(polynomial: str, steps: int) -> Coefficients:
         from titanlike.optim.polar_express import polar_express
 
         return polar_express(steps)
-    raise ValueError(f"ns_coefficients = {polynomial!r}: must be one of {', '.join(NS_POLYNOMIALS)}")
+    raise ValueError(f"ns_coefficients = {polynomial!r}: must be one of {', '.join(NS_POLYNOMIALS)} or (a, b, c)")
 
 
 def newton_schulz(batch: torch.Tensor, coefficients: Coefficients = (NS_COEFFICIENTS,),
